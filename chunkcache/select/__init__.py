@@ -1,0 +1,10 @@
+"""Selectors: one module per selector, all behind `base.Selector`. Importing this package registers them."""
+
+from . import trivial  # noqa: F401  (registers full, none)
+from .base import REGISTRY, Layout, Selection, Selector
+
+__all__ = ["REGISTRY", "Layout", "Selection", "Selector", "create"]
+
+
+def create(name: str, **options) -> Selector:
+    return REGISTRY.create(name, **options)

@@ -1,0 +1,103 @@
+"""The one interface every selector implements.
+
+A selector decides which prompt tokens must have their KV recomputed when cached chunk KV is reused.
+Budget convention (the papers'): rho counts *context* tokens only, i.e. the tokens of reused chunks.
+K = ceil(rho * n_context) context tokens are picked; the query tokens and the last prompt token are always
+recomputed on top of that budget, and prefix tokens are never selected (their KV is exact: every chunk was
+computed right after the same shared prefix).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Mapping, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where everything sits in one request's prompt (target-model token indices, end exclusive)."""
+
+    token_ids: torch.Tensor  # [N] int64, the whole prompt
+    prefix_len: int  # tokens [0, prefix_len) are the shared prefix
+    chunk_spans: tuple[tuple[int, int], ...]  # reused chunks, sorted, non-overlapping, after the prefix
+    query_span: tuple[int, int]  # the user query; always ends at N
+
+    @property
+    def n(self) -> int:
+        return int(self.token_ids.numel())
+
+    def context_mask(self) -> torch.Tensor:
+        """Bool [N]: tokens that belong to a reused chunk (the candidates a selector ranks)."""
+        m = torch.zeros(self.n, dtype=torch.bool)
+        for s, e in self.chunk_spans:
+            m[s:e] = True
+        return m
+
+    def forced_mask(self) -> torch.Tensor:
+        """Bool [N]: tokens recomputed whatever the selector says (query, anything between chunks, last token)."""
+        m = ~self.context_mask()
+        m[: self.prefix_len] = False
+        m[self.n - 1] = True
+        return m
+
+    def budget(self, ratio: float) -> int:
+        """K = ceil(rho * n_context), the number of context tokens a selector may pick."""
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"ratio must be in [0, 1], got {ratio}")
+        n_ctx = int(self.context_mask().sum())
+        return min(n_ctx, math.ceil(ratio * n_ctx - 1e-9))
+
+
+@dataclass
+class Selection:
+    indices: torch.Tensor  # [M] int64, sorted target-token indices to recompute (forced tokens included)
+    scores: torch.Tensor | None = None  # [N] float, the selector's per-token importance (None if it has none)
+    seconds: float = 0.0  # wall time spent selecting, feature extraction included
+
+
+class Selector(Protocol):
+    """name: registry key. needs: the feature names the caller must supply in `features`."""
+
+    name: ClassVar[str]
+    needs: ClassVar[frozenset[str]]
+
+    def select(self, layout: Layout, ratio: float, features: Mapping[str, Any]) -> Selection: ...
+
+
+def finish(layout: Layout, picked: torch.Tensor, scores: torch.Tensor | None, seconds: float) -> Selection:
+    """Union the picked context tokens with the forced ones and return them sorted."""
+    mask = layout.forced_mask()
+    if picked.numel():
+        mask[picked.long()] = True
+    return Selection(indices=mask.nonzero().flatten(), scores=scores, seconds=seconds)
+
+
+def top_k_context(layout: Layout, scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k highest-scoring context tokens; ties broken by lower index (deterministic)."""
+    ctx = layout.context_mask().nonzero().flatten()
+    if k <= 0 or ctx.numel() == 0:
+        return ctx[:0]
+    s = scores[ctx].double()
+    # stable sort on -score keeps the earlier index first among equal scores
+    order = torch.sort(-s, stable=True).indices[:k]
+    return ctx[order]
+
+
+@dataclass
+class Registry:
+    selectors: dict[str, type] = field(default_factory=dict)
+
+    def register(self, cls: type) -> type:
+        self.selectors[cls.name] = cls
+        return cls
+
+    def create(self, name: str, **options: Any) -> Selector:
+        if name not in self.selectors:
+            raise ValueError(f"unknown selector {name!r}; known: {', '.join(sorted(self.selectors))}")
+        return self.selectors[name](**options)
+
+
+REGISTRY = Registry()
