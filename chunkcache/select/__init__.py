@@ -1,9 +1,9 @@
 """Selectors: one module per selector, all behind `base.Selector`. Importing this package registers them."""
 
 from . import trivial  # noqa: F401  (registers full, none)
-from .base import REGISTRY, Layout, Selection, Selector
+from .base import REGISTRY, Features, Layout, Selection, Selector
 
-__all__ = ["REGISTRY", "Layout", "Selection", "Selector", "create"]
+__all__ = ["REGISTRY", "Features", "Layout", "Selection", "Selector", "create"]
 
 
 def create(name: str, **options) -> Selector:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -58,13 +58,34 @@ class Selection:
     seconds: float = 0.0  # wall time spent selecting, feature extraction included
 
 
+class Features(Protocol):
+    """What a selector may ask of the engine running the request; computed lazily, at most once per request.
+
+    Selectors stay pure functions of (layout, ratio, features): tests pass a stand-in with hand-made values.
+    Engines (the reference blender, the SGLang scheduler hook) implement the methods they support and raise
+    NotImplementedError for the others.
+    """
+
+    def kv_deviation(self, layer: int, which: str) -> torch.Tensor:
+        """[N] float: per-token L2 distance between freshly computed and reused K ("k") or V ("v") at `layer`
+        (all heads flattened). Zero for tokens that are not reused."""
+        ...
+
+    def query_attention(self) -> torch.Tensor:
+        """[N] float: ProphetKV's fused score: the query tokens run through all layers against the reused KV;
+        per layer the softmax attention from query tokens to each token, averaged over query tokens and heads;
+        summed over layers."""
+        ...
+
+    def prompt_text(self) -> tuple[str, list[tuple[int, int]]]:
+        """The prompt as text and each target token's (start, end) character offsets in it."""
+        ...
+
+
 class Selector(Protocol):
-    """name: registry key. needs: the feature names the caller must supply in `features`."""
+    name: ClassVar[str]  # registry key, also what configs and request hints name
 
-    name: ClassVar[str]
-    needs: ClassVar[frozenset[str]]
-
-    def select(self, layout: Layout, ratio: float, features: Mapping[str, Any]) -> Selection: ...
+    def select(self, layout: Layout, ratio: float, features: Features) -> Selection: ...
 
 
 def finish(layout: Layout, picked: torch.Tensor, scores: torch.Tensor | None, seconds: float) -> Selection:

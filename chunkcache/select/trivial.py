@@ -2,26 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Mapping
+from typing import ClassVar
 
 import torch
 
-from .base import REGISTRY, Layout, Selection, finish
+from .base import REGISTRY, Features, Layout, Selection, finish
 
 
 @REGISTRY.register
 class Full:
     name: ClassVar[str] = "full"
-    needs: ClassVar[frozenset[str]] = frozenset()
 
-    def select(self, layout: Layout, ratio: float, features: Mapping[str, Any]) -> Selection:
+    def select(self, layout: Layout, ratio: float, features: Features) -> Selection:
         return finish(layout, layout.context_mask().nonzero().flatten(), None, 0.0)
 
 
 @REGISTRY.register
 class NoRecompute:
     name: ClassVar[str] = "none"
-    needs: ClassVar[frozenset[str]] = frozenset()
 
-    def select(self, layout: Layout, ratio: float, features: Mapping[str, Any]) -> Selection:
+    def select(self, layout: Layout, ratio: float, features: Features) -> Selection:
         return finish(layout, torch.empty(0, dtype=torch.long), None, 0.0)
