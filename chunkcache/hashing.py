@@ -1,0 +1,89 @@
+"""Content keys: 128-bit xxh3 digests, stable across processes, machines and Python versions.
+
+Every field is length-prefixed before hashing so that no two different field tuples produce the same byte stream.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+import xxhash
+
+KEY_VERSION = b"chunkcache-key-v1"
+FINGERPRINT_VERSION = b"chunkcache-model-v1"
+# Weight files up to this size are hashed whole (270 MB takes ~0.1 s); bigger ones are sampled so that a 16 GB
+# model costs ~SAMPLE_BLOCKS MiB of reads, not 16 GB.
+FULL_HASH_BYTES = 1 << 30
+SAMPLE_BLOCKS = 64
+SAMPLE_BLOCK_BYTES = 1 << 20
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+# config.json keys that change when a checkpoint is re-saved but do not change what the model computes
+CONFIG_KEYS_IGNORED = ("transformers_version", "_name_or_path")
+
+TokenIds = Sequence[int] | torch.Tensor | np.ndarray
+
+
+def _token_bytes(token_ids: TokenIds) -> bytes:
+    if isinstance(token_ids, torch.Tensor):
+        token_ids = token_ids.detach().cpu().numpy()
+    return np.asarray(token_ids, dtype="<i8").reshape(-1).tobytes()
+
+
+def _digest(*fields: bytes) -> str:
+    h = xxhash.xxh3_128()
+    for f in fields:
+        h.update(struct.pack("<Q", len(f)))
+        h.update(f)
+    return h.hexdigest()
+
+
+def prefix_key(token_ids: TokenIds) -> str:
+    """Identity of a shared prefix (the context every chunk's KV was computed after)."""
+    return _digest(KEY_VERSION, b"prefix", _token_bytes(token_ids))
+
+
+def chunk_key(model_fingerprint: str, namespace: str, prefix: str, token_ids: TokenIds) -> str:
+    """Store key of one chunk: its KV depends on the model, the tenant, the prefix it follows and its tokens."""
+    return _digest(
+        KEY_VERSION, b"chunk", model_fingerprint.encode(), namespace.encode(), prefix.encode(), _token_bytes(token_ids)
+    )
+
+
+def model_fingerprint(model_dir: str | os.PathLike) -> str:
+    """Identity of a model directory from its config and weight files, without loading the model."""
+    d = Path(model_dir)
+    config = json.loads((d / "config.json").read_text())
+    for k in CONFIG_KEYS_IGNORED:
+        config.pop(k, None)
+    fields = [FINGERPRINT_VERSION, json.dumps(config, sort_keys=True, separators=(",", ":")).encode()]
+    weights = sorted(p for p in d.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+    if not weights:
+        raise FileNotFoundError(f"{d}: no weight files ({', '.join(WEIGHT_SUFFIXES)})")
+    for p in weights:
+        fields += [p.name.encode(), struct.pack("<Q", p.stat().st_size), _file_identity(p)]
+    return _digest(*fields)
+
+
+def _file_identity(path: Path) -> bytes:
+    size = path.stat().st_size
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        if path.suffix == ".safetensors":
+            # the header names every tensor with its dtype, shape and offset
+            (n,) = struct.unpack("<Q", f.read(8))
+            h.update(f.read(n))
+            f.seek(0)
+        if size <= FULL_HASH_BYTES:
+            while block := f.read(16 << 20):
+                h.update(block)
+        else:
+            for i in range(SAMPLE_BLOCKS):
+                f.seek((size - SAMPLE_BLOCK_BYTES) * i // (SAMPLE_BLOCKS - 1))
+                h.update(f.read(SAMPLE_BLOCK_BYTES))
+    return h.digest()

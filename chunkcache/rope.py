@@ -1,0 +1,104 @@
+"""Moving cached post-RoPE keys to new positions.
+
+With angle(p) = p * inv_freq, rotations compose: R(p + d) = R(d) R(p). A key cached at position p is moved to
+p + d by rotating it by d, exactly, for every RoPE whose frequencies do not depend on the position or the sequence
+length: default, linear (scaled inv_freq) and llama3 (per-frequency scaled inv_freq). Everything else is refused.
+
+The frequencies are computed exactly as transformers computes them (float32), the delta angles in float64 and the
+rotation in float32, so re-rotating adds no error beyond the float32 rounding transformers itself makes of
+p * inv_freq (about p * 6e-8 rad, i.e. ~1e-4 rad at position 2000): the residual the tests bound.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SUPPORTED = ("default", "linear", "llama3")
+
+
+class UnsupportedRope(ValueError):
+    """The model's RoPE cannot be re-rotated exactly, so its cached KV cannot be moved."""
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    rope_type: str
+    inv_freq: torch.Tensor  # [head_dim // 2] float32, bit-identical to transformers' rotary embedding
+    head_dim: int
+
+    @classmethod
+    def from_config(cls, config: Any) -> "RopeSpec":
+        """From a transformers config (5.x `rope_parameters`, or the older `rope_scaling` + `rope_theta`)."""
+        params = _rope_parameters(config)
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in SUPPORTED:
+            raise UnsupportedRope(
+                f"RoPE type {rope_type!r} cannot be re-rotated exactly; chunk reuse supports {', '.join(SUPPORTED)}"
+            )
+        if "mrope_section" in params or params.get("mrope_interleaved"):
+            raise UnsupportedRope("RoPE type 'mrope' (multimodal sections) is not supported for chunk reuse")
+        partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None)) or 1.0
+        if partial < 1.0:
+            raise UnsupportedRope(f"RoPE type 'partial rotary' (partial_rotary_factor={partial}) is not supported")
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        base = params.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim))
+        if rope_type == "linear":
+            inv_freq = inv_freq / params["factor"]
+        elif rope_type == "llama3":
+            inv_freq = _llama3(inv_freq, params, config)
+        return cls(rope_type=rope_type, inv_freq=inv_freq, head_dim=head_dim)
+
+
+def _rope_parameters(config: Any) -> dict:
+    params = getattr(config, "rope_parameters", None)
+    if params is None:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+    nested = [v for v in params.values() if isinstance(v, dict)]
+    if nested:
+        # per-layer-type RoPE (e.g. sliding vs full attention layers): usable only if every layer type agrees
+        if any(v != nested[0] for v in nested):
+            kinds = sorted({str(v.get("rope_type", "default")) for v in nested})
+            raise UnsupportedRope(f"RoPE type 'per-layer' ({', '.join(kinds)}) is not supported for chunk reuse")
+        params = nested[0]
+    return params
+
+
+def _llama3(inv_freq: torch.Tensor, params: dict, config: Any) -> torch.Tensor:
+    """transformers' `_compute_llama3_parameters`, same float32 operations in the same order."""
+    factor = params["factor"]
+    low_freq_factor = params["low_freq_factor"]
+    high_freq_factor = params["high_freq_factor"]
+    old_context_len = params.get("original_max_position_embeddings", config.max_position_embeddings)
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """transformers' convention: the two halves of the head dimension form the (real, imaginary) pairs."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rerotate(k: torch.Tensor, delta: int | torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+    """Keys `k` [..., T, H, D], post-RoPE, moved by `delta` positions (an int, or a [T] tensor per token)."""
+    if k.shape[-1] != spec.head_dim:
+        raise ValueError(f"keys have head_dim {k.shape[-1]}, RoPE expects {spec.head_dim}")
+    if not isinstance(delta, torch.Tensor) and delta == 0:
+        return k
+    d = torch.as_tensor(delta, dtype=torch.float64, device=k.device).reshape(-1, 1)  # [T or 1, 1]
+    angles = d * spec.inv_freq.to(device=k.device, dtype=torch.float64)
+    cos = angles.cos().float().repeat(1, 2)[:, None, :]  # [T or 1, 1, D]: broadcasts over heads
+    sin = angles.sin().float().repeat(1, 2)[:, None, :]
+    x = k.float()
+    return (x * cos + rotate_half(x) * sin).to(k.dtype)

@@ -1,0 +1,68 @@
+"""Exact budget control for selectors whose picks grow or shrink after ranking (span completion, grouping,
+cross-tokenizer alignment, whole-unit closure).
+
+Such a selector is a monotone map `expand(j)`: start from its j best-ranked tokens, post-process, and return the
+target context tokens to recompute. The literal rule "if the expanded set exceeds K keep the K best-scored
+tokens" would undo every completion (the K best-scored tokens are the initial top-K), so instead the starting
+set is shrunk: the largest j whose expansion fits in K is kept, and the few slots left are filled with the
+best-scored remaining tokens, whole units at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def fit(
+    k: int,
+    j_max: int,
+    expand: Callable[[int], torch.Tensor],
+    scores: torch.Tensor,
+    candidates: torch.Tensor,
+    units: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Bool [N] mask of exactly k candidate tokens (fewer only if no remaining whole unit fits in the rest).
+
+    expand(j) -> bool [N], monotone in j, subset of `candidates`, unit-closed when `units` is given.
+    scores: [N] target-space scores ranking the fill. units: [N] group ids (align.unit_ids) or None.
+    """
+    lo, hi = 0, j_max
+    while lo < hi:  # largest j with |expand(j)| <= k; expand(0) is empty
+        mid = (lo + hi + 1) // 2
+        if int(expand(mid).sum()) <= k:
+            lo = mid
+        else:
+            hi = mid - 1
+    mask = expand(lo)
+    room = k - int(mask.sum())
+    if room <= 0:
+        return mask
+    rest = rank(scores, candidates & ~mask)
+    for t in rest.tolist():
+        if mask[t]:
+            continue
+        members = (units == units[t]) & candidates & ~mask if units is not None else None
+        if members is None:
+            mask[t] = True
+            room -= 1
+        elif int(members.sum()) <= room:
+            mask |= members
+            room -= int(members.sum())
+        if room == 0:
+            break
+    return mask
+
+
+def rank(scores: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
+    """Eligible positions, best score first; ties go to the lower index (deterministic)."""
+    idx = eligible.nonzero().flatten()
+    return idx[torch.sort(-scores[idx].double(), stable=True).indices]
+
+
+def first(order: torch.Tensor, j: int, n: int) -> torch.Tensor:
+    """Bool [n] mask of the first j positions of a ranking."""
+    out = torch.zeros(n, dtype=torch.bool)
+    out[order[:j]] = True
+    return out

@@ -1,0 +1,28 @@
+"""CacheBlend: recompute the tokens whose reused K or V deviate most from freshly computed ones at one shallow
+check layer (||dV|| at layer 1 by default)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .base import REGISTRY, Features, Layout, Selection, finish, top_k_context
+
+
+@REGISTRY.register
+@dataclass(frozen=True)
+class CacheBlendSelector:
+    name: ClassVar[str] = "cacheblend"
+    layer: int = 1  # check layer (0-based): layers before it are recomputed in full to get its fresh K/V
+    which: str = "v"  # "v" (CacheBlend's choice) or "k"
+
+    def __post_init__(self) -> None:
+        if self.which not in ("k", "v"):
+            raise ValueError(f"which must be 'k' or 'v', got {self.which!r}")
+
+    def select(self, layout: Layout, ratio: float, features: Features) -> Selection:
+        t0 = time.perf_counter()
+        scores = features.kv_deviation(self.layer, self.which)
+        picked = top_k_context(layout, scores, layout.budget(ratio))
+        return finish(layout, picked, scores, time.perf_counter() - t0)

@@ -1,0 +1,23 @@
+"""ProphetKV (Alg. 1): the user query, run through all layers against the reused KV, attends to the context
+tokens that matter for the answer; per-layer attention averaged over query tokens and heads, fused over layers
+(Eq. 7), top-K. The engine computes the fused score (Features.query_attention) at O(|query| * N) per layer."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .base import REGISTRY, Features, Layout, Selection, finish, top_k_context
+
+
+@REGISTRY.register
+@dataclass(frozen=True)
+class ProphetSelector:
+    name: ClassVar[str] = "prophet"
+
+    def select(self, layout: Layout, ratio: float, features: Features) -> Selection:
+        t0 = time.perf_counter()
+        scores = features.query_attention()
+        picked = top_k_context(layout, scores, layout.budget(ratio))
+        return finish(layout, picked, scores, time.perf_counter() - t0)

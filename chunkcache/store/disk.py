@@ -1,0 +1,220 @@
+"""Disk tier: one file per entry, safe against crashes, concurrent writers, corruption and a full disk.
+
+File layout: MAGIC | u32 LE header length | msgpack header | tensor payload.
+The header holds the format version, the entry's metadata, one (name, dtype, shape, offset, nbytes) row per
+tensor and `checksum` = xxh3-128 over the header packed without `checksum` followed by the payload, so a flipped
+bit anywhere (start position, a shape, the KV itself) is caught on read.
+
+Writes go to a uniquely named temp file in the same directory and are renamed into place (os.replace is atomic),
+so readers and other processes writing the same key only ever see complete files. No fsync: a file torn by a
+power loss fails its checksum and is dropped like any other corrupt entry.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import struct
+import time
+import uuid
+from collections import OrderedDict
+from pathlib import Path
+
+import msgpack
+import torch
+import xxhash
+
+from .entry import ChunkEntry
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"CCKV"
+FORMAT_VERSION = 1
+SUFFIX = ".kv"
+# temp files this old were left by a crashed writer, not one still writing
+STALE_TEMP_SECONDS = 3600
+DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool,
+)}
+
+
+class CorruptEntry(ValueError):
+    pass
+
+
+def encode(entry: ChunkEntry) -> bytes:
+    tensors = {"token_ids": entry.token_ids, "k": entry.k, "v": entry.v}
+    tensors.update({f"features/{name}": t for name, t in entry.features.items()})
+    rows, blobs, offset = [], [], 0
+    for name, t in tensors.items():
+        data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        rows.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), offset, len(data)])
+        blobs.append(data)
+        offset += len(data)
+    payload = b"".join(blobs)
+    header = {
+        "version": FORMAT_VERSION,
+        "key": entry.key,
+        "model_fingerprint": entry.model_fingerprint,
+        "start_pos": entry.start_pos,
+        "tensors": rows,
+        "payload_bytes": len(payload),
+    }
+    header["checksum"] = _checksum(header, payload)
+    packed = msgpack.packb(header)
+    return MAGIC + struct.pack("<I", len(packed)) + packed + payload
+
+
+def decode(data: bytes | bytearray) -> ChunkEntry:
+    """Parse and verify one file's bytes; CorruptEntry on any inconsistency."""
+    try:
+        return _parse(data)
+    except CorruptEntry:
+        raise
+    except (KeyError, ValueError, TypeError, IndexError, AttributeError, RuntimeError, struct.error) as e:
+        # whatever a damaged header makes msgpack, torch or the entry's own checks raise
+        raise CorruptEntry(f"{type(e).__name__}: {e}") from e
+
+
+def _parse(data: bytes | bytearray) -> ChunkEntry:
+    if not isinstance(data, bytearray):
+        data = bytearray(data)  # tensors share the buffer, and torch wants it writable
+    if data[: len(MAGIC)] != MAGIC:
+        raise CorruptEntry("bad magic")
+    (n,) = struct.unpack_from("<I", data, len(MAGIC))
+    start = len(MAGIC) + 4
+    if start + n > len(data):
+        raise CorruptEntry("truncated header")
+    header = msgpack.unpackb(bytes(data[start : start + n]))
+    checksum = header.pop("checksum")
+    if header["version"] != FORMAT_VERSION:
+        raise CorruptEntry(f"format version {header['version']}, expected {FORMAT_VERSION}")
+    payload = memoryview(data)[start + n :]
+    if len(payload) != header["payload_bytes"]:
+        raise CorruptEntry(f"payload is {len(payload)} bytes, header says {header['payload_bytes']} (truncated?)")
+    if _checksum(header, payload) != checksum:
+        raise CorruptEntry("checksum mismatch")
+    tensors = {}
+    for name, dtype, shape, offset, nbytes in header["tensors"]:
+        raw = torch.frombuffer(payload, dtype=torch.uint8, count=nbytes, offset=offset) if nbytes else torch.empty(0, dtype=torch.uint8)
+        tensors[name] = raw.view(DTYPES[dtype]).reshape(shape)
+    features = {name.removeprefix("features/"): t for name, t in tensors.items() if name.startswith("features/")}
+    return ChunkEntry(
+        key=header["key"], token_ids=tensors["token_ids"], k=tensors["k"], v=tensors["v"],
+        start_pos=header["start_pos"], model_fingerprint=header["model_fingerprint"], features=features,
+    )
+
+
+def _checksum(header: dict, payload: bytes | memoryview) -> str:
+    h = xxhash.xxh3_128(msgpack.packb(header))
+    h.update(payload)
+    return h.hexdigest()
+
+
+class DiskTier:
+    """Not locked itself (`ChunkStore` serialises a process's access); safe across processes by construction."""
+
+    def __init__(self, root: str | os.PathLike, budget_bytes: int):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.budget_bytes = budget_bytes
+        self.sizes: OrderedDict[str, int] = OrderedDict()  # oldest use first; files other processes add join on read
+        self.bytes = 0
+        self.evictions = 0
+        self.corrupt = 0
+        self.disk_full = 0
+        self._scan()
+
+    def path(self, key: str) -> Path:
+        return self.root / key[:2] / f"{key}{SUFFIX}"
+
+    def __contains__(self, key: str) -> bool:
+        return self.path(key).is_file()
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def get(self, key: str) -> ChunkEntry | None:
+        path = self.path(key)
+        try:
+            with open(path, "rb") as f:
+                data = bytearray(os.fstat(f.fileno()).st_size)
+                f.readinto(data)
+        except FileNotFoundError:
+            self._forget(key)
+            return None
+        try:
+            entry = decode(data)
+            if entry.key != key:
+                raise CorruptEntry(f"file holds key {entry.key}")
+        except CorruptEntry as e:
+            self.corrupt += 1
+            log.warning("dropping corrupt chunk-store entry %s: %s", path, e)
+            path.unlink(missing_ok=True)
+            self._forget(key)
+            return None
+        self._touch(key, len(data))
+        return entry
+
+    def put(self, entry: ChunkEntry) -> bool:
+        """Write an entry; False if it was not stored (bigger than the budget, or the disk is full)."""
+        data = encode(entry)
+        if len(data) > self.budget_bytes:
+            return False
+        path = self.path(entry.key)
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_name(f".{entry.key}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            self.disk_full += 1
+            log.error("chunk store disk %s is full; entry %s not written (%s)", self.root, entry.key, e)
+            return False
+        self._touch(entry.key, len(data))
+        self._evict(keep=entry.key)
+        return True
+
+    def pop(self, key: str) -> None:
+        self.path(key).unlink(missing_ok=True)
+        self._forget(key)
+
+    def _touch(self, key: str, size: int) -> None:
+        self._forget(key)
+        self.sizes[key] = size
+        self.bytes += size
+
+    def _forget(self, key: str) -> None:
+        size = self.sizes.pop(key, None)
+        if size is not None:
+            self.bytes -= size
+
+    def _evict(self, keep: str) -> None:
+        for key in list(self.sizes):
+            if self.bytes <= self.budget_bytes:
+                break
+            if key != keep:
+                self.pop(key)
+                self.evictions += 1
+
+    def _scan(self) -> None:
+        files = []
+        for p in self.root.glob("*/*"):
+            try:
+                st = p.stat()
+            except FileNotFoundError:  # removed by another process meanwhile
+                continue
+            if p.name.endswith(".tmp"):
+                if time.time() - st.st_mtime > STALE_TEMP_SECONDS:
+                    p.unlink(missing_ok=True)
+            elif p.name.endswith(SUFFIX):
+                files.append((st.st_mtime, p.name.removesuffix(SUFFIX), st.st_size))
+        for _, key, size in sorted(files):
+            self._touch(key, size)
+        self._evict(keep="")

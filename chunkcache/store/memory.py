@@ -1,0 +1,52 @@
+"""Host-memory tier: least-recently-used entries are evicted to keep the total under a byte budget.
+
+Not locked itself: `ChunkStore` serialises access.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from .entry import ChunkEntry
+
+
+class MemoryTier:
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self.entries: OrderedDict[str, ChunkEntry] = OrderedDict()  # oldest use first
+        self.sizes: dict[str, int] = {}  # bytes charged at insertion (features may be added to an entry later)
+        self.bytes = 0
+        self.evictions = 0
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def get(self, key: str) -> ChunkEntry | None:
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries.move_to_end(key)
+        return entry
+
+    def put(self, entry: ChunkEntry) -> bool:
+        """Insert (or refresh) an entry; False if it alone exceeds the budget and was not kept."""
+        self.pop(entry.key)
+        size = entry.nbytes
+        if size > self.budget_bytes:
+            return False
+        while self.bytes + size > self.budget_bytes:
+            old, _ = self.entries.popitem(last=False)
+            self.bytes -= self.sizes.pop(old)
+            self.evictions += 1
+        self.entries[entry.key] = entry
+        self.sizes[entry.key] = size
+        self.bytes += size
+        return True
+
+    def pop(self, key: str) -> ChunkEntry | None:
+        entry = self.entries.pop(key, None)
+        if entry is not None:
+            self.bytes -= self.sizes.pop(key)
+        return entry

@@ -1,0 +1,92 @@
+"""ChunkStore: host memory in front of an optional disk tier; gets promote disk hits, puts write through."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from ..config import StoreConfig
+from .disk import DiskTier
+from .entry import ChunkEntry
+from .memory import MemoryTier
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    hits: int  # gets answered by either tier
+    misses: int
+    memory_hits: int
+    disk_hits: int
+    evictions: int  # both tiers
+    memory_entries: int
+    memory_bytes: int
+    disk_entries: int
+    disk_bytes: int
+    corrupt: int  # disk entries dropped because they failed verification
+    disk_full: int  # writes refused because the disk was full
+
+
+class ChunkStore:
+    def __init__(
+        self,
+        host_bytes: int = 2 << 30,
+        disk_dir: str | None = None,
+        disk_bytes: int = 20 << 30,
+        model_fingerprint: str | None = None,
+    ):
+        """`model_fingerprint`, if given, binds the store to one model: entries of any other are refused."""
+        self.memory = MemoryTier(host_bytes)
+        self.disk = DiskTier(disk_dir, disk_bytes) if disk_dir else None
+        self.model_fingerprint = model_fingerprint
+        self._lock = threading.Lock()
+        self._hits = self._misses = self._memory_hits = self._disk_hits = 0
+
+    @classmethod
+    def from_config(cls, config: StoreConfig, model_fingerprint: str | None = None) -> "ChunkStore":
+        return cls(config.host_bytes, config.disk_dir, config.disk_bytes, model_fingerprint)
+
+    def get(self, key: str) -> ChunkEntry | None:
+        with self._lock:
+            entry = self.memory.get(key)
+            if entry is not None:
+                self._memory_hits += 1
+            elif self.disk is not None and (entry := self.disk.get(key)) is not None:
+                self._disk_hits += 1
+                self.memory.put(entry)
+            if entry is None:
+                self._misses += 1
+                return None
+            self._hits += 1
+        if self.model_fingerprint is not None:
+            entry.check_model(self.model_fingerprint)
+        return entry
+
+    def put(self, entry: ChunkEntry) -> None:
+        if self.model_fingerprint is not None:
+            entry.check_model(self.model_fingerprint)
+        with self._lock:
+            self.memory.put(entry)
+            if self.disk is not None:
+                self.disk.put(entry)
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self.memory or (self.disk is not None and key in self.disk)
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            disk = self.disk
+            on_disk = disk is not None
+            return StoreStats(
+                hits=self._hits,
+                misses=self._misses,
+                memory_hits=self._memory_hits,
+                disk_hits=self._disk_hits,
+                evictions=self.memory.evictions + (disk.evictions if on_disk else 0),
+                memory_entries=len(self.memory),
+                memory_bytes=self.memory.bytes,
+                disk_entries=len(disk) if on_disk else 0,
+                disk_bytes=disk.bytes if on_disk else 0,
+                corrupt=disk.corrupt if on_disk else 0,
+                disk_full=disk.disk_full if on_disk else 0,
+            )

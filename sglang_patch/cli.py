@@ -1,0 +1,89 @@
+"""`chunkcache` console script: `model` and `serve` subcommands (later issues add more)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+from chunkcache.config import Config
+from chunkcache.models import DEFAULT_MODEL, ModelError, resolve_model
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="chunkcache", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("model", help="print the local path of a ready-to-load HF model directory (builds it if needed)")
+    p.add_argument("name", nargs="?", default=DEFAULT_MODEL)
+
+    p = sub.add_parser("serve", help="start SGLang's HTTP server with chunk reuse (CPU when no GPU is present)")
+    p.add_argument("--config", help="YAML config (see configs/default.yaml)")
+    p.add_argument("--model", help=f"model name or HF directory (default: from config, else {DEFAULT_MODEL})")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--no-chunk-reuse", action="store_true", help="stock SGLang prefix caching (A/B baseline)")
+
+    args, extra = parser.parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if extra and args.command != "serve":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        if args.command == "model":
+            print(resolve_model(args.name))
+            return 0
+        return serve(args, extra)
+    except (ModelError, ValueError, OSError) as exc:
+        print(f"chunkcache: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def serve(args: argparse.Namespace, extra: list[str]) -> int:
+    from .launcher import prepare_environment, server_settings, to_argv
+
+    config = Config.load(args.config)
+    for key in ("model", "host", "port"):
+        if getattr(args, key) is not None:
+            setattr(config.serve, key, getattr(args, key))
+    settings = server_settings(resolve_model(config.serve.model), config, chunk_reuse=not args.no_chunk_reuse)
+    prepare_environment(args.config)
+    argv = [sys.executable, "-m", "sglang.launch_server", *to_argv(settings), *config.serve.sglang_args, *extra]
+    print("starting:", " ".join(argv), flush=True)
+    proc = subprocess.Popen(argv)
+    signal.signal(signal.SIGTERM, lambda *_: proc.terminate())
+    base = f"http://{config.serve.host}:{config.serve.port}"
+    try:
+        if _wait_healthy(base, proc):
+            print(_usage(base), flush=True)
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        return proc.wait()
+
+
+def _wait_healthy(base: str, proc: subprocess.Popen, timeout: float = 900) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(2)
+    return False
+
+
+def _usage(base: str) -> str:
+    body = json.dumps({"text": "The capital of France is", "sampling_params": {"max_new_tokens": 16, "temperature": 0}})
+    return f"\nchunkcache server ready at {base}\ntry:\n  curl -s {base}/generate -H 'Content-Type: application/json' -d '{body}'\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

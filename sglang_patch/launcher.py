@@ -1,0 +1,62 @@
+"""SGLang settings for a chunkcache server, shared by the CLI (`chunkcache serve`), tests and benchmarks."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from chunkcache.config import Config
+
+from .cache import BACKEND_NAME
+
+log = logging.getLogger(__name__)
+CONFIG_ENV = "CHUNKCACHE_CONFIG"  # how the scheduler process finds the --config file
+
+
+def has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def server_settings(model_path: str | Path, config: Config, *, chunk_reuse: bool = True) -> dict:
+    """ServerArgs fields for this host. chunk_reuse=False gives stock SGLang (prefix caching) on the same settings,
+    the B side of an A/B comparison."""
+    s = config.serve
+    settings: dict = {"model_path": str(model_path), "host": s.host, "port": s.port,
+                      "mem_fraction_static": s.mem_fraction_static}
+    if s.max_total_tokens:
+        settings["max_total_tokens"] = s.max_total_tokens
+    if chunk_reuse:
+        settings["radix_cache_backend"] = BACKEND_NAME
+    if not has_gpu():
+        # SGLang's CPU engine without AMX or a CPU sgl_kernel build: torch-native attention, no CUDA graphs, and an
+        # explicit memory fraction (the automatic one comes out negative on CPU and SGLang refuses to start).
+        settings.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
+                        disable_overlap_schedule=True, dtype="float32")
+    return settings
+
+
+def prepare_environment(config_path: str | Path | None) -> None:
+    """Environment every SGLang process inherits (the scheduler is a spawned child)."""
+    if not has_gpu():
+        os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    if config_path is not None:
+        os.environ[CONFIG_ENV] = str(Path(config_path).resolve())
+
+
+def load_server_config() -> Config:
+    """The config the server was started with, as seen from any SGLang process."""
+    return Config.load(os.environ.get(CONFIG_ENV))
+
+
+def to_argv(settings: dict) -> list[str]:
+    argv = []
+    for key, value in settings.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is not False and value is not None:
+            argv += [flag, str(value)]
+    return argv

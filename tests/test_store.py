@@ -1,0 +1,233 @@
+import errno
+import logging
+import multiprocessing as mp
+import os
+import threading
+
+import pytest
+import torch
+
+from chunkcache.store import ChunkEntry, ChunkStore, FingerprintMismatch
+from chunkcache.store.disk import DiskTier, decode, encode
+
+FP = "f" * 32
+
+
+def make_entry(key: str, tokens: int = 8, layers: int = 2, dtype=torch.float32, seed: int = 0, fp: str = FP,
+               features: dict | None = None) -> ChunkEntry:
+    g = torch.Generator().manual_seed(seed)
+    shape = (layers, tokens, 2, 4)
+    return ChunkEntry(
+        key=key, token_ids=torch.arange(tokens) + seed, k=torch.randn(shape, generator=g).to(dtype),
+        v=torch.randn(shape, generator=g).to(dtype), start_pos=5, model_fingerprint=fp, features=features or {},
+    )
+
+
+def key(i: int) -> str:
+    return f"{i:032x}"
+
+
+def assert_same(a: ChunkEntry, b: ChunkEntry) -> None:
+    assert a.key == b.key and a.start_pos == b.start_pos and a.model_fingerprint == b.model_fingerprint
+    for x, y in [(a.token_ids, b.token_ids), (a.k, b.k), (a.v, b.v)]:
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+    assert a.features.keys() == b.features.keys()
+    for name in a.features:
+        assert torch.equal(a.features[name], b.features[name])
+
+
+def test_entry_shape_checks():
+    e = make_entry(key(1))
+    assert (e.num_layers, e.num_tokens, e.num_kv_heads, e.head_dim) == (2, 8, 2, 4)
+    assert e.nbytes == 8 * 8 + 2 * (2 * 8 * 2 * 4 * 4)
+    with pytest.raises(ValueError, match="token ids"):
+        ChunkEntry(key(1), torch.arange(3), e.k, e.v, 0, FP)
+    with pytest.raises(ValueError, match=r"\[L, T, H, D\]"):
+        ChunkEntry(key(1), e.token_ids, e.k, e.v[:, :4], 0, FP)
+
+
+def test_memory_lru_eviction_order_and_budget():
+    size = make_entry(key(0)).nbytes
+    store = ChunkStore(host_bytes=3 * size)
+    for i in range(3):
+        store.put(make_entry(key(i)))
+    assert store.get(key(0)) is not None  # 0 becomes most recent: 1 is now the oldest
+    store.put(make_entry(key(3)))
+    assert key(1) not in store and all(key(i) in store for i in (0, 2, 3))
+    store.put(make_entry(key(4)))
+    assert key(2) not in store
+    st = store.stats()
+    assert st.evictions == 2 and st.memory_entries == 3 and st.memory_bytes == 3 * size
+    assert store.get(key(1)) is None and store.stats().misses == 1
+
+
+def test_memory_entry_larger_than_budget_is_not_kept():
+    store = ChunkStore(host_bytes=100)
+    store.put(make_entry(key(0)))
+    assert key(0) not in store and store.stats().memory_bytes == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_disk_round_trip_bit_exact(tmp_path, dtype):
+    e = make_entry(key(7), dtype=dtype, features={"draft_scores": torch.rand(8), "draft_k": torch.randn(3, 8, 1, 2)})
+    e.k[0, 0, 0, 0] = float("nan")  # bit patterns, not values, must survive
+    store = ChunkStore(host_bytes=1 << 20, disk_dir=str(tmp_path))
+    store.put(e)
+    fresh = ChunkStore(host_bytes=1 << 20, disk_dir=str(tmp_path))  # empty memory tier: served from disk
+    got = fresh.get(e.key)
+    assert_same(e, got)
+    st = fresh.stats()
+    assert (st.disk_hits, st.memory_entries, st.disk_entries) == (1, 1, 1)  # the disk hit was promoted
+    assert fresh.get(e.key) is got and fresh.stats().memory_hits == 1
+
+
+def corrupt_file(path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "payload":
+        data[-5] ^= 0x01
+    elif how == "header":
+        data[20] ^= 0x01
+    elif how == "truncated":
+        data = data[: len(data) - 9]
+    elif how == "empty":
+        data = bytearray()
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["payload", "header", "truncated", "empty"])
+def test_corrupt_disk_entry_is_dropped_counted_and_never_served(tmp_path, caplog, how):
+    e = make_entry(key(3))
+    ChunkStore(host_bytes=1 << 20, disk_dir=str(tmp_path)).put(e)
+    disk = DiskTier(tmp_path, 1 << 20)
+    corrupt_file(disk.path(e.key), how)
+    store = ChunkStore(host_bytes=1 << 20, disk_dir=str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="chunkcache.store.disk"):
+        assert store.get(e.key) is None
+    assert "corrupt" in caplog.text
+    st = store.stats()
+    assert st.corrupt == 1 and st.misses == 1 and st.disk_entries == 0
+    assert not disk.path(e.key).exists()
+    assert store.get(e.key) is None and store.stats().corrupt == 1  # gone, not re-detected
+
+
+def test_decode_rejects_every_single_byte_flip():
+    data = bytearray(encode(make_entry(key(1), tokens=2, layers=1)))
+    for i in range(len(data)):
+        bad = bytearray(data)
+        bad[i] ^= 0x40
+        with pytest.raises(ValueError):
+            decode(bad)
+
+
+def test_disk_byte_budget_evicts_oldest(tmp_path):
+    size = len(encode(make_entry(key(0))))
+    store = ChunkStore(host_bytes=0, disk_dir=str(tmp_path), disk_bytes=2 * size)
+    for i in range(3):
+        store.put(make_entry(key(i)))
+    assert key(0) not in store and key(1) in store and key(2) in store
+    st = store.stats()
+    assert st.disk_bytes == 2 * size and st.evictions == 1
+    # a new process sees the same files and keeps the budget
+    again = ChunkStore(host_bytes=0, disk_dir=str(tmp_path), disk_bytes=size)
+    assert again.stats().disk_entries == 1 and key(2) in again
+
+
+def test_full_disk_is_logged_counted_and_leaves_no_file(tmp_path, monkeypatch, caplog):
+    store = ChunkStore(host_bytes=1 << 20, disk_dir=str(tmp_path))
+    real_open = open
+
+    class FullFile:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            self.f.write(data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def fake_open(path, mode="r", *a, **kw):
+        f = real_open(path, mode, *a, **kw)
+        return FullFile(f) if "w" in mode else f
+
+    monkeypatch.setattr("builtins.open", fake_open)
+    with caplog.at_level(logging.ERROR, logger="chunkcache.store.disk"):
+        store.put(make_entry(key(9)))
+    monkeypatch.undo()
+    assert "full" in caplog.text
+    st = store.stats()
+    assert st.disk_full == 1 and st.disk_entries == 0
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+    assert store.get(key(9)) is not None  # still served from memory
+
+
+def test_foreign_model_entry_refused(tmp_path):
+    store = ChunkStore(host_bytes=1 << 20, disk_dir=str(tmp_path), model_fingerprint=FP)
+    with pytest.raises(FingerprintMismatch, match="refusing"):
+        store.put(make_entry(key(1), fp="0" * 32))
+    ChunkStore(host_bytes=1 << 20, disk_dir=str(tmp_path)).put(make_entry(key(2), fp="0" * 32))
+    with pytest.raises(FingerprintMismatch):
+        ChunkStore(host_bytes=1 << 20, disk_dir=str(tmp_path), model_fingerprint=FP).get(key(2))
+
+
+def test_thread_safety(tmp_path):
+    store = ChunkStore(host_bytes=20 * make_entry(key(0)).nbytes, disk_dir=str(tmp_path))
+    errors = []
+
+    def worker(t):
+        try:
+            for i in range(40):
+                k = key(i % 25)
+                store.put(make_entry(k, seed=i % 25))
+                got = store.get(key((i * 7 + t) % 25))
+                if got is not None:
+                    assert torch.equal(got.k, make_entry(got.key, seed=int(got.key, 16)).k)
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    st = store.stats()
+    assert st.memory_bytes == sum(e.nbytes for e in store.memory.entries.values()) <= 20 * make_entry(key(0)).nbytes
+
+
+def _writer(root: str, seed: int, rounds: int, barrier) -> None:
+    disk = DiskTier(root, 1 << 30)
+    e = make_entry(key(42), tokens=256, layers=4, seed=seed)
+    barrier.wait()
+    for _ in range(rounds):
+        assert disk.put(e)
+
+
+def test_two_processes_writing_the_same_key_never_corrupt_it(tmp_path):
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(3)
+    procs = [ctx.Process(target=_writer, args=(str(tmp_path), seed, 30, barrier)) for seed in (1, 2)]
+    for p in procs:
+        p.start()
+    barrier.wait()
+    expected = {seed: make_entry(key(42), tokens=256, layers=4, seed=seed) for seed in (1, 2)}
+    reader = DiskTier(tmp_path, 1 << 30)
+    reads = 0
+    while any(p.is_alive() for p in procs) or reads == 0:
+        got = reader.get(key(42))
+        if got is not None:
+            reads += 1
+            seed = int(got.token_ids[0])  # make_entry offsets token ids by the seed
+            assert_same(expected[seed], got)
+    for p in procs:
+        p.join()
+        assert p.exitcode == 0
+    assert reader.corrupt == 0
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == [f"{key(42)}.kv"]
+    assert_same(expected[int(reader.get(key(42)).token_ids[0])], reader.get(key(42)))
+    assert os.path.getsize(reader.path(key(42))) == len(encode(expected[1]))
