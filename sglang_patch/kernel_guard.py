@@ -35,7 +35,6 @@ class _StandIn(types.ModuleType):
         super().__init__(name)
         self.__path__ = []  # a package, so `from sgl_kernel.x import y` resolves through the finder
         self.__chunkcache_stand_in__ = reason
-        self.__file__ = None
 
     def __getattr__(self, attr: str):
         if attr.startswith("__"):

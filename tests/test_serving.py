@@ -1,0 +1,46 @@
+"""SGLang on this host (CPU when no GPU) with the chunkcache plugin: engine and `chunkcache serve`."""
+
+import pytest
+import requests
+
+pytestmark = pytest.mark.slow
+
+
+def test_engine_answers_capital_of_france(default_model):
+    from transformers import AutoTokenizer
+
+    from chunkcache.config import Config
+    from sglang_patch.launcher import prepare_environment, server_settings
+
+    prepare_environment(None)
+    import sglang as sgl
+
+    settings = server_settings(default_model, Config())
+    del settings["host"], settings["port"]
+    engine = sgl.Engine(**settings, log_level="error")
+    try:
+        tok = AutoTokenizer.from_pretrained(default_model)
+        prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                         tokenize=False, add_generation_prompt=True)
+        out = engine.generate(prompt, {"max_new_tokens": 20, "temperature": 0})
+    finally:
+        engine.shutdown()
+    assert "Paris" in out["text"]
+
+
+def test_server_health_and_generate(server):
+    assert requests.get(server.url + "/health", timeout=30).status_code == 200
+    r = requests.post(server.url + "/generate", timeout=300,
+                      json={"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["meta_info"]["completion_tokens"] > 0 and body["text"].strip()
+
+
+def test_server_uses_chunkcache_backend_in_scheduler(server):
+    info = requests.get(server.url + "/server_info", timeout=30).json()
+    states = info["internal_states"]
+    assert states and all(s["chunkcache"]["tree_cache"] == "ChunkRadixCache" for s in states)
+    assert info["radix_cache_backend"] == "chunkcache"
+    pid = states[0]["chunkcache"]["scheduler_pid"]
+    assert f"radix cache backend 'chunkcache' active in scheduler pid {pid}" in server.log()
