@@ -42,13 +42,15 @@ class Draft:
     @torch.no_grad()
     def importance(self, ids: torch.Tensor, deep_fraction: float = 1 / 3) -> torch.Tensor:
         """SpecCache Eq. 1: per token, the mean L2 norm of its hidden states over the deep layers D..S (the last
-        `deep_fraction` of the S layers run). h^(l) is HF's `hidden_states[l]`: the output of layer l, the last
-        one after the final norm."""
+        `deep_fraction` of the S layers run). h^(l) is what HF's `hidden_states[l]` holds: the output of layer l,
+        the last one after the final norm."""
         s = self.n_layers
         d = s - max(1, round(s * deep_fraction)) + 1
-        out = self.model(input_ids=ids[None].to(self.device), use_cache=False, output_hidden_states=True)
-        deep = torch.stack([h[0].float().norm(dim=-1) for h in out.hidden_states[d : s + 1]])
-        return deep.mean(0).cpu()
+        norms: list[torch.Tensor] = []
+        with _hooked(self.model.layers[d - 1 : s - 1], lambda out: norms.append(out[0].float().norm(dim=-1))):
+            out = self.model(input_ids=ids[None].to(self.device), use_cache=False)
+        norms.append(out.last_hidden_state[0].float().norm(dim=-1))
+        return torch.stack(norms).mean(0).cpu()
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, past: KV | None = None) -> KV:
@@ -65,14 +67,12 @@ class Draft:
         token, averaged over query tokens and heads (CacheClip's selection signal)."""
         start = past.shape[2]
         pos = torch.arange(start, start + query_ids.numel(), device=self.device)[None]
-        with _eager(self.model.layers[self.n_layers - 1].self_attn):
-            out = self.model(
-                input_ids=query_ids[None].to(self.device), past_key_values=_to_cache(past), position_ids=pos,
-                use_cache=True, output_attentions=True,
-            )
-        attn = out.attentions[-1][0]  # [heads, Q, T_past + Q]
-        return attn[..., :start].float().mean(dim=(0, 1)).cpu()
-
+        attn = self.model.layers[self.n_layers - 1].self_attn
+        weights: list[torch.Tensor] = []
+        with _eager(self.model, attn), _hooked([attn], weights.append, index=1):
+            self.model(input_ids=query_ids[None].to(self.device), past_key_values=_to_cache(past), position_ids=pos)
+        # [1, heads, Q, T_past + Q]: keep the past columns, average over heads and query tokens
+        return weights[0][0, ..., :start].float().mean(dim=(0, 1)).cpu()
 
 def _to_cache(kv: KV | None) -> DynamicCache:
     if kv is None:
@@ -87,16 +87,34 @@ def _from_cache(cache: DynamicCache) -> KV:
 
 
 @contextmanager
-def _eager(attn: nn.Module) -> Iterator[None]:
-    """Run one attention module with eager attention (the only one that returns weights), leaving the shared
-    config, and so every other module, untouched."""
-    config = attn.config
-    attn.config = copy.copy(config)
-    attn.config._attn_implementation = "eager"
+def _hooked(modules, sink, index: int = 0) -> Iterator[None]:
+    """Hand output[index] of each module's forward to `sink` (modules returning a bare tensor count as a
+    1-tuple), for the duration of the block."""
+
+    def hook(module, args, out):
+        sink((out if isinstance(out, tuple) else (out,))[index])
+
+    handles = [m.register_forward_hook(hook) for m in modules]
     try:
         yield
     finally:
-        attn.config = config
+        for h in handles:
+            h.remove()
+
+
+@contextmanager
+def _eager(*modules: nn.Module) -> Iterator[None]:
+    """Run with eager attention (the only one that returns weights, and whose masks are additive) in these
+    modules, leaving the config they may share with the target untouched."""
+    configs = [m.config for m in modules]
+    for m in modules:
+        m.config = copy.copy(m.config)
+        m.config._attn_implementation = "eager"
+    try:
+        yield
+    finally:
+        for m, c in zip(modules, configs):
+            m.config = c
 
 
 def truncated(decoder: nn.Module, n_layers: int) -> nn.Module:

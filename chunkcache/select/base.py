@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from ..draft import Draft
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,18 @@ class Features(Protocol):
         ...
 
     def prompt_text(self) -> tuple[str, list[tuple[int, int]]]:
-        """The prompt as text and each target token's (start, end) character offsets in it."""
+        """The prompt as text and each target token's (start, end) character offsets in it
+        (`chunkcache.align.decode_with_offsets` computes both from the token ids)."""
+        ...
+
+    def draft(self, model: str, layers: int | None) -> "Draft":
+        """The engine's in-process draft model (`chunkcache.draft.load`), loaded once and kept by the engine:
+        "self" is the target truncated to its first `layers` layers, anything else a model name or path."""
+        ...
+
+    def chunk_features(self, index: int) -> dict[str, torch.Tensor]:
+        """The feature slot of chunk `index` (layout.chunk_spans order), kept with the chunk's cached KV in the
+        chunk store, so per-chunk selector data (e.g. CacheClip's auxiliary-model KV) is computed once."""
         ...
 
 
