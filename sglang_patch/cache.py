@@ -1,29 +1,80 @@
 """The `chunkcache` radix-cache backend (`--radix-cache-backend chunkcache`).
 
-Exact-prefix matching stays SGLang's UnifiedRadixCache; chunk reuse is layered on top of it in this class.
+Exact-prefix matching, locking and eviction stay SGLang's UnifiedRadixCache. This class adds what chunk reuse needs
+in the scheduler process: the content-hashed chunk store, the selectors, and the accounting. Chunk KV lives in the
+store's host/disk tiers (never aliased into the KV pool: blends copy it into each request's own slots), so the pool's
+allocation and eviction contract is SGLang's, unchanged. Requests that carry chunks are namespaced in the radix tree
+(see plugin._namespace_blended) so their approximate KV can never be matched as an exact prefix by other requests.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_unified_radix_cache
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
+from chunkcache.hashing import model_fingerprint
+from chunkcache.rope import RopeSpec
+from chunkcache.select import REGISTRY, Selector
+from chunkcache.store import ChunkStore
+
+from . import metrics
+from .launcher import load_server_config
+
 log = logging.getLogger(__name__)
 BACKEND_NAME = "chunkcache"
+ACTIVE: "ChunkRadixCache | None" = None  # the scheduler process's instance (one tree cache per scheduler)
 
 
 class ChunkRadixCache(UnifiedRadixCache):
-    def __init__(self, params, *args, **kwargs):
-        super().__init__(params, *args, **kwargs)
+    def __init__(self, params, *, model_config, model_path: str, **kwargs):
+        super().__init__(params, **kwargs)
+        global ACTIVE
+        self.config = load_server_config()
+        self.req_to_token_pool = params.req_to_token_pool
+        self.token_to_kv_pool = params.token_to_kv_pool_allocator.get_kvcache()
+        self.rope = RopeSpec.from_config(model_config.hf_config)
+        self.fingerprint = model_fingerprint(model_path)
+        self.store = ChunkStore.from_config(self.config.store, self.fingerprint)
+        self.model_path = model_path
+        self._selectors: dict[str, Selector] = {}
+        self._tokenizer = None
+        ACTIVE = self
         log.info("chunkcache: radix cache backend %r active in scheduler pid %d", BACKEND_NAME, os.getpid())
+
+    def selector(self, name: str) -> Selector:
+        if name not in self._selectors:
+            self._selectors[name] = REGISTRY.create(name, **self.config.select.options.get(name, {}))
+        return self._selectors[name]
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        return self._tokenizer
+
+    def fallback(self, req, reason: str, detail: str) -> None:
+        log.warning("chunkcache: request %s computed in full (%s): %s", getattr(req, "rid", "?"), reason, detail)
+        metrics.record_fallback(reason)
+
+    def record(self, info: dict) -> None:
+        metrics.record_request(info)
+        stats = self.store.stats()
+        metrics.set_store_stats(stats)
 
     def chunkcache_state(self) -> dict:
         """What /server_info reports under internal_states[i]['chunkcache']."""
-        return {"backend": BACKEND_NAME, "tree_cache": type(self).__name__, "scheduler_pid": os.getpid()}
+        return {"backend": BACKEND_NAME, "tree_cache": type(self).__name__, "scheduler_pid": os.getpid(),
+                "store": dataclasses.asdict(self.store.stats())}
 
 
 def factory(ctx: TreeCacheBuildContext) -> ChunkRadixCache:
-    return create_unified_radix_cache(ctx, cache_class=ChunkRadixCache)
+    def build(params):
+        return ChunkRadixCache(params, model_config=ctx.model_config, model_path=ctx.server_args.model_path)
+
+    return create_unified_radix_cache(ctx, cache_class=build)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+from chunkcache.hints import find_payload
+
+
 
 def register() -> None:
     from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
@@ -12,11 +15,15 @@ def register() -> None:
 
     if cache.BACKEND_NAME not in registered_radix_cache_backends():
         register_radix_cache_backend(cache.BACKEND_NAME, cache.factory)
-    HookRegistry.register(
-        "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state",
-        _report_state,
-        HookType.AFTER,
-    )
+    hooks = {
+        "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state":
+            (_report_state, HookType.AFTER),
+        "sglang.srt.managers.schedule_batch.Req.__init__": (_namespace_blended, HookType.AFTER),
+        "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new": (_attach_reqs, HookType.AFTER),
+        "sglang.srt.model_executor.runner.eager_runner.EagerRunner._execute_extend": (_blend_extend, HookType.AROUND),
+    }
+    for target, (fn, kind) in hooks.items():
+        HookRegistry.register(target, fn, kind)
 
 
 def _report_state(result, controller, *args, **kwargs):
@@ -25,3 +32,32 @@ def _report_state(result, controller, *args, **kwargs):
     state = getattr(tree_cache, "chunkcache_state", None)
     result.internal_state["chunkcache"] = state() if state else {"backend": None, "tree_cache": type(tree_cache).__name__}
     return result
+
+
+def _namespace_blended(result, req, *args, **kwargs):
+    """A request with chunks gets KV that is approximate past its first chunk: give it its own radix namespace, so
+    that no request without chunks can ever match it as an exact prefix."""
+    payload = find_payload(getattr(req, "kv_hints", None))
+    if payload is not None:
+        req.extra_key = f"chunkcache:{payload.get('namespace') or ''}:{req.extra_key or ''}"
+
+
+def _attach_reqs(result, cls, batch, *args, **kwargs):
+    result.chunkcache_reqs = batch.reqs
+    return result
+
+
+def _blend_extend(original, runner, forward_batch, *args, **kwargs):
+    from . import blend, cache
+
+    reqs = getattr(forward_batch, "chunkcache_reqs", None)
+    if cache.ACTIVE is None or not reqs or not forward_batch.forward_mode.is_extend() or args or kwargs.get("pp_proxy_tensors"):
+        return original(runner, forward_batch, *args, **kwargs)
+    if not any(find_payload(getattr(r, "kv_hints", None)) is not None for r in reqs):
+        return original(runner, forward_batch, *args, **kwargs)
+    if forward_batch.return_logprob:
+        for r in reqs:
+            cache.ACTIVE.fallback(r, "logprobs", "input logprobs need every prompt token's logits")
+        return original(runner, forward_batch, *args, **kwargs)
+    out = blend.run(cache.ACTIVE, runner.model_runner, forward_batch, reqs)
+    return original(runner, forward_batch, *args, **kwargs) if out is None else out

@@ -1,0 +1,267 @@
+"""The blended prefill of one extend batch, run in place of SGLang's model forward when a request carries chunks.
+
+Passes, each one forward of SGLang's own model with `SparseAttention` standing in for the attention backend:
+  1. fill:     the part of each shared prefix not matched by the radix tree, and every missing chunk computed
+               standalone right after its shared prefix (its KV is kept aside and inserted into the chunk store);
+  2. features: only if the selector asks (ProphetKV: the query tokens against the reused KV, attention recorded);
+  3. blend:    after each chunk's stored KV is copied into the request's slots (K re-rotated to its positions),
+               the selected tokens are recomputed through all layers; its logits are the batch's output.
+Requests without chunks in the same batch are computed in full in pass 3 (exact).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from chunkcache.hashing import chunk_key, prefix_key
+from chunkcache.hints import HintError, find_payload, parse
+from chunkcache.rope import rerotate
+from chunkcache.select import Layout
+from chunkcache.store import ChunkEntry
+
+from .sparse_attention import Segment, SparseAttention
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Work:
+    """One request of the batch: where it sits and what the blend does for it."""
+
+    req: object
+    index: int  # position in the batch
+    row: torch.Tensor  # [seq_len] KV slots of the request's tokens
+    ids: torch.Tensor  # [seq_len] token ids
+    exact: int  # tokens [0, exact) already hold exact KV (radix prefix)
+    spans: list[tuple[int, int]] = field(default_factory=list)  # chunks blended in this request
+    shared: int = 0  # the shared prefix is ids[:shared]
+    keys: list[str] = field(default_factory=list)
+    entries: list[ChunkEntry | None] = field(default_factory=list)
+    selector: str = ""
+    ratio: float = 0.0
+    selected: torch.Tensor | None = None
+    hits: int = 0  # chunks found in the store before pass 1
+
+    @property
+    def blended(self) -> bool:
+        return bool(self.spans)
+
+    @property
+    def start(self) -> int:
+        """First token the blend does not already have exact KV for after pass 1."""
+        return self.spans[0][0] if self.spans else self.exact
+
+
+def plan(cache, forward_batch, reqs) -> list[Work]:
+    pool = cache.req_to_token_pool.req_to_token
+    works = []
+    for i, req in enumerate(reqs):
+        seq_len = int(forward_batch.seq_lens_cpu[i])
+        exact = int(forward_batch.extend_prefix_lens_cpu[i])
+        row = pool[forward_batch.req_pool_indices[i], :seq_len].long()
+        ids = torch.as_tensor(list(req.origin_input_ids)[:seq_len] if seq_len <= len(req.origin_input_ids) else
+                              list(req.origin_input_ids) + list(req.output_ids), dtype=torch.long)[:seq_len]
+        work = Work(req, i, row, ids, exact)
+        works.append(work)
+        payload = find_payload(getattr(req, "kv_hints", None))
+        if payload is None:
+            continue
+        if seq_len != len(req.origin_input_ids):
+            cache.fallback(req, "partial_prefill", "chunked prefill or a retracted request: this round is computed in full")
+            continue
+        try:
+            hint = parse(payload, seq_len)
+        except HintError as exc:  # validated at the HTTP layer; an Engine-side bypass still must not crash the batch
+            cache.fallback(req, "bad_hint", str(exc))
+            continue
+        work.shared = hint.token_spans[0][0]
+        work.spans = [s for s in hint.token_spans if s[0] >= exact]
+        work.selector = hint.selector or cache.config.select.selector
+        work.ratio = cache.config.select.ratio if hint.ratio is None else hint.ratio
+        namespace = hint.namespace or cache.config.store.namespace
+        prefix = prefix_key(ids[: work.shared].tolist())
+        work.keys = [chunk_key(cache.fingerprint, namespace, prefix, ids[s:e].tolist()) for s, e in work.spans]
+        work.entries = [cache.store.get(k) for k in work.keys]
+        work.hits = sum(e is not None for e in work.entries)
+    return works
+
+
+def run(cache, model_runner, forward_batch, reqs):
+    t0 = time.perf_counter()
+    works = plan(cache, forward_batch, reqs)
+    if not any(w.blended for w in works):
+        return None
+    device = forward_batch.input_ids.device
+    _fill(cache, model_runner, forward_batch, works, device)
+    t_fill = time.perf_counter()
+    for w in works:
+        if w.blended:
+            _copy_chunks(cache, w)
+    t_copy = time.perf_counter()
+    select_s = {}
+    for w in works:
+        if w.blended:
+            t = time.perf_counter()
+            w.selected = _select(cache, model_runner, forward_batch, w, device)
+            select_s[w.index] = time.perf_counter() - t
+    t_select = time.perf_counter()
+    segments, ids, pos, loc, counts = [], [], [], [], []
+    for w in works:
+        sel = w.selected if w.blended else torch.arange(w.exact, len(w.ids))
+        _add(segments, ids, pos, loc, w, sel, ctx=len(w.ids))
+        counts.append(len(sel))
+    result = _forward(model_runner, forward_batch, segments, ids, pos, loc, device, counts=counts)
+    t_end = time.perf_counter()
+    for w in works:
+        if w.blended:
+            hits = w.hits
+            n_ctx = sum(e - s for s, e in w.spans)
+            recomputed = len(w.selected)
+            w.req.chunkcache_info = {
+                "chunk_hits": hits, "chunk_misses": len(w.spans) - hits,
+                "reused_tokens": n_ctx - int(_in_spans(w.selected, w.spans)),
+                "recomputed_tokens": recomputed, "selector": w.selector, "ratio": w.ratio,
+                "select_s": round(select_s[w.index], 6), "blend_s": round(t_end - t0 - sum(select_s.values()), 6),
+                "stages_s": {"match_fill": round(t_fill - t0, 6), "copy": round(t_copy - t_fill, 6),
+                             "select": round(t_select - t_copy, 6), "prefill": round(t_end - t_select, 6)},
+            }
+            cache.record(w.req.chunkcache_info)
+    return result
+
+
+def _in_spans(sel: torch.Tensor, spans) -> int:
+    return sum(int(((sel >= s) & (sel < e)).sum()) for s, e in spans)
+
+
+def _fill(cache, model_runner, forward_batch, works, device):
+    """Pass 1: unmatched shared-prefix tokens (exact, in place) and missing chunks (standalone, kept aside)."""
+    segments, ids, pos, loc = [], [], [], []
+    missing: dict[str, tuple[Work, int]] = {}
+    for w in works:
+        if not w.blended:
+            continue
+        if w.exact < w.start:
+            _add(segments, ids, pos, loc, w, torch.arange(w.exact, w.start), ctx=w.start)
+        for j, (key, entry) in enumerate(zip(w.keys, w.entries)):
+            if entry is None and key not in missing:
+                missing[key] = (w, j)
+    standalone = []
+    for key, (w, j) in missing.items():
+        s, e = w.spans[j]
+        n = sum(len(x) for x in ids)
+        seg = Segment(slice(n, n + e - s), torch.arange(w.shared, w.shared + e - s, device=device),
+                      w.row[: w.shared].to(device), write=False)
+        segments.append(seg)
+        ids.append(w.ids[s:e])
+        pos.append(seg.q_pos.cpu())
+        loc.append(torch.zeros(e - s, dtype=torch.long))  # never written: standalone KV stays in seg.scratch
+        standalone.append((key, w, j, seg))
+    if segments:
+        _forward(model_runner, forward_batch, segments, ids, pos, loc, device)
+    for key, w, j, seg in standalone:
+        s, e = w.spans[j]
+        entry = ChunkEntry(key=key, token_ids=w.ids[s:e].clone(),
+                           k=torch.stack([k for k, _ in seg.scratch]).cpu(), v=torch.stack([v for _, v in seg.scratch]).cpu(),
+                           start_pos=w.shared, model_fingerprint=cache.fingerprint)
+        cache.store.put(entry)
+        for other in works:
+            other.entries = [entry if k == key else en for k, en in zip(other.keys, other.entries)]
+
+
+def _copy_chunks(cache, w: Work):
+    """Copy (never alias) each chunk's stored KV into the request's slots, K re-rotated to its new positions."""
+    pool = cache.token_to_kv_pool
+    for (s, e), entry in zip(w.spans, w.entries):
+        slots = w.row[s:e]
+        k = rerotate(entry.k.to(slots.device), s - entry.start_pos, cache.rope)
+        for layer in range(entry.num_layers):
+            k_buf, v_buf = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
+            k_buf[slots] = k[layer].to(k_buf.dtype)
+            v_buf[slots] = entry.v[layer].to(device=slots.device, dtype=v_buf.dtype)
+
+
+class _Features:
+    """The Features protocol on the SGLang path (what selectors may ask of the running request)."""
+
+    def __init__(self, cache, model_runner, forward_batch, w: Work, device):
+        self.cache, self.model_runner, self.forward_batch, self.w, self.device = cache, model_runner, forward_batch, w, device
+
+    def query_attention(self) -> torch.Tensor:
+        w = self.w
+        q = torch.arange(w.spans[-1][1], len(w.ids))
+        segments, ids, pos, loc = [], [], [], []
+        _add(segments, ids, pos, loc, w, q, ctx=len(w.ids))
+        segments[0].record = torch.zeros(len(w.ids), dtype=torch.float32, device=self.device)
+        _forward(self.model_runner, self.forward_batch, segments, ids, pos, loc, self.device)
+        return segments[0].record.cpu()
+
+    def kv_deviation(self, layer: int, which: str) -> torch.Tensor:
+        raise NotImplementedError("kv_deviation (cacheblend) is not available on the SGLang path yet")
+
+    def prompt_text(self):
+        tok = self.cache.tokenizer
+        enc = tok(tok.decode(self.w.ids.tolist()), return_offsets_mapping=True, add_special_tokens=False)
+        return tok.decode(self.w.ids.tolist()), [tuple(o) for o in enc["offset_mapping"]]
+
+
+def _select(cache, model_runner, forward_batch, w: Work, device) -> torch.Tensor:
+    layout = Layout(token_ids=w.ids, prefix_len=w.start, chunk_spans=tuple(w.spans),
+                    query_span=(w.spans[-1][1], len(w.ids)))
+    selection = cache.selector(w.selector).select(layout, w.ratio, _Features(cache, model_runner, forward_batch, w, device))
+    return selection.indices.cpu()
+
+
+def _add(segments, ids, pos, loc, w: Work, sel: torch.Tensor, ctx: int):
+    """Append a pool-writing segment: tokens `sel` of request `w`, attending to its row [0, ctx)."""
+    n = sum(len(x) for x in ids)
+    device = w.row.device
+    segments.append(Segment(slice(n, n + len(sel)), sel.to(device), w.row[:ctx]))
+    ids.append(w.ids[sel])
+    pos.append(sel)
+    loc.append(w.row[sel])
+
+
+def _forward(model_runner, forward_batch, segments, ids, pos, loc, device, counts=None):
+    """One forward of SGLang's model over the given tokens. With `counts` (tokens per request, each request's last
+    prompt token last) it returns the logits output; otherwise only the KV side effects matter."""
+    from sglang.srt.model_executor.forward_context import forward_context, get_forward_context
+
+    fb = copy.copy(forward_batch)
+    fb.input_ids = torch.cat(ids).to(device)
+    fb.positions = torch.cat(pos).to(device)
+    fb.out_cache_loc = torch.cat(loc).to(device=device, dtype=forward_batch.out_cache_loc.dtype)
+    n = fb.input_ids.numel()
+    lens = counts if counts is not None else [n]
+    fb.extend_num_tokens = n
+    fb.extend_seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    fb.extend_seq_lens_cpu = list(lens)
+    fb.extend_start_loc = torch.cumsum(fb.extend_seq_lens, 0) - fb.extend_seq_lens
+    if counts is not None:
+        fb.extend_prefix_lens = forward_batch.seq_lens - fb.extend_seq_lens
+        fb.extend_prefix_lens_cpu = [int(s) - c for s, c in zip(forward_batch.seq_lens_cpu, counts)]
+        fb.extend_logprob_start_lens_cpu = [c - 1 for c in counts] if forward_batch.extend_logprob_start_lens_cpu else None
+    backend = SparseAttention(model_runner.attn_backend, segments)
+    ctx = replace(get_forward_context(), attn_backend=backend) if _has_ctx() else None
+    model = model_runner.model
+    with forward_context(ctx or _new_ctx(backend), forward_batch=fb):
+        if counts is None:
+            model.model(fb.input_ids, fb.positions, fb)
+            return None
+        return model.forward(fb.input_ids, fb.positions, fb)
+
+
+def _has_ctx() -> bool:
+    from sglang.srt.model_executor.forward_context import has_forward_context
+
+    return has_forward_context()
+
+
+def _new_ctx(backend):
+    from sglang.srt.model_executor.forward_context import ForwardContext
+
+    return ForwardContext(attn_backend=backend)
