@@ -4,9 +4,10 @@ With angle(p) = p * inv_freq, rotations compose: R(p + d) = R(d) R(p). A key cac
 p + d by rotating it by d, exactly, for every RoPE whose frequencies do not depend on the position or the sequence
 length: default, linear (scaled inv_freq) and llama3 (per-frequency scaled inv_freq). Everything else is refused.
 
-The frequencies are computed exactly as transformers computes them (float32), the delta angles in float64 and the
-rotation in float32, so re-rotating adds no error beyond the float32 rounding transformers itself makes of
-p * inv_freq (about p * 6e-8 rad, i.e. ~1e-4 rad at position 2000): the residual the tests bound.
+The frequencies are computed exactly as transformers computes them (float32 ops in the same order), angles in
+float64 and the rotation in float32 (any input dtype). Transformers (and SGLang) round each angle p * inv_freq to
+float32, an error of ~p * 6e-8 rad (1e-4 rad at position 2000); given the cached positions, `rerotate` reproduces
+that rounding at the new position instead of adding its own.
 """
 
 from __future__ import annotations
@@ -90,14 +91,26 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rerotate(k: torch.Tensor, delta: int | torch.Tensor, spec: RopeSpec) -> torch.Tensor:
-    """Keys `k` [..., T, H, D], post-RoPE, moved by `delta` positions (an int, or a [T] tensor per token)."""
+def rerotate(k: torch.Tensor, delta: int | torch.Tensor, spec: RopeSpec,
+             positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Keys `k` [..., T, H, D], post-RoPE, moved by `delta` positions (an int, or a [T] tensor per token).
+
+    With `positions` ([T], where the keys were computed) the result reproduces the model's own rounding: the model
+    rotates by float32(p * inv_freq), so the rotation applied is float32(p_new * inv_freq) - float32(p * inv_freq),
+    exact in float64, and a moved key equals the key computed directly at its new position to float32 precision at
+    any position. Without it the rotation is the exact delta * inv_freq.
+    """
     if k.shape[-1] != spec.head_dim:
         raise ValueError(f"keys have head_dim {k.shape[-1]}, RoPE expects {spec.head_dim}")
-    if not isinstance(delta, torch.Tensor) and delta == 0:
+    if positions is None and not isinstance(delta, torch.Tensor) and delta == 0:
         return k
-    d = torch.as_tensor(delta, dtype=torch.float64, device=k.device).reshape(-1, 1)  # [T or 1, 1]
-    angles = d * spec.inv_freq.to(device=k.device, dtype=torch.float64)
+    inv_freq = spec.inv_freq.to(k.device)
+    d = torch.as_tensor(delta, device=k.device).reshape(-1, 1)  # [T or 1, 1]
+    if positions is None:
+        angles = d.double() * inv_freq.double()
+    else:
+        p = positions.to(k.device).reshape(-1, 1)
+        angles = ((p + d).float() * inv_freq).double() - (p.float() * inv_freq).double()
     cos = angles.cos().float().repeat(1, 2)[:, None, :]  # [T or 1, 1, D]: broadcasts over heads
     sin = angles.sin().float().repeat(1, 2)[:, None, :]
     x = k.float()
