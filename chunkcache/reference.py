@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from . import select as selectors
+from .draft import Draft
+from .draft import load as load_draft
 from .hashing import chunk_key, model_fingerprint, prefix_key
 from .rope import RopeSpec, rerotate, rotate_half
 from .select.base import Features, Layout, Selector
@@ -73,6 +75,7 @@ class ReferenceBlender:
         self.head_dim = self.rope.head_dim
         self.max_len = config.max_position_embeddings
         self._tokenizer = None
+        self._drafts: dict[tuple[str, int | None], Draft] = {}
 
     @classmethod
     def from_pretrained(
@@ -150,11 +153,14 @@ class ReferenceBlender:
         with _timed(timings, "assemble"):
             for key, (s, e) in zip(keys, layout.chunk_spans):
                 entry = entries[key]
-                k_buf[:, 0, s:e] = rerotate(entry.k.to(self.device, self.dtype), s - entry.start_pos, self.rope)
+                cached_at = torch.arange(entry.start_pos, entry.start_pos + e - s)
+                k_buf[:, 0, s:e] = rerotate(entry.k.to(self.device, self.dtype), s - entry.start_pos, self.rope, cached_at)
                 v_buf[:, 0, s:e] = entry.v.to(self.device, self.dtype)
         with _timed(timings, "select"):
-            features = _RequestFeatures(self, layout, k_buf, v_buf)
+            features = _RequestFeatures(self, layout, k_buf, v_buf, [entries[k] for k in keys])
             selection = selector.select(layout, ratio, features)
+            for entry in features.grown_entries():  # persist selector features (the disk tier copies on put)
+                self.store.put(entry)
         recomputed = self._recompute_set(layout, selection.indices)
         with _timed(timings, "recompute"):
             sel = recomputed.to(self.device)
@@ -189,6 +195,12 @@ class ReferenceBlender:
             token = int(step.logits[0, -1].argmax())
             out.append(token)
         return out
+
+    def draft(self, model: str = "self", layers: int | None = None, dtype: str = "float32") -> Draft:
+        """The draft model for draft-guided selectors, loaded once ("self": this model's first `layers` layers)."""
+        if (model, layers) not in self._drafts:
+            self._drafts[model, layers] = load_draft(model, layers, dtype, self.device, target=self.model)
+        return self._drafts[model, layers]
 
     @property
     def tokenizer(self):
@@ -358,8 +370,11 @@ def _attention_with_probs(q, k, v, pos, scale) -> tuple[torch.Tensor, torch.Tens
 class _RequestFeatures(Features):
     """What selectors may ask of one request; each method computes on first call only."""
 
-    def __init__(self, blender: ReferenceBlender, layout: Layout, k_buf: torch.Tensor, v_buf: torch.Tensor):
+    def __init__(self, blender: ReferenceBlender, layout: Layout, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                 entries: list[ChunkEntry]):
         self.blender, self.layout, self.k_buf, self.v_buf = blender, layout, k_buf, v_buf
+        self.entries = entries
+        self._feature_counts = [len(e.features) for e in entries]
         self._fresh: tuple[torch.Tensor, torch.Tensor] | None = None  # all-token KV of the first layers
         self._query_attention: torch.Tensor | None = None
         self._text: tuple[str, list[tuple[int, int]]] | None = None
@@ -397,6 +412,18 @@ class _RequestFeatures(Features):
         if self._text is None:
             self._text = detokenize_with_offsets(self.blender.tokenizer, self.layout.token_ids.tolist())
         return self._text
+
+
+    def draft(self, model: str, layers: int | None) -> Draft:
+        return self.blender.draft(model, layers)
+
+    def chunk_features(self, index: int) -> dict[str, torch.Tensor]:
+        return self.entries[index].features
+
+    def grown_entries(self) -> list[ChunkEntry]:
+        """Distinct entries a selector added features to during this request."""
+        grown = {id(e): e for e, n in zip(self.entries, self._feature_counts) if len(e.features) != n}
+        return list(grown.values())
 
 
 def detokenize_with_offsets(tokenizer, ids: list[int]) -> tuple[str, list[tuple[int, int]]]:

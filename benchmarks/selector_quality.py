@@ -1,0 +1,123 @@
+"""Selector quality and cost through the reference blender on synthetic RAG cases.
+
+For each case: full recompute (the oracle) and one blended prefill per selector at budget rho, each followed by a
+greedy answer. Prints, per selector, answer agreement with full recompute, accuracy against the ground truth, and
+selection time relative to the blended prefill (chunks already in the store). Agreement compares the answers
+the replies give (the cities / numbers / names they name), `same text` the first lines verbatim.
+
+    .venv/bin/python benchmarks/selector_quality.py --n 30 --selectors epic,cacheblend,prophet,spec,clip
+    .venv/bin/python benchmarks/selector_quality.py --n 10 --selectors spec --drafts self,self:4,/path/model.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import synthetic  # noqa: E402
+
+from chunkcache.reference import ReferenceBlender  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=30, help="cases")
+    ap.add_argument("--task", default="bridge", choices=synthetic.TASKS)
+    ap.add_argument("--selectors", default="none,epic,cacheblend,prophet,spec,clip")
+    ap.add_argument("--drafts", default="self", help="drafts for spec/clip, comma-separated: self, self:LAYERS, "
+                                                     "a model name, an HF directory or a .gguf file (name:LAYERS)")
+    ap.add_argument("--ratio", type=float, default=0.15)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--chunks", type=int, default=6)
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0, help="first case seed")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default="results/selector_quality.json")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    blender = ReferenceBlender.from_pretrained(args.model)
+    tok = blender.tokenizer
+    count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
+    runs = _runs(args.selectors.split(","), args.drafts.split(","), blender)
+    rows: dict[str, list[dict]] = {"full": []}
+    for seed in tqdm(range(args.seed, args.seed + args.n), desc=f"{args.task} cases", unit="case"):
+        case = synthetic.generate(args.task, seed, n_chunks=args.chunks, count=count)
+        prefix, chunks, query = synthetic.prompt(case, tok)
+        full = blender.full_prefill(prefix, chunks, query)
+        ref = _answer(blender, full, args.max_new_tokens)
+        rows["full"].append({"answer": ref, "correct": case.correct(ref), "blend_s": full.timings["total"],
+                             "tokens": full.layout.n})
+        for label, name, options in runs:
+            warm = name == "clip"  # time clip with its auxiliary chunk KV stored, as a repeated chunk would have
+            for _ in range(1 + warm):
+                res = blender.blend(prefix, chunks, query, selector=name, ratio=args.ratio, **options)
+            text = _answer(blender, res, args.max_new_tokens)
+            t = res.timings
+            blend = t["total"] - t.get("compute_chunks", 0.0) - t.get("store", 0.0)
+            rows.setdefault(label, []).append({
+                "answer": text, "agree": case.extract(text) == case.extract(ref), "same_text": _norm(text) == _norm(ref),
+                "correct": case.correct(text),
+                "select_s": t["select"], "blend_s": blend, "full_s": full.timings["total"],
+                "recomputed": int(res.recomputed.numel()),
+            })
+    _report(rows, args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    print(f"per-case results: {out}")
+
+
+def _runs(selectors: list[str], drafts: list[str], blender: ReferenceBlender) -> list[tuple[str, str, dict]]:
+    """(label, selector, options) per row; draft-guided selectors get one row per draft, loaded up front."""
+    runs = []
+    for name in selectors:
+        if name not in ("spec", "clip"):
+            runs.append((name, name, {}))
+            continue
+        for d in drafts:
+            model, _, layers = d.partition(":")
+            draft = blender.draft(model, int(layers) if layers else None)
+            label = name if len(drafts) == 1 else f"{name}[{Path(model).name}:{draft.n_layers}]"
+            runs.append((label, name, {"draft": draft}))
+    return runs
+
+
+def _answer(blender: ReferenceBlender, result, max_new_tokens: int) -> str:
+    return blender.tokenizer.decode(blender.generate(result, max_new_tokens), skip_special_tokens=True)
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.strip().lower().split("\n")[0].split())
+
+
+def _report(rows: dict[str, list[dict]], args) -> None:
+    n = len(rows["full"])
+    full_s = statistics.mean(r["blend_s"] for r in rows["full"])
+    tokens = statistics.mean(r["tokens"] for r in rows["full"])
+    print(f"\n{args.task}: {n} cases, {tokens:.0f} prompt tokens on average, rho={args.ratio}, model {args.model}")
+    print(f"full recompute: correct {sum(r['correct'] for r in rows['full'])}/{n}, prefill {full_s:.2f} s\n")
+    head = f"{'selector':<22}{'agree':>8}{'same text':>11}{'correct':>9}{'select s':>10}{'blend s':>9}{'select/blend':>14}{'full/blend':>12}"
+    print(head)
+    print("-" * len(head))
+    for label, rs in rows.items():
+        if label == "full":
+            continue
+        sel = statistics.mean(r["select_s"] for r in rs)
+        blend = statistics.mean(r["blend_s"] for r in rs)
+        print(f"{label:<22}{sum(r['agree'] for r in rs):>5}/{n:<2}{sum(r['same_text'] for r in rs):>8}/{n:<2}"
+              f"{sum(r['correct'] for r in rs):>6}/{n:<2}"
+              f"{sel:>10.3f}{blend:>9.2f}{sel / blend:>14.2f}{full_s / blend:>12.2f}")
+
+
+if __name__ == "__main__":
+    main()
