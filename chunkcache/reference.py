@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from . import select as selectors
+from .align import decode_with_offsets
 from .draft import Draft
 from .draft import load as load_draft
 from .hashing import chunk_key, model_fingerprint, prefix_key
@@ -410,9 +411,8 @@ class _RequestFeatures(Features):
 
     def prompt_text(self) -> tuple[str, list[tuple[int, int]]]:
         if self._text is None:
-            self._text = detokenize_with_offsets(self.blender.tokenizer, self.layout.token_ids.tolist())
+            self._text = decode_with_offsets(self.blender.tokenizer, self.layout.token_ids.tolist())
         return self._text
-
 
     def draft(self, model: str, layers: int | None) -> Draft:
         return self.blender.draft(model, layers)
@@ -424,31 +424,6 @@ class _RequestFeatures(Features):
         """Distinct entries a selector added features to during this request."""
         grown = {id(e): e for e, n in zip(self.entries, self._feature_counts) if len(e.features) != n}
         return list(grown.values())
-
-
-def detokenize_with_offsets(tokenizer, ids: list[int]) -> tuple[str, list[tuple[int, int]]]:
-    """The decoded prompt and each token's (start, end) characters in it.
-
-    Decodes a sliding window that keeps the previously emitted token as context, as streaming detokenisers do, so
-    tokenizers that strip a leading space or split one character's UTF-8 bytes over several tokens still line up:
-    tokens that complete no character yet share the span of the token that completes it.
-    """
-    def decode(a: int, b: int) -> str:
-        return tokenizer.decode(ids[a:b], skip_special_tokens=False)
-
-    pieces: list[str] = []
-    offsets: list[tuple[int, int]] = [(0, 0)] * len(ids)
-    length, context, pending = 0, 0, 0  # chars emitted; window start; first token whose text is not emitted yet
-    for i in range(len(ids)):
-        before, after = decode(context, pending), decode(context, i + 1)
-        last = i == len(ids) - 1
-        if len(after) > len(before) and after.startswith(before) and (last or not after.endswith("\ufffd")):
-            new = after[len(before) :]
-            offsets[pending : i + 1] = [(length, length + len(new))] * (i + 1 - pending)
-            pieces.append(new)
-            length += len(new)
-            context, pending = pending, i + 1
-    return "".join(pieces), offsets
 
 
 def _as_ids(ids: TokenIds, what: str) -> torch.Tensor:
