@@ -1,0 +1,193 @@
+"""The request contract (chunkcache.hints): envelope lookup, payload validation, char -> token span mapping."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from chunkcache.hints import (
+    ACTION_TYPE,
+    ChunkHint,
+    HintError,
+    char_spans_to_token_payload,
+    char_to_token_spans,
+    find_payload,
+    parse,
+)
+from chunkcache.select import REGISTRY
+
+
+def action(payload, action_type=ACTION_TYPE, version="1", action_id="a1"):
+    return {"action_id": action_id, "action_type": action_type, "action_version": version, "payload": payload}
+
+
+def envelope(*actions):
+    return {"protocol_version": "1", "message_id": "m1", "actions": list(actions)}
+
+
+# --- find_payload ---------------------------------------------------------------------------------------------------
+
+def test_no_chunkcache_action_means_no_payload():
+    assert find_payload(None) is None
+    assert find_payload({}) is None
+    assert find_payload(envelope()) is None
+    assert find_payload(envelope(action({"x": 1}, action_type="other.thing"))) is None
+
+
+def test_payload_found_among_other_actions():
+    p = {"token_spans": [[0, 2]]}
+    assert find_payload(envelope(action({"y": 2}, action_type="other.thing", version="9"), action(p))) is p
+
+
+def test_payload_found_on_typed_envelope():
+    """SGLang hands the scheduler a msgspec struct, read by attribute."""
+    p = {"token_spans": [[0, 2]]}
+    typed = SimpleNamespace(actions=[SimpleNamespace(action_id="a", action_type=ACTION_TYPE, action_version="1",
+                                                     payload=p)])
+    assert find_payload(typed) is p
+
+
+@pytest.mark.parametrize("hints, message", [
+    (envelope(action({}, action_id="x"), action({}, action_id="y")), "2 chunkcache.chunks actions (action_id 'x', 'y')"),
+    (envelope(action({}, version="2")), "action_version '2' is not supported (supported: '1')"),
+    (envelope(action([[0, 2]])), "payload must be an object, got list"),
+])
+def test_bad_action(hints, message):
+    with pytest.raises(HintError, match="^chunkcache hint: ") as e:
+        find_payload(hints)
+    assert message in str(e.value)
+
+
+# --- parse ----------------------------------------------------------------------------------------------------------
+
+def test_parse_full_payload():
+    hint = parse({"token_spans": [[2, 5], [5, 9]], "namespace": "docs", "selector": "full", "ratio": 0.15}, 10)
+    assert hint == ChunkHint(((2, 5), (5, 9)), "docs", "full", 0.15)
+
+
+def test_parse_defaults_and_integer_ratio():
+    assert parse({"token_spans": [(0, 1)]}, 2) == ChunkHint(((0, 1),), None, None, None)
+    assert parse({"token_spans": [[0, 1]], "ratio": 1}, 2).ratio == 1.0
+
+
+def test_payload_round_trip():
+    hint = parse({"token_spans": [[1, 3], [4, 6]], "selector": "none", "ratio": 0}, 8)
+    assert hint.to_payload() == {"token_spans": [[1, 3], [4, 6]], "selector": "none", "ratio": 0.0}
+    assert parse(hint.to_payload(), 8) == hint
+
+
+@pytest.mark.parametrize("payload, message", [
+    ({"token_spans": [[5, 3]]}, "token_spans[0] = [5, 3] is empty: end 3 must be greater than start 5"),
+    ({"token_spans": [[3, 3]]}, "token_spans[0] = [3, 3] is empty"),
+    ({"token_spans": [[-1, 3]]}, "token_spans[0] = [-1, 3]: start -1 is negative"),
+    ({"token_spans": [[0, 11]]}, "token_spans[0] = [0, 11]: end 11 is past the prompt (10 prompt tokens)"),
+    ({"token_spans": [[2, 10]]}, "token_spans[0] = [2, 10] contains the last prompt token (index 9)"),
+    ({"token_spans": [[0, 4], [3, 6]]}, "token_spans[1] = [3, 6] starts at 3, before the end 4 of token_spans[0]"),
+    ({"token_spans": [[4, 6], [0, 2]]}, "token_spans[1] = [0, 2] starts at 0, before the end 6 of token_spans[0]"),
+    ({"token_spans": []}, "token_spans must be a non-empty list"),
+    ({"token_spans": "0,3"}, "token_spans must be a non-empty list"),
+    ({"token_spans": [[0, 1.5]]}, "token_spans[0] must be a pair of integers [start, end], got [0, 1.5]"),
+    ({"token_spans": [[True, 2]]}, "token_spans[0] must be a pair of integers"),
+    ({"token_spans": [[0, 1, 2]]}, "token_spans[0] must be a pair of integers"),
+    ({"token_spans": [[0, 2]], "foo": 1}, "unknown payload key(s) 'foo'; allowed: 'token_spans', 'namespace'"),
+    ({"char_spans": [[0, 2]]}, "char_spans is for a text request; this request must mark its chunks with token_spans"),
+    ({}, "payload has no 'token_spans'"),
+    ({"token_spans": [[0, 2]], "namespace": ""}, "namespace must be a non-empty string, got ''"),
+    ({"token_spans": [[0, 2]], "namespace": 3}, "namespace must be a non-empty string, got 3"),
+    ({"token_spans": [[0, 2]], "selector": "nope"}, "selector 'nope' is not registered; known: "),
+    ({"token_spans": [[0, 2]], "selector": 5}, "selector must be a string, got 5"),
+    ({"token_spans": [[0, 2]], "ratio": 1.5}, "ratio must be in [0, 1], got 1.5"),
+    ({"token_spans": [[0, 2]], "ratio": -0.1}, "ratio must be in [0, 1], got -0.1"),
+    ({"token_spans": [[0, 2]], "ratio": "0.2"}, "ratio must be a number in [0, 1], got '0.2'"),
+    ({"token_spans": [[0, 2]], "ratio": True}, "ratio must be a number in [0, 1], got True"),
+    ({"token_spans": [[0, 2]], "ratio": float("nan")}, "ratio must be a number in [0, 1], got nan"),
+])
+def test_parse_rejects(payload, message):
+    with pytest.raises(HintError) as e:
+        parse(payload, 10)
+    assert message in str(e.value)
+
+
+def test_selector_registered_later_is_accepted(monkeypatch):
+    with pytest.raises(HintError, match="'later' is not registered"):
+        parse({"token_spans": [[0, 1]], "selector": "later"}, 4)
+    monkeypatch.setitem(REGISTRY.selectors, "later", object)
+    assert parse({"token_spans": [[0, 1]], "selector": "later"}, 4).selector == "later"
+
+
+def test_hint_error_is_a_value_error():
+    """SGLang's /generate maps ValueError to HTTP 400."""
+    assert issubclass(HintError, ValueError)
+
+
+# --- char spans -> token spans --------------------------------------------------------------------------------------
+
+# "Hello world.\n\nDoc two?" with a BOS: token index, piece, (start, end)
+#   0 <s> (0, 0)   1 Hello (0, 5)   2 " world" (5, 11)   3 "." (11, 12)   4 "\n\n" (12, 14)
+#   5 Doc (14, 17)   6 " two" (17, 21)   7 "?" (21, 22)
+OFFSETS = [(0, 0), (0, 5), (5, 11), (11, 12), (12, 14), (14, 17), (17, 21), (21, 22)]
+TEXT_LEN = 22
+
+
+@pytest.mark.parametrize("char_spans, token_spans", [
+    ([[0, 12]], [(1, 4)]),  # the BOS (0, 0) belongs to no chunk
+    ([[14, 21]], [(5, 7)]),
+    ([[0, 12], [14, 21]], [(1, 4), (5, 7)]),
+    ([[0, 5], [5, 11]], [(1, 2), (2, 3)]),  # adjacent chunks
+    ([[12, 14]], [(4, 5)]),
+    ([[0, 22]], [(1, 8)]),
+])
+def test_char_to_token_spans(char_spans, token_spans):
+    assert char_to_token_spans(char_spans, OFFSETS, TEXT_LEN) == token_spans
+
+
+@pytest.mark.parametrize("char_spans, message", [
+    ([[6, 12]], "char_spans[0] = [6, 12]: start offset 6 falls inside token 2 (characters [5, 11)); "
+                "a chunk must start and end on token boundaries, e.g. 5 or 11"),
+    ([[0, 8]], "char_spans[0] = [0, 8]: end offset 8 falls inside token 2 (characters [5, 11))"),
+    ([[0, 5], [14, 16]], "char_spans[1] = [14, 16]: end offset 16 falls inside token 5 (characters [14, 17))"),
+    ([[0, 30]], "char_spans[0] = [0, 30]: end 30 is past the prompt (22 characters)"),
+    ([[5, 12], [0, 5]], "char_spans[1] = [0, 5] starts at 0, before the end 12 of char_spans[0]"),
+    ([[3, 3]], "char_spans[0] = [3, 3] is empty"),
+])
+def test_char_spans_rejected(char_spans, message):
+    with pytest.raises(HintError) as e:
+        char_to_token_spans(char_spans, OFFSETS, TEXT_LEN)
+    assert message in str(e.value)
+
+
+def test_char_span_over_uncovered_characters():
+    """Some tokenizers leave characters (a dropped space) outside every token: a span of only those has no token."""
+    offsets = [(0, 1), (2, 3)]  # "A B", the space uncovered
+    with pytest.raises(HintError, match=r"char_spans\[0\] = \[1, 2\] covers no token"):
+        char_to_token_spans([[1, 2]], offsets, 3)
+    assert char_to_token_spans([[1, 3]], offsets, 3) == [(1, 2)]
+
+
+def test_char_span_over_tokens_sharing_a_character():
+    """Byte-level pieces of one multi-byte character all report that character's range."""
+    offsets = [(0, 1), (0, 1), (1, 2), (2, 3)]  # "é" as two byte tokens, then "x", "y"
+    assert char_to_token_spans([[0, 2]], offsets, 3) == [(0, 3)]
+
+
+def test_char_payload_becomes_token_payload():
+    payload = {"char_spans": [[0, 12], [14, 21]], "selector": "full", "ratio": 0.2, "namespace": "kb"}
+    token_payload = char_spans_to_token_payload(payload, OFFSETS, TEXT_LEN)
+    assert token_payload == {"token_spans": [(1, 4), (5, 7)], "selector": "full", "ratio": 0.2, "namespace": "kb"}
+    assert payload["char_spans"] == [[0, 12], [14, 21]]  # the request's own payload is left as it was
+    assert parse(token_payload, len(OFFSETS)).token_spans == ((1, 4), (5, 7))
+
+
+def test_char_span_ending_on_the_last_token_is_rejected_after_mapping():
+    with pytest.raises(HintError, match=r"token_spans\[0\] = \[1, 8\] contains the last prompt token \(index 7\)"):
+        parse(char_spans_to_token_payload({"char_spans": [[0, 22]]}, OFFSETS, TEXT_LEN), len(OFFSETS))
+
+
+@pytest.mark.parametrize("payload, message", [
+    ({"token_spans": [[0, 2]]}, "token_spans is for an input_ids request; this request must mark its chunks with "
+                                "char_spans"),
+    ({"char_spans": [[0, 5]], "ratio": 0.1, "draft": "x"}, "unknown payload key(s) 'draft'"),
+])
+def test_text_request_payload_rejected(payload, message):
+    with pytest.raises(HintError) as e:
+        char_spans_to_token_payload(payload, OFFSETS, TEXT_LEN)
+    assert message in str(e.value)
