@@ -141,16 +141,17 @@ class ReferenceBlender:
                 self._forward(ids[None, :P], torch.arange(P, device=self.device), k_buf[:, :, :P], v_buf[:, :, :P])
         with _timed(timings, "lookup"):
             pkey = prefix_key(layout.token_ids[:P])
-            keys = [chunk_key(self.fingerprint, self.namespace, pkey, layout.token_ids[s:e]) for s, e in layout.chunk_spans]
-            entries = {key: self._load(key, layout.token_ids[s:e]) for key, (s, e) in zip(keys, layout.chunk_spans)}
-            misses = [key for key, entry in entries.items() if entry is None]
+            chunks = [layout.token_ids[s:e] for s, e in layout.chunk_spans]
+            keys = [chunk_key(self.fingerprint, self.namespace, pkey, c) for c in chunks]
+            entries = {key: self._load(key, c) for key, c in zip(keys, chunks)}
+            n_missed = sum(entries[key] is None for key in keys)
         with _timed(timings, "compute_chunks"):
-            spans = dict(zip(keys, layout.chunk_spans))
-            computed = self._compute_chunks([layout.token_ids[slice(*spans[k])] for k in misses], misses, k_buf, v_buf, P)
+            missing = {key: c for key, c in zip(keys, chunks) if entries[key] is None}
+            computed = self._compute_chunks(missing, k_buf, v_buf, P)
         with _timed(timings, "store"):
             for entry in computed:
                 self.store.put(entry)
-            entries.update({e.key: e for e in computed})
+                entries[entry.key] = entry
         with _timed(timings, "assemble"):
             for key, (s, e) in zip(keys, layout.chunk_spans):
                 entry = entries[key]
@@ -176,8 +177,8 @@ class ReferenceBlender:
             past_key_values=self._cache(k_buf, v_buf),
             layout=layout,
             timings=timings,
-            chunk_hits=len(layout.chunk_spans) - sum(keys.count(k) for k in misses),
-            chunk_misses=sum(keys.count(k) for k in misses),
+            chunk_hits=len(keys) - n_missed,
+            chunk_misses=n_missed,
             scores=selection.scores,
         )
 
@@ -189,6 +190,8 @@ class ReferenceBlender:
         cache = DynamicCache([(k, v) for k, v, *_ in result.past_key_values], config=self.config)
         eos = self.model.generation_config.eos_token_id
         eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if max_new_tokens <= 0:
+            return []
         token = int(result.logits.argmax())
         out = [token]
         while len(out) < max_new_tokens and token not in eos and cache.get_seq_length() + 1 < self.max_len:
@@ -244,12 +247,11 @@ class ReferenceBlender:
             raise ValueError(f"store entry {key} does not match its chunk: KV {tuple(entry.k.shape)}, expected {expected}")
         return entry
 
-    def _compute_chunks(self, chunks: list[torch.Tensor], keys: list[str], k_buf: torch.Tensor,
-                        v_buf: torch.Tensor, prefix_len: int) -> list[ChunkEntry]:
+    def _compute_chunks(self, chunks: dict[str, torch.Tensor], k_buf: torch.Tensor, v_buf: torch.Tensor,
+                        prefix_len: int) -> list[ChunkEntry]:
         """KV of each chunk alone right after the prefix (already in the buffers), batched, as store entries."""
-        unique = dict(zip(keys, chunks))
         entries, batch = [], []
-        for key, ids in sorted(unique.items(), key=lambda kv: kv[1].numel()):  # similar lengths pad least
+        for key, ids in sorted(chunks.items(), key=lambda kv: kv[1].numel()):  # similar lengths pad least
             if batch and (len(batch) + 1) * (prefix_len + ids.numel()) > CHUNK_BATCH_TOKENS:
                 entries += self._compute_batch(batch, k_buf, v_buf, prefix_len)
                 batch = []
