@@ -24,6 +24,10 @@ def register() -> None:
     }
     for target, (fn, kind) in hooks.items():
         HookRegistry.register(target, fn, kind)
+    from . import hints_http, meta_info, metrics  # request contract, meta_info["chunkcache"], /metrics
+
+    for module in (hints_http, meta_info, metrics):
+        module.register()
 
 
 def _report_state(result, controller, *args, **kwargs):

@@ -67,6 +67,6 @@ class Server:
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory, default_model):
-    srv = Server(tmp_path_factory.mktemp("server") / "server.log")
+    srv = Server(tmp_path_factory.mktemp("server") / "server.log", "--enable-metrics")  # /metrics is tested too
     yield srv
     srv.stop()

@@ -1,0 +1,103 @@
+"""Prometheus metrics of chunk reuse, written in the scheduler process and served by SGLang's /metrics.
+
+With `--enable-metrics` SGLang sets PROMETHEUS_MULTIPROC_DIR before it spawns the scheduler, and /metrics (main
+process) aggregates every process's files with prometheus_client's MultiProcessCollector. So metrics created in the
+scheduler need no exporter of their own. `start()` runs once per scheduler (hook on
+`Scheduler.init_metrics_collector`) with SGLang's own decision for that rank, so tensor-parallel ranks do not count
+the same request twice; until then, and when metrics are off, every function here is a no-op.
+"""
+
+from __future__ import annotations
+
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+TIERS = ("host", "disk")  # the chunk store's tiers, as `tier` label values
+SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class _Metrics:
+    def __init__(self, registry=None):
+        # Imported here, not at module level: prometheus_client picks single- or multi-process mode when it is
+        # first imported, and this module is also imported by the main process before SGLang sets the directory.
+        from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+
+        r = registry or REGISTRY
+        self.requests = Counter("chunkcache_requests", "Requests served with chunk reuse, by selector",
+                                ["selector"], registry=r)
+        self.chunk_hits = Counter("chunkcache_chunk_hits", "Hinted chunks found in the chunk store", registry=r)
+        self.chunk_misses = Counter("chunkcache_chunk_misses", "Hinted chunks computed and inserted", registry=r)
+        self.reused_tokens = Counter("chunkcache_reused_tokens", "Prompt tokens whose KV was reused", registry=r)
+        self.recomputed_tokens = Counter("chunkcache_recomputed_tokens", "Prompt tokens recomputed by the blend",
+                                         registry=r)
+        self.select_seconds = Histogram("chunkcache_select_seconds", "Token selection time per request",
+                                        buckets=SECONDS_BUCKETS, registry=r)
+        self.blend_seconds = Histogram("chunkcache_blend_seconds", "Blended prefill time per request, selection "
+                                       "excluded", buckets=SECONDS_BUCKETS, registry=r)
+        # livesum: with data parallelism each scheduler has its own store, and the total is what is held
+        self.store_bytes = Gauge("chunkcache_store_bytes", "Bytes held by the chunk store, by tier", ["tier"],
+                                 multiprocess_mode="livesum", registry=r)
+        self.evictions = Counter("chunkcache_evictions", "Chunk store evictions (all tiers)", registry=r)
+        self.fallbacks = Counter("chunkcache_fallbacks", "Hinted requests computed in full, by reason", ["reason"],
+                                 registry=r)
+        self.evictions_seen = 0  # the store counts evictions cumulatively; the counter gets the increments
+        for tier in TIERS:
+            self.store_bytes.labels(tier).set(0)  # series visible from startup, not only after the first chunk
+
+
+_metrics: _Metrics | None = None
+
+
+def register() -> None:
+    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.init_metrics_collector", _on_scheduler_init,
+                          HookType.AFTER)
+
+
+def _on_scheduler_init(result, scheduler, *args, **kwargs) -> None:
+    start(scheduler.metrics_collector_context.current_scheduler_metrics_enabled)
+
+
+def start(enabled: bool, registry=None) -> None:
+    """Create the metrics (in `registry`, default prometheus_client's) if `enabled`, else turn recording off."""
+    global _metrics
+    _metrics = _Metrics(registry) if enabled else None
+
+
+def record_request(info: dict) -> None:
+    """Count one blended request from its `chunkcache_info` (the dict that also goes to meta_info)."""
+    m = _metrics
+    if m is None:
+        return
+    m.requests.labels(info["selector"]).inc()
+    m.chunk_hits.inc(info["chunk_hits"])
+    m.chunk_misses.inc(info["chunk_misses"])
+    m.reused_tokens.inc(info["reused_tokens"])
+    m.recomputed_tokens.inc(info["recomputed_tokens"])
+    m.select_seconds.observe(info["select_s"])
+    m.blend_seconds.observe(info["blend_s"])
+
+
+def record_fallback(reason: str) -> None:
+    """A hinted request served without reuse; `reason` is a short fixed token (a label value, keep the set small)."""
+    if _metrics is not None:
+        _metrics.fallbacks.labels(reason).inc()
+
+
+def set_store_bytes(tier: str, n: int) -> None:
+    if _metrics is not None:
+        _metrics.store_bytes.labels(tier).set(n)
+
+
+def record_evictions(n: int = 1) -> None:
+    if _metrics is not None and n > 0:
+        _metrics.evictions.inc(n)
+
+
+def set_store_stats(stats) -> None:
+    """Store gauges and evictions from a `chunkcache.store.StoreStats` snapshot."""
+    m = _metrics
+    if m is None:
+        return
+    set_store_bytes("host", stats.memory_bytes)
+    set_store_bytes("disk", stats.disk_bytes)
+    record_evictions(stats.evictions - m.evictions_seen)
+    m.evictions_seen = stats.evictions

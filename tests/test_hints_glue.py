@@ -1,0 +1,183 @@
+"""SGLang glue of the request contract and observability, hook functions driven with small stand-in objects
+(the live path is covered by tests/test_hints_serving.py)."""
+
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry
+from sglang.srt.managers.kv_hints import decode_kv_hints_envelope
+from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+from chunkcache.hints import ACTION_TYPE, HintError
+from sglang_patch import hints_http, meta_info, metrics
+
+
+def envelope(payload, other=True):
+    actions = [{"action_id": "c", "action_type": ACTION_TYPE, "action_version": "1", "payload": payload}]
+    if other:  # someone else's action, which must pass through untouched
+        actions.insert(0, {"action_id": "o", "action_type": "router.pin", "action_version": "3", "payload": {"k": 1}})
+    return decode_kv_hints_envelope({"protocol_version": "1", "message_id": "m", "actions": actions})
+
+
+class Tokenizer:
+    """"Hello world.\\n\\nDoc two?" -> 7 tokens, as a fast tokenizer reports them."""
+
+    is_fast = True
+    ids = [10, 11, 12, 13, 14, 15, 16]
+    offsets = [(0, 5), (5, 11), (11, 12), (12, 14), (14, 17), (17, 21), (21, 22)]
+
+    def __call__(self, text, return_offsets_mapping):
+        assert text == TEXT and return_offsets_mapping
+        return {"input_ids": list(self.ids), "offset_mapping": list(self.offsets)}
+
+
+TEXT = "Hello world.\n\nDoc two?"
+MANAGER = SimpleNamespace(tokenizer=Tokenizer())
+TEXT_REQ = SimpleNamespace(input_ids=None, input_embeds=None)
+IDS_REQ = SimpleNamespace(input_ids=Tokenizer.ids, input_embeds=None)
+
+
+def check(kv_hints, obj, text=None, ids=Tokenizer.ids):
+    tokenized = SimpleNamespace(kv_hints=kv_hints)
+    hints_http.check_request(tokenized, MANAGER, obj, text, ids, None, None, None)
+    return tokenized.kv_hints
+
+
+# --- hints_http -----------------------------------------------------------------------------------------------------
+
+def test_request_without_our_action_is_untouched():
+    assert check(None, IDS_REQ) is None
+    other = decode_kv_hints_envelope({"protocol_version": "1", "message_id": "m", "actions": [
+        {"action_id": "o", "action_type": "router.pin", "action_version": "3", "payload": {"token_spans": "junk"}}]})
+    assert check(other, IDS_REQ) is other
+
+
+def test_embedding_request_has_no_hints_to_check():
+    tokenized = SimpleNamespace()  # TokenizedEmbeddingReqInput has no kv_hints field
+    hints_http.check_request(tokenized, MANAGER, IDS_REQ, None, [1, 2])
+
+
+def test_token_spans_are_validated_and_canonicalised():
+    original = envelope({"token_spans": [[0, 3], [4, 6]], "ratio": 1})
+    out = check(original, IDS_REQ)
+    assert out.actions[0] == original.actions[0]
+    assert out.actions[1].payload == {"token_spans": [[0, 3], [4, 6]], "ratio": 1.0}
+    assert original.actions[1].payload == {"token_spans": [[0, 3], [4, 6]], "ratio": 1}  # frozen, shared: not edited
+
+
+def test_char_spans_become_token_spans_for_text_requests():
+    original = envelope({"char_spans": [[0, 12], [14, 21]], "selector": "full"})
+    out = check(original, TEXT_REQ, text=TEXT)
+    assert out.actions[1].payload == {"token_spans": [[0, 3], [4, 6]], "selector": "full"}
+    assert out.actions[1].action_id == "c" and out.message_id == "m"
+
+
+def test_one_envelope_shared_by_a_batch():
+    """A batch request with one kv_hints dict gives every sub-request the same envelope object."""
+    shared = envelope({"token_spans": [[0, 2]]})
+    first, second = check(shared, IDS_REQ), check(shared, IDS_REQ, ids=[1, 2, 3])
+    assert first is not second and first.actions[1].payload == second.actions[1].payload == {"token_spans": [[0, 2]]}
+    with pytest.raises(HintError, match="contains the last prompt token"):
+        check(shared, IDS_REQ, ids=[1, 2])
+
+
+@pytest.mark.parametrize("payload, obj, text, ids, message", [
+    ({"token_spans": [[0, 7]]}, IDS_REQ, None, Tokenizer.ids, "contains the last prompt token (index 6)"),
+    ({"char_spans": [[0, 5]]}, IDS_REQ, None, Tokenizer.ids, "char_spans is for a text request"),
+    ({"token_spans": [[0, 2]]}, TEXT_REQ, TEXT, Tokenizer.ids, "token_spans is for an input_ids request"),
+    ({"char_spans": [[0, 8]]}, TEXT_REQ, TEXT, Tokenizer.ids, "end offset 8 falls inside token 1"),
+    ({"char_spans": [[0, 5]]}, TEXT_REQ, TEXT, [10, 11, 99], "not a plain tokenization of its text"),
+    ({"token_spans": [[0, 1]]}, SimpleNamespace(input_ids=None, input_embeds=[[0.0]]), None, None,
+     "not input_embeds"),
+])
+def test_bad_hints_raise(payload, obj, text, ids, message):
+    with pytest.raises(HintError) as e:
+        check(envelope(payload), obj, text=text, ids=ids)
+    assert message in str(e.value)
+
+
+def test_slow_tokenizer_cannot_map_char_spans():
+    manager = SimpleNamespace(tokenizer=SimpleNamespace(is_fast=False))
+    with pytest.raises(HintError, match="need a fast tokenizer"):
+        hints_http.check_request(SimpleNamespace(kv_hints=envelope({"char_spans": [[0, 5]]})), manager, TEXT_REQ,
+                                 TEXT, Tokenizer.ids)
+
+
+# --- meta_info ------------------------------------------------------------------------------------------------------
+
+INFO = {"chunk_hits": 2, "chunk_misses": 1, "reused_tokens": 700, "recomputed_tokens": 120, "selector": "full",
+        "ratio": 0.15, "select_s": 0.01, "blend_s": 0.2}
+
+
+def test_scheduler_side_attaches_the_report_as_request_level_info():
+    req = SimpleNamespace(customized_info=None, chunkcache_info=INFO)
+    meta_info.attach(object(), req=req)
+    assert req.customized_info == {"chunkcache": [INFO]}
+    req = SimpleNamespace(customized_info={"x": [1]}, chunkcache_info=INFO)
+    meta_info.attach(object(), req=req)
+    assert req.customized_info == {"x": [1], "chunkcache": [INFO]}
+    plain = SimpleNamespace(customized_info=None)  # a request the blend did not touch
+    meta_info.attach(object(), req=plain)
+    assert plain.customized_info is None
+    assert meta_info.request_level(False, object(), "chunkcache") is True
+    assert meta_info.request_level(False, object(), "other") is None
+
+
+def test_tokenizer_side_puts_the_dict_in_meta_info():
+    """Driven through SGLang's own update_request_meta_info: the other keys keep its per-token accumulation."""
+    manager = SimpleNamespace(_accumulate_request_meta_info=TokenizerManager._accumulate_request_meta_info)
+    original = TokenizerManager.update_request_meta_info
+    original = getattr(original, "__wrapped__", original)
+    customized = {"chunkcache": [[INFO], []], "other": [[1, 2], [3]]}
+    for index, expected in ((0, INFO), (1, None)):
+        state = SimpleNamespace(customized_info_accumulated={}, customized_info_reported_keys=set())
+        info = {}
+        meta_info.to_meta_info(original, manager, info, state, customized, index, None)
+        assert info.get("chunkcache") == expected
+        assert info["other"] == customized["other"][index]
+        assert "chunkcache" not in state.customized_info_accumulated
+
+
+# --- metrics --------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def registry():
+    r = CollectorRegistry()
+    metrics.start(True, registry=r)
+    yield r
+    metrics.start(False)
+
+
+def test_request_counters(registry):
+    metrics.record_request(INFO)
+    metrics.record_request({**INFO, "chunk_hits": 0, "chunk_misses": 3, "selector": "spec"})
+    value = registry.get_sample_value
+    assert value("chunkcache_chunk_hits_total") == 2
+    assert value("chunkcache_chunk_misses_total") == 4
+    assert value("chunkcache_reused_tokens_total") == 1400
+    assert value("chunkcache_recomputed_tokens_total") == 240
+    assert value("chunkcache_requests_total", {"selector": "spec"}) == 1
+    assert value("chunkcache_select_seconds_count") == 2
+    assert value("chunkcache_blend_seconds_sum") == pytest.approx(0.4)
+
+
+def test_store_and_fallback_metrics(registry):
+    value = registry.get_sample_value
+    assert value("chunkcache_store_bytes", {"tier": "host"}) == 0
+    metrics.set_store_stats(SimpleNamespace(memory_bytes=100, disk_bytes=5, evictions=3))
+    metrics.set_store_stats(SimpleNamespace(memory_bytes=80, disk_bytes=7, evictions=5))
+    assert value("chunkcache_store_bytes", {"tier": "host"}) == 80
+    assert value("chunkcache_store_bytes", {"tier": "disk"}) == 7
+    assert value("chunkcache_evictions_total") == 5  # cumulative snapshots, counted once
+    metrics.set_store_bytes("device", 64)
+    assert value("chunkcache_store_bytes", {"tier": "device"}) == 64
+    metrics.record_fallback("logprobs")
+    metrics.record_fallback("logprobs")
+    assert value("chunkcache_fallbacks_total", {"reason": "logprobs"}) == 2
+
+
+def test_metrics_off_is_a_no_op():
+    metrics.start(False)
+    metrics.record_request(INFO)
+    metrics.record_fallback("x")
+    metrics.set_store_stats(SimpleNamespace(memory_bytes=1, disk_bytes=1, evictions=1))
