@@ -46,6 +46,7 @@ class Work:
     ratio: float = 0.0
     selected: torch.Tensor | None = None
     hits: int = 0  # chunks found in the store before pass 1
+    offsets: list[int] = field(default_factory=list)  # where each blended span starts inside its stored chunk
 
     @property
     def blended(self) -> bool:
@@ -64,12 +65,12 @@ def plan(cache, forward_batch, reqs) -> list[Work]:
         seq_len = int(forward_batch.seq_lens_cpu[i])
         exact = int(forward_batch.extend_prefix_lens_cpu[i])
         row = pool[forward_batch.req_pool_indices[i], :seq_len].long()
-        ids = torch.as_tensor(list(req.origin_input_ids)[:seq_len] if seq_len <= len(req.origin_input_ids) else
-                              list(req.origin_input_ids) + list(req.output_ids), dtype=torch.long)[:seq_len]
+        tokens = list(req.origin_input_ids) + list(req.output_ids)
+        ids = torch.as_tensor(tokens[:seq_len], dtype=torch.long)
         work = Work(req, i, row, ids, exact)
         works.append(work)
         payload = find_payload(getattr(req, "kv_hints", None))
-        if payload is None:
+        if payload is None or seq_len - exact == 1:  # no chunks, or a decode step riding in a mixed batch
             continue
         if seq_len != len(req.origin_input_ids):
             cache.fallback(req, "partial_prefill", "chunked prefill or a retracted request: this round is computed in full")
@@ -80,12 +81,15 @@ def plan(cache, forward_batch, reqs) -> list[Work]:
             cache.fallback(req, "bad_hint", str(exc))
             continue
         work.shared = hint.token_spans[0][0]
-        work.spans = [s for s in hint.token_spans if s[0] >= exact]
+        # a chunk the radix match reaches into keeps the tree's exact KV for its head; only its tail is blended
+        work.spans = [(max(s, exact), e) for s, e in hint.token_spans if e > exact]
+        whole = [(s, e) for s, e in hint.token_spans if e > exact]
         work.selector = hint.selector or cache.config.select.selector
         work.ratio = cache.config.select.ratio if hint.ratio is None else hint.ratio
         namespace = hint.namespace or cache.config.store.namespace
         prefix = prefix_key(ids[: work.shared].tolist())
-        work.keys = [chunk_key(cache.fingerprint, namespace, prefix, ids[s:e].tolist()) for s, e in work.spans]
+        work.keys = [chunk_key(cache.fingerprint, namespace, prefix, ids[s:e].tolist()) for s, e in whole]
+        work.offsets = [b - s for (s, _), (b, _) in zip(whole, work.spans)]
         work.entries = [cache.store.get(k) for k in work.keys]
         work.hits = sum(e is not None for e in work.entries)
     return works
@@ -130,7 +134,7 @@ def run(cache, model_runner, forward_batch, reqs):
                 "stages_s": {"match_fill": round(t_fill - t0, 6), "copy": round(t_copy - t_fill, 6),
                              "select": round(t_select - t_copy, 6), "prefill": round(t_end - t_select, 6)},
             }
-            cache.record(w.req.chunkcache_info)
+            cache.record(w.req, w.req.chunkcache_info)
     return result
 
 
@@ -152,7 +156,7 @@ def _fill(cache, model_runner, forward_batch, works, device):
                 missing[key] = (w, j)
     standalone = []
     for key, (w, j) in missing.items():
-        s, e = w.spans[j]
+        s, e = w.spans[j][0] - w.offsets[j], w.spans[j][1]
         n = sum(len(x) for x in ids)
         seg = Segment(slice(n, n + e - s), torch.arange(w.shared, w.shared + e - s, device=device),
                       w.row[: w.shared].to(device), write=False)
@@ -164,7 +168,7 @@ def _fill(cache, model_runner, forward_batch, works, device):
     if segments:
         _forward(model_runner, forward_batch, segments, ids, pos, loc, device)
     for key, w, j, seg in standalone:
-        s, e = w.spans[j]
+        s, e = w.spans[j][0] - w.offsets[j], w.spans[j][1]
         entry = ChunkEntry(key=key, token_ids=w.ids[s:e].clone(),
                            k=torch.stack([k for k, _ in seg.scratch]).cpu(), v=torch.stack([v for _, v in seg.scratch]).cpu(),
                            start_pos=w.shared, model_fingerprint=cache.fingerprint)
@@ -176,13 +180,14 @@ def _fill(cache, model_runner, forward_batch, works, device):
 def _copy_chunks(cache, w: Work):
     """Copy (never alias) each chunk's stored KV into the request's slots, K re-rotated to its new positions."""
     pool = cache.token_to_kv_pool
-    for (s, e), entry in zip(w.spans, w.entries):
+    for (s, e), off, entry in zip(w.spans, w.offsets, w.entries):
         slots = w.row[s:e]
-        k = rerotate(entry.k.to(slots.device), s - entry.start_pos, cache.rope)
+        k = rerotate(entry.k[:, off:].to(slots.device), s - off - entry.start_pos, cache.rope)
+        v = entry.v[:, off:]
         for layer in range(entry.num_layers):
             k_buf, v_buf = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
             k_buf[slots] = k[layer].to(k_buf.dtype)
-            v_buf[slots] = entry.v[layer].to(device=slots.device, dtype=v_buf.dtype)
+            v_buf[slots] = v[layer].to(device=slots.device, dtype=v_buf.dtype)
 
 
 class _Features:

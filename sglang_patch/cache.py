@@ -21,11 +21,9 @@ from chunkcache.rope import RopeSpec
 from chunkcache.select import REGISTRY, Selector
 from chunkcache.store import ChunkStore
 
-from . import metrics
-from .launcher import load_server_config
+from .launcher import BACKEND_NAME, load_server_config
 
 log = logging.getLogger(__name__)
-BACKEND_NAME = "chunkcache"
 ACTIVE: "ChunkRadixCache | None" = None  # the scheduler process's instance (one tree cache per scheduler)
 
 
@@ -60,12 +58,9 @@ class ChunkRadixCache(UnifiedRadixCache):
 
     def fallback(self, req, reason: str, detail: str) -> None:
         log.warning("chunkcache: request %s computed in full (%s): %s", getattr(req, "rid", "?"), reason, detail)
-        metrics.record_fallback(reason)
 
-    def record(self, info: dict) -> None:
-        metrics.record_request(info)
-        stats = self.store.stats()
-        metrics.set_store_stats(stats)
+    def record(self, req, info: dict) -> None:
+        log.info("chunkcache: request %s %s", getattr(req, "rid", "?"), info)
 
     def chunkcache_state(self) -> dict:
         """What /server_info reports under internal_states[i]['chunkcache']."""

@@ -120,7 +120,9 @@ class SglKernelFinder(importlib.abc.MetaPathFinder):
         except (ImportError, OSError) as exc:
             for mod in [m for m in sys.modules if m == self.name or m.startswith(self.name + ".")]:
                 del sys.modules[mod]
-            self.reason = f"{type(exc).__name__}: {exc}"
+            # the real error is often buried in a long diagnostic message: keep its first "...Error: ..." line
+            lines = [ln.strip(" -") for ln in str(exc).splitlines() if "Error:" in ln] or [str(exc)]
+            self.reason = f"{type(exc).__name__}: {lines[0]}"
             log.warning("%s cannot load (%s); using chunkcache's stand-in (ops raise if called)", self.name, self.reason)
             return None
         finally:

@@ -8,9 +8,8 @@ from pathlib import Path
 
 from chunkcache.config import Config
 
-from .cache import BACKEND_NAME
-
 log = logging.getLogger(__name__)
+BACKEND_NAME = "chunkcache"  # --radix-cache-backend name registered by the plugin
 CONFIG_ENV = "CHUNKCACHE_CONFIG"  # how the scheduler process finds the --config file
 
 

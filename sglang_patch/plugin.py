@@ -51,17 +51,16 @@ def _attach_reqs(result, cls, batch, *args, **kwargs):
     return result
 
 
-def _blend_extend(original, runner, forward_batch, *args, **kwargs):
+def _blend_extend(original, runner, forward_batch, pp_proxy_tensors=None):
     from . import blend, cache
 
     reqs = getattr(forward_batch, "chunkcache_reqs", None)
-    if cache.ACTIVE is None or not reqs or not forward_batch.forward_mode.is_extend() or args or kwargs.get("pp_proxy_tensors"):
-        return original(runner, forward_batch, *args, **kwargs)
-    if not any(find_payload(getattr(r, "kv_hints", None)) is not None for r in reqs):
-        return original(runner, forward_batch, *args, **kwargs)
+    if (cache.ACTIVE is None or not reqs or pp_proxy_tensors is not None
+            or not any(find_payload(getattr(r, "kv_hints", None)) is not None for r in reqs)):
+        return original(runner, forward_batch, pp_proxy_tensors)
     if forward_batch.return_logprob:
         for r in reqs:
             cache.ACTIVE.fallback(r, "logprobs", "input logprobs need every prompt token's logits")
-        return original(runner, forward_batch, *args, **kwargs)
+        return original(runner, forward_batch, pp_proxy_tensors)
     out = blend.run(cache.ACTIVE, runner.model_runner, forward_batch, reqs)
-    return original(runner, forward_batch, *args, **kwargs) if out is None else out
+    return original(runner, forward_batch, pp_proxy_tensors) if out is None else out
