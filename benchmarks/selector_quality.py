@@ -36,8 +36,8 @@ def main() -> None:
                                                      "a model name, an HF directory or a .gguf file (name:LAYERS)")
     ap.add_argument("--ratio", type=float, default=0.15)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--chunks", type=int, default=6)
-    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--chunks", type=int, default=4, help="chunks per prompt (each 256-512 tokens)")
+    ap.add_argument("--max-new-tokens", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0, help="first case seed")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default="results/selector_quality.json")
@@ -65,7 +65,8 @@ def main() -> None:
             t = res.timings
             blend = t["total"] - t.get("compute_chunks", 0.0) - t.get("store", 0.0)
             rows.setdefault(label, []).append({
-                "answer": text, "agree": case.extract(text) == case.extract(ref), "same_text": _norm(text) == _norm(ref),
+                "answer": text, "agree": case.extract(text) == case.extract(ref),
+                "same_text": _norm(text) == _norm(ref),
                 "correct": case.correct(text),
                 "select_s": t["select"], "blend_s": blend, "full_s": full.timings["total"],
                 "recomputed": int(res.recomputed.numel()),
@@ -106,7 +107,8 @@ def _report(rows: dict[str, list[dict]], args) -> None:
     tokens = statistics.mean(r["tokens"] for r in rows["full"])
     print(f"\n{args.task}: {n} cases, {tokens:.0f} prompt tokens on average, rho={args.ratio}, model {args.model}")
     print(f"full recompute: correct {sum(r['correct'] for r in rows['full'])}/{n}, prefill {full_s:.2f} s\n")
-    head = f"{'selector':<22}{'agree':>8}{'same text':>11}{'correct':>9}{'select s':>10}{'blend s':>9}{'select/blend':>14}{'full/blend':>12}"
+    head = (f"{'selector':<22}{'agree':>8}{'same text':>11}{'correct':>9}{'select s':>10}{'blend s':>9}"
+            f"{'select/blend':>14}{'full/blend':>12}")
     print(head)
     print("-" * len(head))
     for label, rs in rows.items():

@@ -26,8 +26,8 @@ DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sun
 KEYS = ["amber-falcon", "quiet-river", "silver-maple", "rapid-otter", "broken-clock", "golden-harbor",
         "misty-canyon", "lucky-pebble", "frozen-lantern", "crimson-meadow", "hollow-reed", "velvet-storm"]
 
-_SUBJECTS = ["The city council", "A local bakery", "The museum", "Our neighbour", "The school choir", "A small startup",
-             "The river ferry", "The public library", "An old farmer", "The weather service", "A travelling circus",
+_SUBJECTS = ["The city council", "A local bakery", "The museum", "Our neighbour", "The school choir",
+             "A small startup", "The river ferry", "The public library", "An old farmer", "The weather service", "A travelling circus",
              "The football club", "The night market", "A young painter", "The harbour office", "The train company"]
 _VERBS = ["announced new plans for", "spent the afternoon discussing", "quietly changed", "published a report on",
           "celebrated", "asked volunteers to help with", "raised money for", "postponed", "reviewed", "redesigned"]
@@ -76,8 +76,8 @@ def generate(task: str, seed: int, n_chunks: int = 6, length: tuple[int, int] = 
 def prompt(case: Case, tokenizer) -> tuple[list[int], list[list[int]], list[int]]:
     """(prefix, chunks, query) token ids in the model's chat format; each piece is tokenised on its own, as
     cached chunks are."""
-    head = tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "\x00"}],
-                                         tokenize=False, add_generation_prompt=True)
+    turns = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "\x00"}]
+    head = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
     before, after = head.split("\x00")
     enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     return (enc(before + INSTRUCTION), [enc(c + "\n\n") for c in case.chunks],

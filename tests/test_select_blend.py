@@ -58,10 +58,12 @@ def test_clip_keeps_auxiliary_kv_in_the_chunk_store(blender, prompt, monkeypatch
     draft = blender.draft("self", None)
     calls = []
     real = type(draft).prefill
-    monkeypatch.setattr(type(draft), "prefill", lambda self, ids, past=None: calls.append(ids.numel()) or real(self, ids, past))
+    monkeypatch.setattr(type(draft), "prefill",
+                        lambda self, ids, past=None: calls.append(ids.numel()) or real(self, ids, past))
     blender.blend(*prompt, selector="clip", ratio=0.2)
     assert calls == [len(prompt[0])]  # only the request's prefix: every chunk's auxiliary KV came from the store
-    key = chunk_key(blender.fingerprint, blender.namespace, prefix_key(torch.tensor(prompt[0])), torch.tensor(prompt[1][0]))
+    key = chunk_key(blender.fingerprint, blender.namespace, prefix_key(torch.tensor(prompt[0])),
+                    torch.tensor(prompt[1][0]))
     feats = blender.store.get(key).features
     assert [k for k in feats if k.startswith("clip:")]
 
@@ -83,3 +85,12 @@ def test_draft_with_another_tokenizer(blender, prompt, gemma_draft, name):
     assert _whole_numbers(blender, res)
     again = blender.blend(*prompt, selector=name, ratio=0.2, draft=gemma_draft)
     assert torch.equal(res.recomputed, again.recomputed)
+
+
+def test_spec_per_chunk_scores_each_chunk_once(blender, prompt, monkeypatch):
+    first = blender.blend(*prompt, selector="spec", ratio=0.2, per_chunk=True)
+    assert int(first.layout.context_mask()[first.recomputed].sum()) == first.layout.budget(0.2)
+    draft = blender.draft("self", None)
+    monkeypatch.setattr(type(draft), "importance", lambda *a, **k: pytest.fail("draft ran again"))
+    again = blender.blend(*prompt, selector="spec", ratio=0.2, per_chunk=True)
+    assert torch.equal(first.recomputed, again.recomputed)

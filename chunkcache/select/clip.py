@@ -9,7 +9,6 @@ is run through the auxiliary model once. Budget: exactly K target context tokens
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass
 from typing import ClassVar
@@ -20,7 +19,7 @@ from ..align import Alignment, close_units, unit_ids
 from ..draft import KV, Draft
 from .base import REGISTRY, Features, Layout, Selection, finish
 from .budget import first, fit, rank
-from .view import DraftView, draft_view
+from .view import DraftView, concat, digest, draft_view
 
 
 def window_ids(lengths: list[int], window: int = 8) -> torch.Tensor:
@@ -55,7 +54,7 @@ class ClipSelector:
         prefix = draft_view(draft, layout, features, (0, layout.prefix_len)) if layout.prefix_len else None
         query = draft_view(draft, layout, features, layout.query_span)
         prefix_kv = draft.prefill(prefix.ids) if prefix is not None else None
-        key = f"clip:{draft.fingerprint}:{_digest(prefix.ids if prefix is not None else torch.zeros(0))}"
+        key = f"clip:{draft.fingerprint}:{digest(prefix.ids if prefix is not None else torch.zeros(0))}"
         views: list[DraftView] = []
         scores: list[torch.Tensor] = []
         for i, span in enumerate(layout.chunk_spans):
@@ -64,13 +63,12 @@ class ClipSelector:
             past = kv if prefix_kv is None else torch.cat([prefix_kv, kv], dim=2)
             scores.append(draft.query_attention(past, query.ids)[past.shape[2] - view.n :])
             views.append(view)
-        att = torch.cat(scores)
-        align = _merge(views, layout.n)
-        candidates = torch.cat([v.candidates for v in views])
+        att, chunks = torch.cat(scores), concat(views, layout.n)
         windows = window_ids([v.n for v in views], self.window)
         units = unit_ids(*features.prompt_text()) if self.whole_units else None
-        picked = self.pick(layout, ratio, align, att, candidates, windows, units)
-        return finish(layout, picked.nonzero().flatten(), align.project_scores(att).float(), time.perf_counter() - t0)
+        picked = self.pick(layout, ratio, chunks.align, att, chunks.candidates, windows, units)
+        return finish(layout, picked.nonzero().flatten(), chunks.align.project_scores(att).float(),
+                      time.perf_counter() - t0)
 
     def pick(self, layout: Layout, ratio: float, align: Alignment, att: torch.Tensor, candidates: torch.Tensor,
              windows: torch.Tensor, units: torch.Tensor | None) -> torch.Tensor:
@@ -92,16 +90,3 @@ class ClipSelector:
             slot[key] = draft.prefill(view.ids, past=prefix_kv).cpu()
         return slot[key].to(draft.device)
 
-
-def _merge(views: list[DraftView], n_target: int) -> Alignment:
-    """One alignment for the chunks' draft tokens laid end to end."""
-    src, dst, off = [], [], 0
-    for v in views:
-        src.append(v.align.src + off)
-        dst.append(v.align.dst)
-        off += v.n
-    return Alignment((torch.cat(src), torch.cat(dst)), off, n_target)
-
-
-def _digest(ids: torch.Tensor) -> str:
-    return hashlib.blake2b(ids.to(torch.int64).numpy().tobytes(), digest_size=8).hexdigest()

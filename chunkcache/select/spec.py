@@ -3,6 +3,10 @@ layers (Eq. 1); top-K; semantic span completion (Eq. 3-6); cross-tokenizer align
 
 Budget: the final set holds exactly K target context tokens (budget.fit). Numbers and words are recomputed
 whole or not at all when `whole_units` is set (the alignment is closed over align.unit_ids).
+
+`per_chunk` trades the paper's full-prompt draft pass for one draft pass per chunk (shared prefix + chunk), kept
+in the chunk store like the chunk's KV: a request then costs no draft forward at all, at the price of hidden
+states that have not seen the other chunks.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from ..align import close_units, unit_ids
 from ..draft import Draft
 from .base import REGISTRY, Features, Layout, Selection, finish
 from .budget import first, fit, rank
-from .view import DraftView, draft_view
+from .view import DraftView, concat, digest, draft_view
 
 
 def segment_spans(scores: torch.Tensor, tau_smooth: float = 0.4, max_span: int = 16) -> torch.Tensor:
@@ -58,12 +62,16 @@ class SpecSelector:
     max_span: int = 16  # longest span
     deep_fraction: float = 1 / 3  # Eq. 1 averages the last third of the draft's layers
     whole_units: bool = True  # close the target selection over whole numbers / words
+    per_chunk: bool = False  # score each chunk once after the shared prefix (stored) instead of the whole prompt
 
     def select(self, layout: Layout, ratio: float, features: Features) -> Selection:
         t0 = time.perf_counter()
         draft = self.draft if isinstance(self.draft, Draft) else features.draft(self.draft, self.layers)
-        view = draft_view(draft, layout, features)
-        imp = draft.importance(view.ids, self.deep_fraction)
+        if self.per_chunk:
+            view, imp = self._stored_importance(draft, layout, features)
+        else:
+            view = draft_view(draft, layout, features)
+            imp = draft.importance(view.ids, self.deep_fraction)
         units = unit_ids(*features.prompt_text()) if self.whole_units else None
         picked = self.pick(layout, ratio, view, imp, units)
         scores = view.align.project_scores(imp).float()
@@ -87,3 +95,20 @@ class SpecSelector:
             return close_units(out, units) & ctx if units is not None else out
 
         return fit(layout.budget(ratio), order.numel(), expand, view.align.project_scores(imp), ctx, units)
+
+    def _stored_importance(self, draft: Draft, layout: Layout, features: Features) -> tuple[DraftView, torch.Tensor]:
+        """Eq. 1 per chunk, computed on (prefix + chunk) the first time the chunk is seen and kept in its store
+        entry; the chunks' draft tokens laid end to end."""
+        prefix = draft_view(draft, layout, features, (0, layout.prefix_len)).ids if layout.prefix_len else None
+        after = digest(prefix if prefix is not None else torch.zeros(0))
+        key = f"spec:{draft.fingerprint}:{self.deep_fraction:.4f}:{after}"
+        views, imps = [], []
+        for i, span in enumerate(layout.chunk_spans):
+            view = draft_view(draft, layout, features, span)
+            slot = features.chunk_features(i)
+            if key not in slot:
+                ids = view.ids if prefix is None else torch.cat([prefix, view.ids])
+                slot[key] = draft.importance(ids, self.deep_fraction)[ids.numel() - view.n :]
+            views.append(view)
+            imps.append(slot[key])
+        return concat(views, layout.n), torch.cat(imps)

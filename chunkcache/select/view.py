@@ -3,6 +3,7 @@ the target's tokens (identity when the draft shares the target's vocabulary, cha
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -44,3 +45,19 @@ def draft_view(draft: Draft, layout: Layout, features: Features, span: tuple[int
     candidates = torch.zeros(int(ids.numel()), dtype=torch.bool)
     candidates[align.src[layout.context_mask()[align.dst]]] = True
     return DraftView(ids, align, candidates, body_start)
+
+
+def concat(views: list[DraftView], n_target: int) -> DraftView:
+    """Several stretches' views laid end to end (e.g. every chunk, each tokenised by the draft on its own)."""
+    src, dst, off = [], [], 0
+    for v in views:
+        src.append(v.align.src + off)
+        dst.append(v.align.dst)
+        off += v.n
+    align = Alignment((torch.cat(src), torch.cat(dst)), off, n_target)
+    return DraftView(torch.cat([v.ids for v in views]), align, torch.cat([v.candidates for v in views]), 0)
+
+
+def digest(ids: torch.Tensor) -> str:
+    """Short content hash of draft token ids: names per-chunk features computed after a given prefix."""
+    return hashlib.blake2b(ids.to(torch.int64).numpy().tobytes(), digest_size=8).hexdigest()
