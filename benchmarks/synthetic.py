@@ -28,12 +28,14 @@ KEYS = ["amber-falcon", "quiet-river", "silver-maple", "rapid-otter", "broken-cl
 
 _SUBJECTS = ["The city council", "A local bakery", "The museum", "Our neighbour", "The school choir",
              "A small startup", "The river ferry", "The public library", "An old farmer", "The weather service",
-             "A travelling circus", "The football club", "The night market", "A young painter", "The harbour office", "The train company"]
+             "A travelling circus", "The football club", "The night market", "A young painter", "The harbour office",
+             "The train company"]
 _VERBS = ["announced new plans for", "spent the afternoon discussing", "quietly changed", "published a report on",
           "celebrated", "asked volunteers to help with", "raised money for", "postponed", "reviewed", "redesigned"]
 _OBJECTS = ["the spring festival", "the opening hours", "a bicycle lane", "the annual budget", "the old bridge",
             "a community garden", "the bus timetable", "a photography contest", "the harvest fair",
-            "the recycling rules", "a charity concert", "the playground", "the winter schedule", "a reading club", "the fish market"]
+            "the recycling rules", "a charity concert", "the playground", "the winter schedule", "a reading club",
+            "the fish market"]
 _TAILS = ["last week.", "after a long debate.", "to the surprise of many residents.", "without much fuss.",
           "for the second time this year.", "despite the rain.", "before the holidays.", "with mixed results.",
           "in front of a large crowd.", "according to the newsletter."]
