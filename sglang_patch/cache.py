@@ -21,6 +21,7 @@ from chunkcache.rope import RopeSpec
 from chunkcache.select import REGISTRY, Selector
 from chunkcache.store import ChunkStore
 
+from . import metrics
 from .launcher import BACKEND_NAME, load_server_config
 
 log = logging.getLogger(__name__)
@@ -58,14 +59,19 @@ class ChunkRadixCache(UnifiedRadixCache):
 
     def fallback(self, req, reason: str, detail: str) -> None:
         log.warning("chunkcache: request %s computed in full (%s): %s", getattr(req, "rid", "?"), reason, detail)
+        metrics.record_fallback(reason)
 
     def record(self, req, info: dict) -> None:
         log.info("chunkcache: request %s %s", getattr(req, "rid", "?"), info)
+        metrics.record_request(info)
+        metrics.set_store_stats(self.store.stats())
 
     def chunkcache_state(self) -> dict:
         """What /server_info reports under internal_states[i]['chunkcache']."""
         return {"backend": BACKEND_NAME, "tree_cache": type(self).__name__, "scheduler_pid": os.getpid(),
-                "store": dataclasses.asdict(self.store.stats())}
+                "store": dataclasses.asdict(self.store.stats()),
+                "kv_pool": {"available": int(self.token_to_kv_pool_allocator.available_size()),
+                            "evictable": int(self.evictable_size()), "protected": int(self.protected_size())}}
 
 
 def factory(ctx: TreeCacheBuildContext) -> ChunkRadixCache:

@@ -1,0 +1,117 @@
+"""TTFT of chunk reuse vs stock SGLang prefix caching on the shuffled-chunk RAG workload, measured in one run.
+
+Workload: a fixed pool of documents (~380 words each); every request takes 8 of them in a fresh random order plus a
+question. Stock requests (no hints) use SGLang's radix prefix cache; chunkcache requests carry the chunk hints. Both
+go to one engine started with the chunkcache backend (the stock path is SGLang's own code, untouched), alternating,
+so machine noise hits both sides alike. TTFT = wall time of a 1-token generation.
+
+    .venv/bin/python benchmarks/ttft_shuffled.py --requests 5 --selectors none,epic,prophet,spec
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+WORDS = ("the river city north market council bridge winter harvest museum library station engineer doctor "
+         "garden history mountain festival report village").split()
+
+
+def make_docs(tok, n_docs: int, words: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [tok.encode(f"Document {i}. " + " ".join(rng.choice(WORDS) for _ in range(words))
+                       + f" The archive number of document {i} is {10000 + 37 * i}.\n", add_special_tokens=False)
+            for i in range(n_docs)]
+
+
+def hints(spans, selector, ratio):
+    return {"protocol_version": "1", "message_id": "bench", "actions": [{
+        "action_id": "c", "action_type": "chunkcache.chunks", "action_version": "1",
+        "payload": {"token_spans": spans, "selector": selector, "ratio": ratio}}]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=5, help="measured requests per side")
+    ap.add_argument("--chunks", type=int, default=8)
+    ap.add_argument("--docs", type=int, default=12, help="document pool the requests draw from")
+    ap.add_argument("--words", type=int, default=380)
+    ap.add_argument("--ratio", type=float, default=0.15)
+    ap.add_argument("--selectors", default="none,epic,prophet")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from chunkcache.config import Config
+    from chunkcache.models import resolve_model
+    from sglang_patch.launcher import prepare_environment, server_settings
+
+    prepare_environment(None)
+    import sglang as sgl
+    from tqdm import tqdm
+
+    path = resolve_model("smollm2-135m-instruct")
+    tok = AutoTokenizer.from_pretrained(path)
+    settings = server_settings(path, Config())
+    del settings["host"], settings["port"]
+    engine = sgl.Engine(**settings, log_level="error")
+    docs = make_docs(tok, args.docs, args.words, args.seed)
+    prefix = tok.encode("<|im_start|>system\nAnswer using the documents.<|im_end|>\n<|im_start|>user\n",
+                        add_special_tokens=False)
+    rng = random.Random(args.seed)
+
+    def request(order):
+        ids, spans = list(prefix), []
+        for i in order:
+            spans.append([len(ids), len(ids) + len(docs[i])])
+            ids += docs[i]
+        ids += tok.encode(f"What is the archive number of document {order[0]}?<|im_end|>\n<|im_start|>assistant\n",
+                          add_special_tokens=False)
+        return ids, spans
+
+    def timed(ids, kv_hints=None):
+        t = time.perf_counter()
+        out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0}, kv_hints=kv_hints)
+        return time.perf_counter() - t, out["meta_info"].get("chunkcache")
+
+    selectors = args.selectors.split(",")
+    # warm-up: every document enters the chunk store once (misses are computed standalone and stored)
+    for start in range(0, args.docs, args.chunks):
+        order = [(start + j) % args.docs for j in range(args.chunks)]
+        ids, spans = request(order)
+        timed(ids, hints(spans, "none", args.ratio))
+    rows = {name: [] for name in ["stock", *selectors]}
+    stages = {name: [] for name in selectors}
+    n_tokens = []
+    for _ in tqdm(range(args.requests), desc="requests"):
+        order = rng.sample(range(args.docs), args.chunks)
+        ids, spans = request(order)
+        n_tokens.append(len(ids))
+        rows["stock"].append(timed(ids)[0])
+        for name in selectors:
+            seconds, info = timed(ids, hints(spans, name, args.ratio))
+            rows[name].append(seconds)
+            stages[name].append(info)
+    engine.shutdown()
+
+    stock = statistics.median(rows["stock"])
+    print(f"\nprompt tokens: median {statistics.median(n_tokens)}; {args.chunks} chunks; rho={args.ratio}; "
+          f"{args.requests} requests per side")
+    print(f"{'side':<10}{'TTFT median s':>15}{'speed-up vs stock':>19}{'hits':>6}{'recomputed':>12}"
+          f"{'fill s':>8}{'copy s':>8}{'select s':>10}{'prefill s':>11}")
+    print(f"{'stock':<10}{stock:>15.3f}{1.0:>19.2f}")
+    for name in selectors:
+        med = statistics.median(rows[name])
+        infos = [i for i in stages[name] if i]
+        def m(key, sub=None):
+            vals = [(i["stages_s"][key] if sub else i[key]) for i in infos]
+            return statistics.median(vals) if vals else float("nan")
+        print(f"{name:<10}{med:>15.3f}{stock / med:>19.2f}{m('chunk_hits'):>6.0f}{m('recomputed_tokens'):>12.0f}"
+              f"{m('match_fill', 1):>8.3f}{m('copy', 1):>8.3f}{m('select', 1):>10.3f}{m('prefill', 1):>11.3f}")
+
+
+if __name__ == "__main__":
+    main()

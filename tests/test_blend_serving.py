@@ -1,0 +1,122 @@
+"""Chunk reuse inside SGLang's engine on this CPU, against stock SGLang on the same prompts (the oracle)."""
+
+import random
+
+import pytest
+
+pytestmark = pytest.mark.slow
+WORDS = "alpha beta gamma delta river mountain city blue green red fast slow north south".split()
+
+
+def hints(spans, **payload):
+    return {"protocol_version": "1", "message_id": "t", "actions": [{
+        "action_id": "c", "action_type": "chunkcache.chunks", "action_version": "1",
+        "payload": {"token_spans": spans, **payload}}]}
+
+
+class Rag:
+    """RAG prompts from fixed documents: [system prefix][doc]...[doc][question], each piece tokenized alone."""
+
+    def __init__(self, tokenizer, n_docs=6, words=120, seed=0):
+        rng = random.Random(seed)
+        self.tok = tokenizer
+        self.docs = [tokenizer.encode(f"Document {i}: " + " ".join(rng.choice(WORDS) for _ in range(words))
+                                      + f". The code of document {i} is {4000 + 7 * i}.\n", add_special_tokens=False)
+                     for i in range(n_docs)]
+        self.prefix = tokenizer.encode("<|im_start|>system\nAnswer from the documents.<|im_end|>\n<|im_start|>user\n",
+                                       add_special_tokens=False)
+
+    def build(self, order, question):
+        ids, spans = list(self.prefix), []
+        for i in order:
+            spans.append([len(ids), len(ids) + len(self.docs[i])])
+            ids += self.docs[i]
+        ids += self.tok.encode(f"{question}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+        return ids, spans
+
+
+@pytest.fixture(scope="module")
+def engine(default_model, tmp_path_factory):
+    from chunkcache.config import Config
+    from sglang_patch.launcher import prepare_environment, server_settings
+
+    config = tmp_path_factory.mktemp("cfg") / "c.yaml"
+    config.write_text("select:\n  selector: full\n  ratio: 0.15\n")
+    prepare_environment(config)
+    import sglang as sgl
+
+    settings = server_settings(default_model, Config())
+    del settings["host"], settings["port"]
+    eng = sgl.Engine(**settings, max_total_tokens=6000, log_level="error")
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def rag(default_model):
+    from transformers import AutoTokenizer
+
+    return Rag(AutoTokenizer.from_pretrained(default_model))
+
+
+def gen(engine, ids, kv_hints=None, n=12):
+    return engine.generate(input_ids=ids, sampling_params={"max_new_tokens": n, "temperature": 0}, kv_hints=kv_hints)
+
+
+def test_full_selector_matches_stock_sglang(engine, rag):
+    rng = random.Random(1)
+    for k in range(5):
+        order = rng.sample(range(len(rag.docs)), 4)
+        ids, spans = rag.build(order, f"What is the code of document {order[k % 4]}?")
+        stock = gen(engine, ids)
+        blended = gen(engine, ids, hints(spans, selector="full"))
+        assert blended["meta_info"]["chunkcache"]["selector"] == "full"
+        assert blended["output_ids"] == stock["output_ids"], (order, blended["text"], stock["text"])
+
+
+def test_reordered_chunks_hit_and_reuse(engine, rag):
+    ids, spans = rag.build([0, 1, 2], "What is the code of document 1?")
+    gen(engine, ids, hints(spans, selector="none", namespace="reorder"))
+    ids, spans = rag.build([2, 0, 1], "What is the code of document 0?")
+    info = gen(engine, ids, hints(spans, selector="none", namespace="reorder"))["meta_info"]["chunkcache"]
+    assert info["chunk_hits"] == 3 and info["chunk_misses"] == 0
+    chunk_tokens = sum(e - s for s, e in spans)
+    assert info["reused_tokens"] == chunk_tokens  # `none` recomputes no chunk token
+    assert info["recomputed_tokens"] == len(ids) - spans[-1][1] + 0  # only the question (with the last token)
+
+
+@pytest.mark.parametrize("selector", ["none", "epic", "prophet"])
+def test_selectors_respect_the_budget(engine, rag, selector):
+    ids, spans = rag.build([3, 4, 5, 0], "What is the code of document 4?")
+    out = gen(engine, ids, hints(spans, selector=selector, ratio=0.15, namespace="budget"))
+    info = out["meta_info"]["chunkcache"]
+    assert out["meta_info"]["completion_tokens"] > 0
+    n_ctx = sum(e - s for s, e in spans)
+    forced = len(ids) - spans[-1][1]
+    budget = 0 if selector == "none" else -(-15 * n_ctx // 100)
+    assert info["recomputed_tokens"] == forced + budget
+    assert info["reused_tokens"] + info["recomputed_tokens"] == n_ctx + forced
+
+
+def kv_pool(engine):
+    return engine.get_server_info()["internal_states"][0]["chunkcache"]["kv_pool"]
+
+
+def test_many_requests_over_a_small_pool_evict_and_do_not_leak_slots(engine, rag):
+    before = kv_pool(engine)
+    total = before["available"] + before["evictable"]
+    assert before["protected"] == 0
+    rng = random.Random(2)
+    big = Rag(rag.tok, n_docs=30, words=100, seed=3)
+    served = 0
+    for k in range(50):
+        order = rng.sample(range(30), 4)
+        ids, spans = big.build(order, f"Code of document {order[0]}?")
+        out = gen(engine, ids, hints(spans, selector="epic", ratio=0.15, namespace="evict"), n=2)
+        served += len(ids)
+        assert out["meta_info"]["completion_tokens"] > 0
+    after = kv_pool(engine)
+    assert served > 3 * total, "the workload must not fit in the pool, so eviction has to happen"
+    assert after["protected"] == 0 and after["available"] + after["evictable"] == total
+    engine.flush_cache()
+    assert kv_pool(engine)["available"] == total
