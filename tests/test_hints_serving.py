@@ -21,10 +21,10 @@ def kv_hints(payload, *extra_actions):
     return {"protocol_version": "1", "message_id": "m1", "actions": actions}
 
 
-def rag_prompt():
+def rag_prompt(chunks=CHUNKS):
     """The prompt text and each chunk's character span, as a client assembling it would compute them."""
     text, spans = "Answer from the passages.\n\n", []
-    for chunk in CHUNKS:
+    for chunk in chunks:
         spans.append([len(text), len(text) + len(chunk)])
         text += chunk
     return text + QUESTION, spans
@@ -65,8 +65,9 @@ def test_char_spans_request_is_served(server):
 
 
 def test_hinted_request_reports_chunk_reuse(server):
-    """meta_info["chunkcache"] is what the blend (sglang_patch/blend.py) sets on the scheduler's Req."""
-    text, spans = rag_prompt()
+    """meta_info["chunkcache"] is what the blend (sglang_patch/blend.py) sets on the scheduler's Req. The chunks in
+    another order than above, so the radix tree cannot serve the whole prompt as an exact prefix."""
+    text, spans = rag_prompt(CHUNKS[::-1])
     r = generate(server, text=text, kv_hints=kv_hints({"char_spans": spans, "selector": "full"}))
     report = r.json()["meta_info"].get("chunkcache")
     assert report is not None, "the blend did not report on a hinted request (did it run?)"
