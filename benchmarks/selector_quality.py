@@ -36,12 +36,18 @@ def main() -> None:
                                                      "a model name, an HF directory or a .gguf file (name:LAYERS)")
     ap.add_argument("--ratio", type=float, default=0.15)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--chunks", type=int, default=4, help="chunks per prompt (each 256-512 tokens)")
-    ap.add_argument("--max-new-tokens", type=int, default=12)
+    ap.add_argument("--chunks", type=int, default=3, help="chunks per prompt, each 256-512 tokens (ProphetKV App. B: 3)")
+    ap.add_argument("--max-new-tokens", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0, help="first case seed")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default="results/selector_quality.json")
+    ap.add_argument("--report", action="store_true", help="only print the table of an earlier run's --out file")
     args = ap.parse_args()
+    out = Path(args.out)
+    if args.report:
+        saved = json.loads(out.read_text())
+        return _report(saved["rows"], argparse.Namespace(**saved["args"]))
+    out.parent.mkdir(parents=True, exist_ok=True)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -71,10 +77,8 @@ def main() -> None:
                 "select_s": t["select"], "blend_s": blend, "full_s": full.timings["total"],
                 "recomputed": int(res.recomputed.numel()),
             })
+        out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))  # a cut-short run keeps its cases
     _report(rows, args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     print(f"per-case results: {out}")
 
 
