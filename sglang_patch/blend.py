@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from chunkcache.align import decode_with_offsets
 from chunkcache.hashing import chunk_key, prefix_key
 from chunkcache.hints import HintError, find_payload, parse
 from chunkcache.rope import rerotate
@@ -209,9 +210,13 @@ class _Features:
         raise NotImplementedError("kv_deviation (cacheblend) is not available on the SGLang path yet")
 
     def prompt_text(self):
-        tok = self.cache.tokenizer
-        enc = tok(tok.decode(self.w.ids.tolist()), return_offsets_mapping=True, add_special_tokens=False)
-        return tok.decode(self.w.ids.tolist()), [tuple(o) for o in enc["offset_mapping"]]
+        return decode_with_offsets(self.cache.tokenizer, self.w.ids.tolist())
+
+    def draft(self, model: str, layers: int | None):
+        return self.cache.draft(model, layers)
+
+    def chunk_features(self, index: int) -> dict[str, torch.Tensor]:
+        return self.w.entries[index].features
 
 
 def _select(cache, model_runner, forward_batch, w: Work, device) -> torch.Tensor:

@@ -13,6 +13,8 @@ import dataclasses
 import logging
 import os
 
+import torch
+
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_unified_radix_cache
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
@@ -40,6 +42,7 @@ class ChunkRadixCache(UnifiedRadixCache):
         self.store = ChunkStore.from_config(self.config.store, self.fingerprint)
         self.model_path = model_path
         self._selectors: dict[str, Selector] = {}
+        self._drafts: dict = {}
         self._tokenizer = None
         ACTIVE = self
         log.info("chunkcache: radix cache backend %r active in scheduler pid %d", BACKEND_NAME, os.getpid())
@@ -48,6 +51,20 @@ class ChunkRadixCache(UnifiedRadixCache):
         if name not in self._selectors:
             self._selectors[name] = REGISTRY.create(name, **self.config.select.options.get(name, {}))
         return self._selectors[name]
+
+    def draft(self, model: str, layers: int | None):
+        """Draft for draft-guided selectors, loaded once. "self" here loads the target's HF weights a second time
+        (SGLang's fused modules cannot run the transformers draft code), so it costs the draft's weight memory."""
+        if (model, layers) not in self._drafts:
+            from chunkcache.draft import load
+
+            target, device = None, self.token_to_kv_pool.device
+            if model == "self":
+                from transformers import AutoModelForCausalLM
+
+                target = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, self.config.draft.dtype)).to(device)
+            self._drafts[model, layers] = load(model, layers, self.config.draft.dtype, device, target=target)
+        return self._drafts[model, layers]
 
     @property
     def tokenizer(self):
