@@ -33,7 +33,7 @@ class DraftConfig:
 
 @dataclass
 class SelectConfig:
-    selector: str = "prophet"  # default selector (cheap: the query tokens only): full | none | epic | cacheblend | prophet | spec | clip
+    selector: str = "prophet"  # default selector: full, none, epic, cacheblend, prophet, spec or clip
     ratio: float = 0.15  # recompute budget rho over reused context tokens, in [0, 1]
     options: dict[str, Any] = field(default_factory=dict)  # per-selector keyword options, keyed by selector name
 
