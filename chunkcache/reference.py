@@ -200,8 +200,10 @@ class ReferenceBlender:
             out.append(token)
         return out
 
-    def draft(self, model: str = "self", layers: int | None = None, dtype: str = "float32") -> Draft:
-        """The draft model for draft-guided selectors, loaded once ("self": this model's first `layers` layers)."""
+    def draft(self, model: str | None = None, layers: int | None = None, dtype: str = "float32") -> Draft:
+        """The draft model for draft-guided selectors, loaded once ("self", the default: this model's first
+        `layers` layers, a third of them by default)."""
+        model = model or "self"
         if (model, layers) not in self._drafts:
             self._drafts[model, layers] = load_draft(model, layers, dtype, self.device, target=self.model)
         return self._drafts[model, layers]
@@ -416,7 +418,7 @@ class _RequestFeatures(Features):
             self._text = decode_with_offsets(self.blender.tokenizer, self.layout.token_ids.tolist())
         return self._text
 
-    def draft(self, model: str, layers: int | None) -> Draft:
+    def draft(self, model: str | None, layers: int | None) -> Draft:
         return self.blender.draft(model, layers)
 
     def chunk_features(self, index: int) -> dict[str, torch.Tensor]:

@@ -55,7 +55,7 @@ def test_budget_exact_and_deterministic(blender, prompt, name, ratio):
 
 def test_clip_keeps_auxiliary_kv_in_the_chunk_store(blender, prompt, monkeypatch):
     blender.blend(*prompt, selector="clip", ratio=0.2)
-    draft = blender.draft("self", None)
+    draft = blender.draft()
     calls = []
     real = type(draft).prefill
     monkeypatch.setattr(type(draft), "prefill",
@@ -90,7 +90,21 @@ def test_draft_with_another_tokenizer(blender, prompt, gemma_draft, name):
 def test_spec_per_chunk_scores_each_chunk_once(blender, prompt, monkeypatch):
     first = blender.blend(*prompt, selector="spec", ratio=0.2, per_chunk=True)
     assert int(first.layout.context_mask()[first.recomputed].sum()) == first.layout.budget(0.2)
-    draft = blender.draft("self", None)
+    draft = blender.draft()
     monkeypatch.setattr(type(draft), "importance", lambda *a, **k: pytest.fail("draft ran again"))
     again = blender.blend(*prompt, selector="spec", ratio=0.2, per_chunk=True)
     assert torch.equal(first.recomputed, again.recomputed)
+
+
+def test_selectors_from_yaml_config(blender, prompt, tmp_path):
+    from chunkcache.config import Config
+    from chunkcache.select import create
+
+    path = tmp_path / "c.yaml"
+    path.write_text("select:\n  selector: spec\n  ratio: 0.2\n  options:\n    spec: {draft: self, layers: 2, max_span: 8}\n")
+    cfg = Config.load(path).select
+    selector = create(cfg.selector, **cfg.options[cfg.selector])
+    assert selector.layers == 2 and selector.max_span == 8
+    res = blender.blend(*prompt, selector=selector, ratio=cfg.ratio)
+    assert int(res.layout.context_mask()[res.recomputed].sum()) == res.layout.budget(0.2)
+    assert blender.draft("self", 2).n_layers == 2

@@ -85,9 +85,10 @@ class Features(Protocol):
         (`chunkcache.align.decode_with_offsets` computes both from the token ids)."""
         ...
 
-    def draft(self, model: str, layers: int | None) -> "Draft":
+    def draft(self, model: str | None, layers: int | None) -> "Draft":
         """The engine's in-process draft model (`chunkcache.draft.load`), loaded once and kept by the engine:
-        "self" is the target truncated to its first `layers` layers, anything else a model name or path."""
+        "self" is the target truncated to its first `layers` layers, anything else a model name or path;
+        None (model or layers) takes the engine's configured draft (config.DraftConfig)."""
         ...
 
     def chunk_features(self, index: int) -> dict[str, torch.Tensor]:

@@ -42,8 +42,8 @@ def group(picked: torch.Tensor, windows: torch.Tensor, min_picked: int = 5) -> t
 @dataclass(frozen=True, eq=False)
 class ClipSelector:
     name: ClassVar[str] = "clip"
-    draft: str | Draft = "self"  # the auxiliary model: a loaded Draft, or a name the engine resolves (Features.draft)
-    layers: int | None = None  # auxiliary depth (None: a third of the target for "self", all layers otherwise)
+    draft: str | Draft | None = None  # auxiliary model: a Draft, a name the engine resolves, None: the engine's own
+    layers: int | None = None  # auxiliary depth (None: the engine's; "self" defaults to a third of the target)
     window: int = 8  # grouping window, in auxiliary tokens
     min_picked: int = 5  # picks a window needs to be kept
     whole_units: bool = True  # close the target selection over whole numbers / words

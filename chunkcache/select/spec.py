@@ -55,8 +55,8 @@ def complete_spans(span_ids: torch.Tensor, init: torch.Tensor, tau_cover: float 
 @dataclass(frozen=True, eq=False)
 class SpecSelector:
     name: ClassVar[str] = "spec"
-    draft: str | Draft = "self"  # a loaded Draft, or a name the engine resolves (Features.draft): "self", model, path
-    layers: int | None = None  # draft depth (None: a third of the target for "self", all layers otherwise)
+    draft: str | Draft | None = None  # a loaded Draft, a name the engine resolves ("self", model, path), None: its own
+    layers: int | None = None  # draft depth (None: the engine's; "self" defaults to a third of the target)
     tau_smooth: float = 0.4  # span cut threshold on the relative score change (Eq. 4)
     tau_cover: float = 0.7  # a span is completed when this share of it is already picked (Eq. 5)
     max_span: int = 16  # longest span
