@@ -6,7 +6,7 @@ selection time relative to the blended prefill (chunks already in the store). Ag
 the replies give (the cities / numbers / names they name), `same text` the first lines verbatim.
 
     .venv/bin/python benchmarks/selector_quality.py --n 30 --selectors epic,cacheblend,prophet,spec,clip
-    .venv/bin/python benchmarks/selector_quality.py --n 10 --selectors spec --drafts self,self:4,/path/model.gguf
+    .venv/bin/python benchmarks/selector_quality.py --n 10 --selectors spec,spec:per_chunk=true --drafts self,self:4
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -83,17 +84,20 @@ def main() -> None:
 
 
 def _runs(selectors: list[str], drafts: list[str], blender: ReferenceBlender) -> list[tuple[str, str, dict]]:
-    """(label, selector, options) per row; draft-guided selectors get one row per draft, loaded up front."""
+    """(label, selector, options) per row. A selector item may carry options, `spec:per_chunk=true,max_span=8`;
+    draft-guided selectors get one row per draft, loaded up front."""
     runs = []
-    for name in selectors:
+    for item in selectors:
+        name, _, opts = item.partition(":")
+        options = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in opts.split(",") if o)}
         if name not in ("spec", "clip"):
-            runs.append((name, name, {}))
+            runs.append((item, name, options))
             continue
         for d in drafts:
             model, _, layers = d.partition(":")
             draft = blender.draft(model, int(layers) if layers else None)
-            label = name if len(drafts) == 1 else f"{name}[{Path(model).name}:{draft.n_layers}]"
-            runs.append((label, name, {"draft": draft}))
+            label = item if len(drafts) == 1 else f"{item}[{Path(model).name}:{draft.n_layers}]"
+            runs.append((label, name, {**options, "draft": draft}))
     return runs
 
 
@@ -111,7 +115,7 @@ def _report(rows: dict[str, list[dict]], args) -> None:
     tokens = statistics.mean(r["tokens"] for r in rows["full"])
     print(f"\n{args.task}: {n} cases, {tokens:.0f} prompt tokens on average, rho={args.ratio}, model {args.model}")
     print(f"full recompute: correct {sum(r['correct'] for r in rows['full'])}/{n}, prefill {full_s:.2f} s\n")
-    head = (f"{'selector':<22}{'agree':>8}{'same text':>11}{'correct':>9}{'select s':>10}{'blend s':>9}"
+    head = (f"{'selector':<30}{'agree':>8}{'same text':>11}{'correct':>9}{'select s':>10}{'blend s':>9}"
             f"{'select/blend':>14}{'full/blend':>12}")
     print(head)
     print("-" * len(head))
@@ -120,7 +124,7 @@ def _report(rows: dict[str, list[dict]], args) -> None:
             continue
         sel = statistics.mean(r["select_s"] for r in rs)
         blend = statistics.mean(r["blend_s"] for r in rs)
-        print(f"{label:<22}{sum(r['agree'] for r in rs):>5}/{n:<2}{sum(r['same_text'] for r in rs):>8}/{n:<2}"
+        print(f"{label:<30}{sum(r['agree'] for r in rs):>5}/{n:<2}{sum(r['same_text'] for r in rs):>8}/{n:<2}"
               f"{sum(r['correct'] for r in rs):>6}/{n:<2}"
               f"{sel:>10.3f}{blend:>9.2f}{sel / blend:>14.2f}{full_s / blend:>12.2f}")
 
