@@ -29,7 +29,8 @@ def make_docs(tok, n_docs: int, words: int, seed: int) -> list[list[int]]:
 def hints(spans, selector, ratio):
     return {"protocol_version": "1", "message_id": "bench", "actions": [{
         "action_id": "c", "action_type": "chunkcache.chunks", "action_version": "1",
-        "payload": {"token_spans": spans, "selector": selector, "ratio": ratio}}]}
+        # one namespace per selector: otherwise a selector's request would be an exact radix hit on the previous one's
+        "payload": {"token_spans": spans, "selector": selector, "ratio": ratio, "namespace": selector}}]}
 
 
 def main() -> None:
