@@ -12,7 +12,7 @@ import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -25,7 +25,7 @@ KV = torch.Tensor  # [2, L, T, H_kv, D] (K post-RoPE), token-major per layer lik
 class Draft:
     model: nn.Module  # HF decoder stack without LM head (e.g. LlamaModel), possibly a truncated view
     tokenizer: Any  # None: the target's own tokenizer (same vocabulary, target ids are fed as they are)
-    name: str  # what it was loaded from, with its depth: part of every feature key derived from it
+    name: str  # what it was loaded from ("self", a model name, a file name); `fingerprint` adds depth and dtype
 
     @property
     def n_layers(self) -> int:
@@ -74,6 +74,7 @@ class Draft:
         # [1, heads, Q, T_past + Q]: keep the past columns, average over heads and query tokens
         return weights[0][0, ..., :start].float().mean(dim=(0, 1)).cpu()
 
+
 def _to_cache(kv: KV | None) -> DynamicCache:
     if kv is None:
         return DynamicCache()
@@ -87,7 +88,7 @@ def _from_cache(cache: DynamicCache) -> KV:
 
 
 @contextmanager
-def _hooked(modules, sink, index: int = 0) -> Iterator[None]:
+def _hooked(modules: Iterable[nn.Module], sink: Callable[[Any], object], index: int = 0) -> Iterator[None]:
     """Hand output[index] of each module's forward to `sink` (modules returning a bare tensor count as a
     1-tuple), for the duration of the block."""
 
