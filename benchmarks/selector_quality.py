@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("--ratio", type=float, default=0.15)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--chunks", type=int, default=3, help="chunks per prompt, each 256-512 tokens (ProphetKV App. B: 3)")
-    ap.add_argument("--max-new-tokens", type=int, default=10)
+    ap.add_argument("--max-new-tokens", type=int, default=24, help="needle answers need ~20")
     ap.add_argument("--seed", type=int, default=0, help="first case seed")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default="results/selector_quality.json")

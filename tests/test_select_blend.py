@@ -108,3 +108,10 @@ def test_selectors_from_yaml_config(blender, prompt, tmp_path):
     res = blender.blend(*prompt, selector=selector, ratio=cfg.ratio)
     assert int(res.layout.context_mask()[res.recomputed].sum()) == res.layout.budget(0.2)
     assert blender.draft("self", 2).n_layers == 2
+
+
+@pytest.mark.parametrize("name", ["prophet", "cacheblend"])
+def test_whole_units_option_of_target_scored_selectors(blender, prompt, name):
+    res = blender.blend(*prompt, selector=name, ratio=0.2, whole_units=True)
+    assert int(res.layout.context_mask()[res.recomputed].sum()) == res.layout.budget(0.2)
+    assert _whole_numbers(blender, res)

@@ -88,3 +88,15 @@ def test_deterministic():
     a = SpecSelector().pick(layout, 0.2, _identity_view(layout), imp, None)
     b = SpecSelector().pick(layout, 0.2, _identity_view(layout), imp, None)
     assert torch.equal(a, b)
+
+
+def test_top_k_whole_takes_best_units_then_fills():
+    from chunkcache.select.budget import top_k_whole
+
+    layout = _layout(0, [10], 1)
+    scores = torch.tensor([0.0, 9, 1, 1, 8, 7, 0, 0, 0, 5, 0])
+    units = torch.tensor([0, 1, 1, 1, 2, 3, 4, 5, 6, 7, 8])  # tokens 1-3 are one number
+    # K=3: the number (3 tokens) ranks first and fits exactly
+    assert top_k_whole(layout, scores, 3, units).tolist() == [1, 2, 3]
+    # K=2: the number no longer fits; the next units by score do
+    assert top_k_whole(layout, scores, 2, units).tolist() == [4, 5]

@@ -14,6 +14,9 @@ from typing import Callable
 
 import torch
 
+from ..align import close_units
+from .base import Layout
+
 
 def fit(
     k: int,
@@ -66,3 +69,11 @@ def first(order: torch.Tensor, j: int, n: int) -> torch.Tensor:
     out = torch.zeros(n, dtype=torch.bool)
     out[order[:j]] = True
     return out
+
+
+def top_k_whole(layout: Layout, scores: torch.Tensor, k: int, units: torch.Tensor) -> torch.Tensor:
+    """Indices of k context tokens by score, whole units only: the best-ranked units that fit, then the fill."""
+    ctx = layout.context_mask()
+    order = rank(scores, ctx)
+    mask = fit(k, order.numel(), lambda j: close_units(first(order, j, layout.n), units) & ctx, scores, ctx, units)
+    return mask.nonzero().flatten()

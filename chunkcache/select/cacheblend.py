@@ -7,7 +7,9 @@ import time
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ..align import unit_ids
 from .base import REGISTRY, Features, Layout, Selection, finish, top_k_context
+from .budget import top_k_whole
 
 
 @REGISTRY.register
@@ -16,6 +18,7 @@ class CacheBlendSelector:
     name: ClassVar[str] = "cacheblend"
     layer: int = 1  # check layer (0-based): layers before it are recomputed in full to get its fresh K/V
     which: str = "v"  # "v" (CacheBlend's choice) or "k"
+    whole_units: bool = False  # keep numbers / words whole (off: the paper's plain top-K)
 
     def __post_init__(self) -> None:
         if self.which not in ("k", "v"):
@@ -24,5 +27,9 @@ class CacheBlendSelector:
     def select(self, layout: Layout, ratio: float, features: Features) -> Selection:
         t0 = time.perf_counter()
         scores = features.kv_deviation(self.layer, self.which)
-        picked = top_k_context(layout, scores, layout.budget(ratio))
+        k = layout.budget(ratio)
+        if self.whole_units:
+            picked = top_k_whole(layout, scores, k, unit_ids(*features.prompt_text()))
+        else:
+            picked = top_k_context(layout, scores, k)
         return finish(layout, picked, scores, time.perf_counter() - t0)

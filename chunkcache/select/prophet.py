@@ -8,16 +8,23 @@ import time
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ..align import unit_ids
 from .base import REGISTRY, Features, Layout, Selection, finish, top_k_context
+from .budget import top_k_whole
 
 
 @REGISTRY.register
 @dataclass(frozen=True)
 class ProphetSelector:
     name: ClassVar[str] = "prophet"
+    whole_units: bool = False  # keep numbers / words whole (off: the paper's plain top-K)
 
     def select(self, layout: Layout, ratio: float, features: Features) -> Selection:
         t0 = time.perf_counter()
         scores = features.query_attention()
-        picked = top_k_context(layout, scores, layout.budget(ratio))
+        k = layout.budget(ratio)
+        if self.whole_units:
+            picked = top_k_whole(layout, scores, k, unit_ids(*features.prompt_text()))
+        else:
+            picked = top_k_context(layout, scores, k)
         return finish(layout, picked, scores, time.perf_counter() - t0)
