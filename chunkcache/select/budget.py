@@ -40,21 +40,19 @@ def fit(
             hi = mid - 1
     mask = expand(lo)
     room = k - int(mask.sum())
-    if room <= 0:
-        return mask
     rest = rank(scores, candidates & ~mask)
-    for t in rest.tolist():
-        if mask[t]:
-            continue
-        members = (units == units[t]) & candidates & ~mask if units is not None else None
-        if members is None:
-            mask[t] = True
-            room -= 1
-        elif int(members.sum()) <= room:
-            mask |= members
-            room -= int(members.sum())
-        if room == 0:
-            break
+    if room <= 0 or units is None:
+        mask[rest[: max(room, 0)]] = True
+        return mask
+    groups: dict[int, list[int]] = {}  # unit -> its remaining candidates; insertion order = the unit's best rank
+    for t, u in zip(rest.tolist(), units[rest].tolist()):
+        groups.setdefault(u, []).append(t)
+    for members in groups.values():
+        if len(members) <= room:
+            mask[members] = True
+            room -= len(members)
+            if room == 0:
+                break
     return mask
 
 
