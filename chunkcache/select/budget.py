@@ -75,3 +75,14 @@ def top_k_whole(layout: Layout, scores: torch.Tensor, k: int, units: torch.Tenso
     order = rank(scores, ctx)
     mask = fit(k, order.numel(), lambda j: close_units(first(order, j, layout.n), units) & ctx, scores, ctx, units)
     return mask.nonzero().flatten()
+
+
+def top_k(layout: Layout, scores: torch.Tensor, ratio: float, features, whole_units: bool) -> torch.Tensor:
+    """The score-ranked selectors' pick: the budget's best context tokens, closed over whole units if asked."""
+    from ..align import unit_ids
+    from .base import top_k_context
+
+    k = layout.budget(ratio)
+    if whole_units:
+        return top_k_whole(layout, scores, k, unit_ids(*features.prompt_text()))
+    return top_k_context(layout, scores, k)

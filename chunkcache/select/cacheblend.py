@@ -7,9 +7,8 @@ import time
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..align import unit_ids
-from .base import REGISTRY, Features, Layout, Selection, finish, top_k_context
-from .budget import top_k_whole
+from .base import REGISTRY, Features, Layout, Selection, finish
+from .budget import top_k
 
 
 @REGISTRY.register
@@ -27,9 +26,5 @@ class CacheBlendSelector:
     def select(self, layout: Layout, ratio: float, features: Features) -> Selection:
         t0 = time.perf_counter()
         scores = features.kv_deviation(self.layer, self.which)
-        k = layout.budget(ratio)
-        if self.whole_units:
-            picked = top_k_whole(layout, scores, k, unit_ids(*features.prompt_text()))
-        else:
-            picked = top_k_context(layout, scores, k)
+        picked = top_k(layout, scores, ratio, features, self.whole_units)
         return finish(layout, picked, scores, time.perf_counter() - t0)
