@@ -6,6 +6,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import requests
 
@@ -25,23 +26,32 @@ def default_model() -> Path:
     return resolve_model("smollm2-135m-instruct")
 
 
+# The server is launched through a short-lived intermediate process so that it is not a descendant of pytest:
+# `sgl.Engine.shutdown()` (used by the in-process engine tests) kills every descendant of the calling process,
+# which would otherwise take the session's shared server down with it.
+_DETACH = ("import subprocess, sys; "
+           "p = subprocess.Popen(sys.argv[2:], cwd=sys.argv[1], start_new_session=True, "
+           "stdin=subprocess.DEVNULL, stdout=sys.stdout, stderr=subprocess.STDOUT); print(p.pid, file=sys.stderr)")
+
+
 class Server:
-    """A `chunkcache serve` process on a free port, its output captured to a log file."""
+    """A detached `chunkcache serve` process on a free port, its output captured to a log file."""
 
     def __init__(self, log_path: Path, *args: str, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sglang_patch.cli", "serve", "--port", str(self.port), *args],
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT / "tests",
-            env={**os.environ, **(env or {})},
-        )
+        with open(log_path, "w") as log:
+            launcher = subprocess.run(
+                [sys.executable, "-c", _DETACH, str(ROOT / "tests"),
+                 sys.executable, "-m", "sglang_patch.cli", "serve", "--port", str(self.port), *args],
+                stdout=log, stderr=subprocess.PIPE, text=True, check=True, env={**os.environ, **(env or {})},
+            )
+        self.pid = int(launcher.stderr.strip())
         deadline = time.time() + 600
         while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            if not self.alive():
+                raise RuntimeError(f"server exited:\n{self.log()[-4000:]}")
             try:
                 if requests.get(self.url + "/health", timeout=5).status_code == 200:
                     return
@@ -51,18 +61,29 @@ class Server:
         self.stop()
         raise TimeoutError(f"server not healthy after 600 s:\n{self.log()[-4000:]}")
 
+    def alive(self) -> bool:
+        # A zombie counts as dead: in a container whose init does not reap, the orphaned server may linger as one.
+        try:
+            return psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
     def log(self) -> str:
-        self._log.flush()
         return self.log_path.read_text()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+        for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
             try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        self._log.close()
+                os.killpg(self.pid, sig)
+            except ProcessLookupError:
+                return
+            deadline = time.time() + wait
+            while time.time() < deadline:
+                try:
+                    os.killpg(self.pid, 0)
+                except ProcessLookupError:
+                    return
+                time.sleep(0.5)
 
 
 @pytest.fixture(scope="session")
