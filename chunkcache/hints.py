@@ -49,6 +49,21 @@ class ChunkHint:
         return payload
 
 
+def envelope(token_spans: Sequence[Sequence[int]] | None = None, *, char_spans: Sequence[Sequence[int]] | None = None,
+             message_id: str = "chunkcache", **options: Any) -> dict:
+    """A `kv_hints` envelope (JSON-ready) carrying one chunkcache action; `options` are the optional payload keys,
+    None values left out."""
+    if (token_spans is None) == (char_spans is None):
+        raise ValueError("give exactly one of token_spans and char_spans")
+    unknown = set(options) - set(OPTIONAL_KEYS)
+    if unknown:
+        raise ValueError(f"unknown chunkcache payload keys {sorted(unknown)}; allowed: {', '.join(OPTIONAL_KEYS)}")
+    key, spans = ("token_spans", token_spans) if token_spans is not None else ("char_spans", char_spans)
+    payload = {key: [list(s) for s in spans], **{k: v for k, v in options.items() if v is not None}}
+    return {"protocol_version": "1", "message_id": message_id, "actions": [
+        {"action_id": "chunks", "action_type": ACTION_TYPE, "action_version": ACTION_VERSION, "payload": payload}]}
+
+
 def _get(obj: Any, name: str) -> Any:
     return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
 

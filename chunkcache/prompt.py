@@ -1,0 +1,53 @@
+"""RAG prompts as token ids whose document chunks tokenize the same whatever surrounds them.
+
+The chat template is rendered once around a placeholder; the text before the first document (system turn, user
+turn header, instruction) is the shared prefix, each document is tokenized on its own (with its separator) and the
+ids are concatenated, then the question and the assistant header follow. So a document always maps to the same
+token ids, and the same documents in any order give chunk keys that match (keys also hash the shared prefix:
+requests share chunks only when they share the system prompt and instruction).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from .hints import envelope
+
+DEFAULT_SYSTEM = "You are a helpful assistant. Answer the question using the documents."
+DEFAULT_INSTRUCTION = "Documents:\n\n"
+_SLOT = "\x00CHUNKCACHE_DOCUMENTS\x00"
+
+
+@dataclass(frozen=True)
+class RagPrompt:
+    input_ids: list[int]
+    token_spans: list[tuple[int, int]]  # one per document, end exclusive
+
+    def kv_hints(self, **options: Any) -> dict:
+        """The request's `kv_hints` (options: namespace, selector, ratio)."""
+        return envelope(self.token_spans, **options)
+
+
+def chunk_ids(tokenizer, text: str) -> list[int]:
+    """A document's token ids, independent of its neighbours."""
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def build(tokenizer, documents: Sequence[str], question: str, *, system: str | None = DEFAULT_SYSTEM,
+          instruction: str = DEFAULT_INSTRUCTION, sep: str = "\n\n") -> RagPrompt:
+    """The chat-template prompt `system` + user(`instruction` + documents + `question`) + assistant header."""
+    if not documents:
+        raise ValueError("a RAG prompt needs at least one document")
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": f"{instruction}{_SLOT}{question}"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    head, tail = text.split(_SLOT)
+    ids = tokenizer.encode(head, add_special_tokens=False)
+    spans = []
+    for doc in documents:
+        chunk = chunk_ids(tokenizer, doc + sep)
+        spans.append((len(ids), len(ids) + len(chunk)))
+        ids += chunk
+    ids += tokenizer.encode(tail, add_special_tokens=False)
+    return RagPrompt(ids, spans)
