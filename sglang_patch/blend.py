@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -207,7 +208,24 @@ class _Features:
         return segments[0].record.cpu()
 
     def kv_deviation(self, layer: int, which: str) -> torch.Tensor:
-        raise NotImplementedError("kv_deviation (cacheblend) is not available on the SGLang path yet")
+        """Every token after the exact prefix computed exactly through layers 0..`layer` only, its K/V kept aside
+        (the pool keeps the reused KV) and compared with the reused K/V at `layer`."""
+        if which not in ("k", "v"):
+            raise ValueError(f"which must be 'k' or 'v', got {which!r}")
+        w, pool = self.w, self.cache.token_to_kv_pool
+        if not 0 <= layer < pool.layer_num:
+            raise ValueError(f"layer {layer} outside [0, {pool.layer_num})")
+        tokens = torch.arange(w.start, len(w.ids))
+        seg = Segment(slice(0, len(tokens)), tokens.to(self.device), w.row[: w.start].to(self.device), write=False)
+        loc = torch.zeros(len(tokens), dtype=torch.long)  # never written
+        with _first_layers(self.model_runner.model, layer + 1):
+            _forward(self.model_runner, self.forward_batch, [seg], [w.ids[tokens]], [tokens], [loc], self.device)
+        fresh = seg.scratch[layer][0 if which == "k" else 1]
+        buf = pool.get_key_buffer(layer) if which == "k" else pool.get_value_buffer(layer)
+        reused = buf[w.row[w.start:].to(buf.device)]
+        dev = torch.zeros(len(w.ids))
+        dev[w.start:] = (fresh.float() - reused.float()).flatten(1).norm(dim=1).cpu()
+        return dev * _layout(w).context_mask()
 
     def prompt_text(self):
         return decode_with_offsets(self.cache.tokenizer, self.w.ids.tolist())
@@ -219,9 +237,26 @@ class _Features:
         return self.w.entries[index].features
 
 
+@contextmanager
+def _first_layers(model, n: int):
+    """Run only the first `n` decoder layers (SGLang's models loop over `model.model.start_layer..end_layer`)."""
+    inner = model.model
+    if not hasattr(inner, "end_layer"):
+        raise NotImplementedError(f"{type(inner).__name__} has no end_layer: cannot stop its forward early")
+    end = inner.end_layer
+    inner.end_layer = min(end, inner.start_layer + n)
+    try:
+        yield
+    finally:
+        inner.end_layer = end
+
+
+def _layout(w: Work) -> Layout:
+    return Layout(token_ids=w.ids, prefix_len=w.start, chunk_spans=tuple(w.spans), query_span=(w.spans[-1][1], len(w.ids)))
+
+
 def _select(cache, model_runner, forward_batch, w: Work, device) -> torch.Tensor:
-    layout = Layout(token_ids=w.ids, prefix_len=w.start, chunk_spans=tuple(w.spans),
-                    query_span=(w.spans[-1][1], len(w.ids)))
+    layout = _layout(w)
     selection = cache.selector(w.selector).select(layout, w.ratio, _Features(cache, model_runner, forward_batch, w, device))
     return selection.indices.cpu()
 

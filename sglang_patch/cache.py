@@ -52,9 +52,12 @@ class ChunkRadixCache(UnifiedRadixCache):
             self._selectors[name] = REGISTRY.create(name, **self.config.select.options.get(name, {}))
         return self._selectors[name]
 
-    def draft(self, model: str, layers: int | None):
-        """Draft for draft-guided selectors, loaded once. "self" here loads the target's HF weights a second time
-        (SGLang's fused modules cannot run the transformers draft code), so it costs the draft's weight memory."""
+    def draft(self, model: str | None, layers: int | None):
+        """Draft for draft-guided selectors, loaded once; None means the configured one. "self" here loads the
+        target's HF weights a second time (SGLang's fused modules cannot run the transformers draft code), so it
+        costs the draft's weight memory."""
+        model = model or self.config.draft.model
+        layers = self.config.draft.layers if layers is None else layers
         if (model, layers) not in self._drafts:
             from chunkcache.draft import load
 
@@ -75,8 +78,10 @@ class ChunkRadixCache(UnifiedRadixCache):
         return self._tokenizer
 
     def fallback(self, req, reason: str, detail: str) -> None:
+        """The request is computed in full instead of blended: said in the log, a metric and its meta_info."""
         log.warning("chunkcache: request %s computed in full (%s): %s", getattr(req, "rid", "?"), reason, detail)
         metrics.record_fallback(reason)
+        req.chunkcache_info = {"fallback": reason, "detail": detail}
 
     def record(self, req, info: dict) -> None:
         log.info("chunkcache: request %s %s", getattr(req, "rid", "?"), info)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from chunkcache.hints import find_payload
 
+log = logging.getLogger(__name__)
 
 
 def register() -> None:
@@ -24,9 +27,10 @@ def register() -> None:
     }
     for target, (fn, kind) in hooks.items():
         HookRegistry.register(target, fn, kind)
-    from . import hints_http, meta_info, metrics  # request contract, meta_info["chunkcache"], /metrics
+    # request contract, meta_info["chunkcache"], /metrics, documents on /v1/chat/completions, /chunkcache/ingest
+    from . import chat, hints_http, ingest, meta_info, metrics
 
-    for module in (hints_http, meta_info, metrics):
+    for module in (hints_http, meta_info, metrics, chat, ingest):
         module.register()
 
 
@@ -62,5 +66,13 @@ def _blend_extend(original, runner, forward_batch, pp_proxy_tensors=None):
         for r in reqs:
             cache.ACTIVE.fallback(r, "logprobs", "input logprobs need every prompt token's logits")
         return original(runner, forward_batch, pp_proxy_tensors)
-    out = blend.run(cache.ACTIVE, runner.model_runner, forward_batch, reqs)
+    try:
+        out = blend.run(cache.ACTIVE, runner.model_runner, forward_batch, reqs)
+    except Exception as exc:  # noqa: BLE001 - a selector or store failure must not take the scheduler down
+        # Safe: the stock forward below rewrites the KV of every extend token, and what the blend stored is valid.
+        log.exception("chunkcache: blended prefill failed; computing the batch in full")
+        for r in reqs:
+            if find_payload(getattr(r, "kv_hints", None)) is not None:
+                cache.ACTIVE.fallback(r, "error", f"{type(exc).__name__}: {exc}")
+        out = None
     return original(runner, forward_batch, pp_proxy_tensors) if out is None else out

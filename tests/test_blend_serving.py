@@ -92,7 +92,7 @@ def test_reordered_chunks_hit_and_reuse(engine, rag):
     assert info["recomputed_tokens"] == len(ids) - spans[-1][1]  # the question, its last token included
 
 
-@pytest.mark.parametrize("selector", ["none", "epic", "prophet"])
+@pytest.mark.parametrize("selector", ["none", "epic", "cacheblend", "prophet", "spec", "clip"])
 def test_selectors_respect_the_budget(engine, rag, selector):
     ids, spans = rag.build([3, 4, 5, 0], "What is the code of document 4?")
     out = gen(engine, ids, hints(spans, selector=selector, ratio=0.15, namespace=f"budget-{selector}"))
