@@ -14,18 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-import yaml
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import synthetic  # noqa: E402
-
-from chunkcache.reference import ReferenceBlender  # noqa: E402
+from chunkcache.bench import synthetic
+from chunkcache.bench.reference_path import answer, blend, blend_seconds, selector_runs
+from chunkcache.reference import ReferenceBlender
 
 
 def main() -> None:
@@ -55,55 +52,28 @@ def main() -> None:
     blender = ReferenceBlender.from_pretrained(args.model)
     tok = blender.tokenizer
     count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
-    runs = _runs(args.selectors.split(","), args.drafts.split(","), blender)
+    runs = selector_runs(args.selectors.split(","), args.drafts.split(","), blender)
     rows: dict[str, list[dict]] = {"full": []}
     for seed in tqdm(range(args.seed, args.seed + args.n), desc=f"{args.task} cases", unit="case"):
         case = synthetic.generate(args.task, seed, n_chunks=args.chunks, count=count)
         prefix, chunks, query = synthetic.prompt(case, tok)
         full = blender.full_prefill(prefix, chunks, query)
-        ref = _answer(blender, full, args.max_new_tokens)
+        ref = answer(blender, full, args.max_new_tokens)
         rows["full"].append({"answer": ref, "correct": case.correct(ref), "blend_s": full.timings["total"],
                              "tokens": full.layout.n})
         for label, name, options in runs:
-            # selectors that keep per-chunk data in the store are timed as for a chunk seen before
-            warm = name == "clip" or bool(options.get("per_chunk"))
-            for _ in range(1 + warm):
-                res = blender.blend(prefix, chunks, query, selector=name, ratio=args.ratio, **options)
-            text = _answer(blender, res, args.max_new_tokens)
-            t = res.timings
-            blend = t["total"] - t.get("compute_chunks", 0.0) - t.get("store", 0.0)
+            res = blend(blender, (prefix, chunks, query), name, args.ratio, options)
+            text = answer(blender, res, args.max_new_tokens)
             rows.setdefault(label, []).append({
                 "answer": text, "agree": case.extract(text) == case.extract(ref),
                 "same_text": _norm(text) == _norm(ref),
                 "correct": case.correct(text),
-                "select_s": t["select"], "blend_s": blend, "full_s": full.timings["total"],
+                "select_s": res.timings["select"], "blend_s": blend_seconds(res), "full_s": full.timings["total"],
                 "recomputed": int(res.recomputed.numel()),
             })
         out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))  # a cut-short run keeps its cases
     _report(rows, args)
     print(f"per-case results: {out}")
-
-
-def _runs(selectors: list[str], drafts: list[str], blender: ReferenceBlender) -> list[tuple[str, str, dict]]:
-    """(label, selector, options) per row. A selector item may carry options, `spec:per_chunk=true,max_span=8`;
-    draft-guided selectors get one row per draft, loaded up front."""
-    runs = []
-    for item in selectors:
-        name, _, opts = item.partition(":")
-        options = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in opts.split(",") if o)}
-        if name not in ("spec", "clip"):
-            runs.append((item, name, options))
-            continue
-        for d in drafts:
-            model, _, layers = d.partition(":")
-            draft = blender.draft(model, int(layers) if layers else None)
-            label = item if len(drafts) == 1 else f"{item}[{Path(model).name}:{draft.n_layers}]"
-            runs.append((label, name, {**options, "draft": draft}))
-    return runs
-
-
-def _answer(blender: ReferenceBlender, result, max_new_tokens: int) -> str:
-    return blender.tokenizer.decode(blender.generate(result, max_new_tokens), skip_special_tokens=True)
 
 
 def _norm(text: str) -> str:
@@ -124,10 +94,10 @@ def _report(rows: dict[str, list[dict]], args) -> None:
         if label == "full":
             continue
         sel = statistics.mean(r["select_s"] for r in rs)
-        blend = statistics.mean(r["blend_s"] for r in rs)
+        blend_s = statistics.mean(r["blend_s"] for r in rs)
         print(f"{label:<30}{sum(r['agree'] for r in rs):>5}/{n:<2}{sum(r['same_text'] for r in rs):>8}/{n:<2}"
               f"{sum(r['correct'] for r in rs):>6}/{n:<2}"
-              f"{sel:>10.3f}{blend:>9.2f}{sel / blend:>14.2f}{full_s / blend:>12.2f}")
+              f"{sel:>10.3f}{blend_s:>9.2f}{sel / blend_s:>14.2f}{full_s / blend_s:>12.2f}")
 
 
 if __name__ == "__main__":

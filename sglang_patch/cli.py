@@ -1,4 +1,4 @@
-"""`chunkcache` console script: `model` and `serve` subcommands (later issues add more)."""
+"""`chunkcache` console script: `model`, `serve`, `bench` and `eval` subcommands."""
 
 from __future__ import annotations
 
@@ -30,14 +30,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int)
     p.add_argument("--no-chunk-reuse", action="store_true", help="stock SGLang prefix caching (A/B baseline)")
 
+    for name, summary in (("bench", "A/B benchmark against stock prefix caching: TTFT, throughput, goodput, quality"),
+                          ("eval", "quality sweep of selectors x rho, plus the SpecCache analyses")):
+        sub.add_parser(name, help=summary, add_help=False)  # arguments: chunkcache/bench/cli.py
+
     args, extra = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if extra and args.command != "serve":
+    if extra and args.command not in ("serve", "bench", "eval"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.command == "model":
             print(resolve_model(args.name))
             return 0
+        if args.command in ("bench", "eval"):
+            from chunkcache.bench import cli as bench_cli
+
+            return (bench_cli.bench if args.command == "bench" else bench_cli.evaluate)(extra)
         return serve(args, extra)
     except (ModelError, ValueError, OSError) as exc:
         print(f"chunkcache: error: {exc}", file=sys.stderr)

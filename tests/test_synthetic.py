@@ -1,12 +1,8 @@
 """The synthetic task generator: seeded, ground truth in the passages, chunk sizes as asked."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import synthetic  # noqa: E402
+from chunkcache.bench import synthetic
 
 
 @pytest.mark.parametrize("task", synthetic.TASKS)

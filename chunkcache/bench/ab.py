@@ -1,0 +1,137 @@
+"""`chunkcache bench`: stock SGLang (prefix caching) vs chunkcache on the same model, same workload, same machine.
+
+Per server, one after the other (stock first):
+  1. warm-up, not measured: every distinct document once, alone after the shared prefix. chunkcache stores its KV
+     (the "precomputed chunks" premise of the papers); stock gets it in its radix tree as the prefix [system][doc],
+     which is what prefix caching can reuse in RAG.
+  2. sequential phase: each request alone (TTFT), once for stock and once per chunkcache (selector, rho).
+  3. Poisson phases, one per arrival rate, the first chunkcache configuration against stock; phase k reorders the
+     documents (workloads.phase) so no phase replays a prompt already in a radix tree.
+Before each chunkcache run (configurations send identical prompts) its radix tree is flushed, the chunk store kept,
+and the shared system prefix primed again with one warm-up request: every configuration starts from the same state.
+Scores: F1/EM of the answer's first line against gold, and agreement (F1) with stock's answer to the same prompt
+(exact prefill: the full-recompute reference). A request counts toward goodput when its F1 >= 80 % of stock's mean
+F1 in the sequential phase (SpecCache §3.3).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from . import plots, report, scoring
+from .client import flush_cache, generate
+from .load import replay
+from .servers import Server
+from .workloads import Request, WorkloadConfig, documents, items, phase, to_request
+
+NAMESPACE = "bench"  # chunk-store and radix namespace of every chunkcache request
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One chunkcache configuration (selector, rho); `None` selector: the stock side."""
+    selector: str | None = None
+    ratio: float | None = None
+
+    @property
+    def label(self) -> str:
+        return "stock" if self.selector is None else f"{self.selector}@{self.ratio:g}"
+
+    def hints(self, request: Request) -> dict | None:
+        if self.selector is None:
+            return None
+        return request.prompt.kv_hints(selector=self.selector, ratio=self.ratio, namespace=NAMESPACE)
+
+
+@dataclass
+class BenchConfig:
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    arms: tuple[Arm, ...] = (Arm("prophet", 0.15),)  # chunkcache configurations; the first one runs the load phases
+    rates: tuple[float, ...] = (0.05, 0.1)  # Poisson arrival rates, requests/s
+    load_requests: int = 12  # requests per arrival rate
+    max_new_tokens: int = 24
+    model: str = "smollm2-135m-instruct"
+    server_config: str | None = None  # YAML for both servers (chunkcache serve --config)
+    out: Path = Path("results/bench")
+
+
+def run(config: BenchConfig) -> Path:
+    from transformers import AutoTokenizer
+
+    from ..models import resolve_model
+
+    out = config.out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(asdict(config), indent=1, default=str))
+    tok = AutoTokenizer.from_pretrained(resolve_model(config.model))
+    pool = items(config.workload)
+    warm = [to_request(tok, it) for it in documents(pool)]
+    phases = [("sequential", None, [to_request(tok, it) for it in phase(config.workload, pool, 0)])]
+    for k, rate in enumerate(config.rates, start=1):
+        reqs = [to_request(tok, it) for it in phase(config.workload, pool, k)][: config.load_requests]
+        phases.append((f"poisson@{rate:g}", rate, reqs))
+
+    records: list[dict] = []
+    jsonl = out / "requests.jsonl"
+    jsonl.write_text("")
+    for side, arms in (("stock", (Arm(),)), ("chunkcache", config.arms)):
+        t = time.perf_counter()
+        with Server(out / f"server_{side}.log", chunk_reuse=side == "chunkcache", config=config.server_config,
+                    model=config.model) as server:
+            print(f"{side}: server up in {time.perf_counter() - t:.0f} s; warming {len(warm)} documents", flush=True)
+            _warm(server.url, warm, side == "chunkcache")
+            for name, rate, reqs in phases:
+                for arm in arms if rate is None else arms[:1]:
+                    if side == "chunkcache":
+                        flush_cache(server.url)
+                        _warm(server.url, warm[:1], True)
+                    rows = replay(server.url, reqs, arm.hints, config.max_new_tokens, rate=rate,
+                                  seed=config.workload.seed, desc=f"{side} {arm.label} {name}")
+                    for r, req in zip(rows, reqs):
+                        r.update(workload=config.workload.spec, side=side, arm=arm.label, selector=arm.selector,
+                                 ratio=arm.ratio, phase=name, rate=rate, **_scores(r["answer"], req.answers))
+                    records += rows
+                    with jsonl.open("a") as f:
+                        f.writelines(json.dumps(r) + "\n" for r in rows)
+    _agreement(records)
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
+    threshold = report.GOODPUT_FRACTION * report.mean(r["f1"] for r in records
+                                               if r["side"] == "stock" and r["phase"] == "sequential")
+    summary = report.markdown(records, config, threshold)
+    (out / "summary.md").write_text(summary)
+    plots.write_all(records, threshold, out)
+    print(summary)
+    return out
+
+
+def _warm(url: str, warm: list[Request], hinted: bool) -> None:
+    # selector "none": warm-up only stores chunks, its own recompute set does not matter. A few at a time: the
+    # server batches them; measured phases start only after all are done.
+    arm = Arm("none", 0.0) if hinted else Arm()
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        jobs = [pool.submit(generate, url, r.prompt.input_ids, 1, arm.hints(r)) for r in warm]
+        for j in tqdm(jobs, desc="warm-up", unit="doc", leave=False):
+            j.result()
+
+
+def _scores(answer: str, golds: tuple[str, ...]) -> dict:
+    line = first_line(answer)
+    return {"f1": scoring.best_f1(line, golds), "em": scoring.best_em(line, golds)}
+
+
+def first_line(text: str) -> str:
+    """What is scored: the first non-empty line (the model may ramble on after the answer)."""
+    return next((s for s in text.strip().splitlines() if s.strip()), "")
+
+
+def _agreement(records: list[dict]) -> None:
+    """F1 of each answer against stock's answer to the same prompt (same phase, same request)."""
+    reference = {(r["phase"], r["request"]): first_line(r["answer"]) for r in records if r["side"] == "stock"}
+    for r in records:
+        r["agreement"] = scoring.f1(first_line(r["answer"]), reference[r["phase"], r["request"]])

@@ -1,0 +1,99 @@
+"""Arguments of `chunkcache bench` and `chunkcache eval` (sglang_patch/cli.py dispatches here)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from .ab import Arm, BenchConfig
+from .quality import RATIOS, EvalConfig
+from .workloads import WorkloadConfig
+
+# --smoke: a few minutes on a 2-core CPU, end to end (CI); the defaults are the full size, run by hand
+SMOKE = {"requests": 3, "docs": 2, "words": 60, "pool": 4, "rates": "0.5", "load_requests": 3, "max_new_tokens": 16}
+FULL = {"requests": 30, "docs": 6, "words": 150, "pool": 12, "rates": "0.03,0.06", "load_requests": 10,
+        "max_new_tokens": 16}
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x)
+
+
+def _workload_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--workload", default="shuffled", help="shuffled | musique[:PATH] | synthetic:TASK "
+                    "(tasks: single, multikey, multivalue, vartrack, bridge)")
+    ap.add_argument("--requests", type=int, help="requests (records, cases) per phase")
+    ap.add_argument("--docs", type=int, help="documents per prompt")
+    ap.add_argument("--words", type=int, help="words per document (musique: truncation)")
+    ap.add_argument("--pool", type=int, help="shuffled: documents the requests draw from")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-new-tokens", type=int)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--config", help="server YAML (chunkcache serve --config)")
+
+
+def _sized(args: argparse.Namespace, preset: dict) -> dict:
+    return {k: getattr(args, k) if getattr(args, k, None) is not None else v for k, v in preset.items()}
+
+
+def bench(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="chunkcache bench", description="A/B: stock SGLang prefix caching vs "
+                                 "chunkcache, same model and workload, one server after the other.")
+    _workload_args(ap)
+    ap.add_argument("--selectors", default="prophet", help="chunkcache selectors (comma-separated)")
+    ap.add_argument("--ratios", default="0.15", help="recompute budgets rho; every selector x rho is one "
+                    "chunkcache configuration, the first one runs the Poisson phases")
+    ap.add_argument("--rates", help=f"Poisson arrival rates, req/s (default {FULL['rates']}; empty: none)")
+    ap.add_argument("--load-requests", type=int, help="requests per arrival rate")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes: a few minutes on a CPU (CI)")
+    ap.add_argument("--out", help="results directory (default results/bench-WORKLOAD-TIME)")
+    args = ap.parse_args(argv)
+    size = _sized(args, SMOKE if args.smoke else FULL)
+    arms = tuple(Arm(s, r) for s in args.selectors.split(",") for r in _floats(args.ratios))
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out or f"results/bench-{args.workload.replace(':', '-').replace('/', '_')}-{stamp}")
+    config = BenchConfig(
+        workload=WorkloadConfig(args.workload, size["requests"], size["docs"], size["words"], size["pool"], args.seed),
+        arms=arms, rates=_floats(size["rates"]), load_requests=size["load_requests"],
+        max_new_tokens=size["max_new_tokens"], model=args.model, server_config=args.config, out=out)
+    from .ab import run
+
+    print(f"results in {run(config)}")
+    return 0
+
+
+def evaluate(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="chunkcache eval", description="Quality of selectors x rho against gold "
+                                 "answers and full recompute (reference blender or a live server).")
+    _workload_args(ap)
+    ap.set_defaults(workload="synthetic:bridge")
+    ap.add_argument("--selectors", default="none,epic,cacheblend,prophet,spec,clip")
+    ap.add_argument("--ratios", default=",".join(f"{r:g}" for r in RATIOS))
+    ap.add_argument("--drafts", default="self", help="drafts for spec/clip and the overlap analysis: self, "
+                    "self:LAYERS, a model name, an HF directory or a .gguf file (name:LAYERS)")
+    ap.add_argument("--path", choices=("reference", "server"), default="reference")
+    ap.add_argument("--analyses", action="store_true", help="add the layer-wise KV deviation and top-20 %% "
+                    "Jaccard overlap analyses (reference model)")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes (CI)")
+    ap.add_argument("--out", help="JSON file of every row")
+    ap.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
+    args = ap.parse_args(argv)
+    size = _sized(args, {**(SMOKE if args.smoke else {"requests": 10, "docs": 3, "words": 250, "pool": 12}),
+                         "max_new_tokens": 16 if args.smoke else 24})
+    config = EvalConfig(
+        workload=WorkloadConfig(args.workload, size["requests"], size["docs"], size["words"], size["pool"], args.seed),
+        selectors=tuple(args.selectors.split(",")), ratios=_floats(args.ratios), drafts=tuple(args.drafts.split(",")),
+        path=args.path, analyses=args.analyses, max_new_tokens=size["max_new_tokens"], model=args.model,
+        server_config=args.config, out=Path(args.out) if args.out else None)
+    from .quality import markdown, run
+
+    result = run(config)
+    if args.json:
+        json.dump(result, sys.stdout, indent=1, default=str)
+        print()
+    else:
+        print(markdown(result))
+    return 0

@@ -1,0 +1,64 @@
+"""One streamed /generate request, timed: TTFT is the arrival of the first streamed chunk (the first token).
+
+Streamed chunks carry the cumulative text; `meta_info["chunkcache"]` (the blend's report) comes with the first
+chunk only, so it is picked up wherever it appears. A hinted request whose whole prompt is an exact radix hit in its
+namespace is not blended and has no report."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import requests
+
+
+@dataclass
+class Outcome:
+    ttft_s: float
+    latency_s: float
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # radix-cache hits (exact prefix)
+    report: dict | None  # meta_info["chunkcache"], None for stock or unblended requests
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode speed: tokens after the first over the time after the first."""
+        decode = self.latency_s - self.ttft_s
+        return (self.completion_tokens - 1) / decode if decode > 0 and self.completion_tokens > 1 else float("nan")
+
+
+def generate(url: str, input_ids: list[int], max_new_tokens: int, kv_hints: dict | None = None,
+             timeout: float = 1800) -> Outcome:
+    body: dict = {"input_ids": input_ids, "stream": True,
+                  "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
+    if kv_hints is not None:
+        body["kv_hints"] = kv_hints
+    t0 = time.perf_counter()
+    ttft, last, report = None, None, None
+    with requests.post(url + "/generate", json=body, stream=True, timeout=timeout) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}/generate answered {r.status_code}: {r.text[:500]}")
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"{url}/generate streamed an error: {chunk['error']}")
+            ttft = ttft if ttft is not None else time.perf_counter() - t0
+            report = report or chunk["meta_info"].get("chunkcache")
+            last = chunk
+    if last is None:
+        raise RuntimeError(f"{url}/generate streamed no output")
+    meta = last["meta_info"]
+    return Outcome(ttft, time.perf_counter() - t0, last["text"], meta["prompt_tokens"], meta["completion_tokens"],
+                   meta.get("cached_tokens", 0), report)
+
+
+def flush_cache(url: str) -> None:
+    """Empty the server's radix tree (the chunk store is kept): later requests cannot exact-match earlier ones."""
+    r = requests.post(url + "/flush_cache", timeout=120)
+    if r.status_code != 200:
+        raise RuntimeError(f"{url}/flush_cache answered {r.status_code}: {r.text[:300]}")

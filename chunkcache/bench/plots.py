@@ -1,0 +1,71 @@
+"""PNG plots of a bench run (matplotlib, Agg: no display needed): TTFT CDF, latency-quality frontier, goodput."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from .report import goodput, groups, mean, pct  # noqa: E402
+
+
+def write_all(records: list[dict], threshold: float, out: Path) -> list[Path]:
+    g = groups(records)
+    paths = [ttft_cdf(g, out / "ttft_cdf.png"), frontier(g, out / "frontier.png")]
+    if any(ph != "sequential" for ph, _ in g):
+        paths.append(goodput_vs_rate(g, threshold, out / "goodput.png"))
+    return paths
+
+
+def ttft_cdf(g: dict, path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for (ph, arm), rows in g.items():
+        if ph == "sequential":
+            x = np.sort([r["ttft_s"] for r in rows])
+            ax.step(x, np.arange(1, len(x) + 1) / len(x), where="post", label=arm)
+    ax.set(xlabel="TTFT (s)", ylabel="fraction of requests", title="TTFT CDF, sequential requests")
+    ax.set_xscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, path)
+
+
+def frontier(g: dict, path: Path) -> Path:
+    """Median TTFT vs mean F1, one point per side / (selector, rho): up and to the left is better."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for (ph, arm), rows in g.items():
+        if ph == "sequential":
+            x, y = pct([r["ttft_s"] for r in rows], 50), mean(r["f1"] for r in rows)
+            ax.scatter(x, y, marker="*" if arm == "stock" else "o", s=80)
+            ax.annotate(arm, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ax.set(xlabel="median TTFT (s)", ylabel="mean F1", title="latency-quality frontier")
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def goodput_vs_rate(g: dict, threshold: float, path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    by_arm: dict[str, list[tuple[float, float, float]]] = {}
+    for (ph, arm), rows in g.items():
+        if ph != "sequential":
+            thr, good, _ = goodput(rows, threshold)
+            by_arm.setdefault(arm, []).append((rows[0]["rate"], thr, good))
+    for arm, pts in by_arm.items():
+        rate, thr, good = zip(*sorted(pts))
+        line, = ax.plot(rate, good, marker="o", label=f"{arm} goodput")
+        ax.plot(rate, thr, marker="x", linestyle="--", color=line.get_color(), label=f"{arm} throughput")
+    ax.set(xlabel="arrival rate (req/s)", ylabel="req/s", title=f"goodput (F1 ≥ {threshold:.2f}) vs arrival rate")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,142 @@
+"""Benchmark workloads as RAG prompts built by `chunkcache.prompt.build`, so both A/B sides send the same ids.
+
+`musique[:PATH]`: MuSiQue records `{ctxs: [{title, text}], question, answers}`, the first `docs` passages each,
+truncated to `words` words. `synthetic:TASK`: the generator's cases (answers known by construction).
+`shuffled`: a fixed pool of documents; every request takes `docs` of them in a new random order and asks for the
+archive number of one. Each measured phase `k` (sequential, then one per arrival rate) reorders the documents
+(rotation by k; shuffled draws new orders), so a phase never replays a prompt an earlier phase left in the radix
+tree: stock prefix caching gets the hits a new request would get, no more.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..prompt import RagPrompt, build
+from . import synthetic
+
+# the MuSiQue file of the CacheBlend/LMCache benchmark, next to the repository (../shared/data)
+DEFAULT_MUSIQUE = Path(__file__).resolve().parents[3] / "shared" / "data" / "musique_dev.json"
+SYSTEM = "You are a helpful assistant. Answer the question using only the given documents. Be brief."
+_WORDS = ("the river city north market council bridge winter harvest museum library station engineer doctor "
+          "garden history mountain festival report village").split()
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    spec: str = "shuffled"  # musique[:PATH] | synthetic:TASK | shuffled
+    requests: int = 30  # measured requests per phase
+    docs: int = 6  # documents per prompt
+    words: int = 150  # words per document (musique: truncation; synthetic: ~1.3 tokens per word)
+    pool: int = 12  # shuffled: documents the requests draw from
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Item:
+    """One question over its documents, before ordering and tokenisation."""
+    id: str
+    documents: tuple[str, ...]
+    question: str
+    answers: tuple[str, ...]
+    system: str = SYSTEM
+    instruction: str = "Documents:\n\n"
+
+
+@dataclass(frozen=True)
+class Request:
+    id: str
+    prompt: RagPrompt
+    answers: tuple[str, ...]
+
+
+def items(config: WorkloadConfig) -> list[Item]:
+    kind, _, arg = config.spec.partition(":")
+    if kind == "musique":
+        return _musique(Path(arg) if arg else DEFAULT_MUSIQUE, config)
+    if kind == "synthetic":
+        return _synthetic(arg, config)
+    if kind == "shuffled" and not arg:
+        return _shuffled_pool(config)
+    raise ValueError(f"unknown workload {config.spec!r}; expected musique[:PATH], synthetic:TASK or shuffled")
+
+
+def phase(config: WorkloadConfig, pool: list[Item], k: int) -> list[Item]:
+    """The items of measured phase k, documents in that phase's order."""
+    if config.spec == "shuffled":
+        rng = random.Random(f"{config.seed}:{k}")
+        return [_shuffled_request(pool, rng, config.docs, i) for i in range(config.requests)]
+    return [Item(it.id, _rotate(it.documents, k), it.question, it.answers, it.system, it.instruction) for it in pool]
+
+
+def documents(pool: list[Item]) -> list[Item]:
+    """One single-document item per distinct document (same system prompt and instruction): the warm-up that puts
+    every document in the chunk store, and in stock's radix tree right after the shared prefix."""
+    seen: dict[str, Item] = {}
+    for it in pool:
+        for d in it.documents:
+            seen.setdefault(d, Item(f"doc{len(seen)}", (d,), "Question: Which document is this?", (),
+                                    it.system, it.instruction))
+    return list(seen.values())
+
+
+def to_request(tokenizer, item: Item) -> Request:
+    return Request(item.id, build(tokenizer, item.documents, item.question, system=item.system,
+                                  instruction=item.instruction), item.answers)
+
+
+def _rotate(docs: tuple[str, ...], k: int) -> tuple[str, ...]:
+    k %= len(docs)
+    return docs[k:] + docs[:k]
+
+
+def _musique(path: Path, config: WorkloadConfig) -> list[Item]:
+    if not path.is_file():
+        raise FileNotFoundError(f"MuSiQue data set not found at {path}; pass musique:PATH (a JSON list of "
+                                "{ctxs: [{title, text}], question, answers} records)")
+    records = json.loads(path.read_text())
+    if len(records) < config.requests:
+        raise ValueError(f"{path} holds {len(records)} records; {config.requests} requests asked")
+    out = []
+    for i, r in enumerate(records[: config.requests]):
+        docs = []
+        for c in r["ctxs"][: config.docs]:
+            text = " ".join(c["text"].split()[: config.words])
+            docs.append(f"{c['title']}\n{text}" if c.get("title") else text)
+        out.append(Item(f"musique{i}", tuple(docs), f"Question: {r['question']}\nAnswer:", tuple(r["answers"])))
+    return out
+
+
+def _synthetic(task: str, config: WorkloadConfig) -> list[Item]:
+    tokens = round(1.3 * config.words)
+    out = []
+    for seed in range(config.seed, config.seed + config.requests):
+        case = synthetic.generate(task, seed, n_chunks=config.docs, length=(tokens * 4 // 5, tokens * 6 // 5))
+        out.append(Item(f"{task}{seed}", tuple(case.chunks), f"Question: {case.question}", tuple(case.answers),
+                        synthetic.SYSTEM, synthetic.INSTRUCTION))
+    return out
+
+
+def _shuffled_pool(config: WorkloadConfig) -> list[Item]:
+    if config.pool < config.docs:
+        raise ValueError(f"shuffled: pool {config.pool} is smaller than docs per request {config.docs}")
+    rng = random.Random(config.seed)
+    docs = [f"Document {i}. " + " ".join(rng.choice(_WORDS) for _ in range(config.words))
+            + f" The archive number of document {i} is {_archive(i)}." for i in range(config.pool)]
+    # one item holding the pool: `documents` warms it, `phase` draws the requests from it
+    return [Item("pool", tuple(docs), "", ())]
+
+
+def _shuffled_request(pool: list[Item], rng: random.Random, n: int, i: int) -> Item:
+    docs = pool[0].documents
+    order = rng.sample(range(len(docs)), n)
+    asked = rng.choice(order)
+    return Item(f"shuffled{i}", tuple(docs[j] for j in order),
+                f"Question: What is the archive number of document {asked}?", (_archive(asked),))
+
+
+def _archive(i: int) -> str:
+    return str(10000 + 37 * i)
