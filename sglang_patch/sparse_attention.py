@@ -1,4 +1,4 @@
-"""Attention for the passes of a blended prefill (CPU torch path).
+"""Attention for the passes of a blended prefill (torch path; on CUDA with FlashInfer, see paged_attention).
 
 Each segment is a set of queries at arbitrary positions of one request; a query attends, by position, to the KV of
 its request row (reused or freshly written) and never to later positions. Cost is O(queries x context) per layer,
@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from . import paged_attention
 
 QUERY_BLOCK = 1024  # query rows per attention call: bounds the [rows, keys] score matrix in memory
 
@@ -32,6 +34,8 @@ class SparseAttention:
         self.token_to_kv_pool = base.token_to_kv_pool
         self.req_to_token_pool = base.req_to_token_pool
         self.segments = segments
+        self.paged = None  # GPU: the FlashInfer plan of the paged segments, made at the first layer
+        self.torch_segments = segments
 
     def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         hq, hk, d, dv = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim
@@ -43,7 +47,14 @@ class SparseAttention:
             pool.set_kv_buffer(layer, forward_batch.out_cache_loc[rows], k[rows], v[rows])
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         out = q.new_empty(q.shape[0], hq, dv)
-        for s in self.segments:
+        if self.paged is None and paged_attention.available(q.device):
+            paged = [s for s in self.segments if s.write and s.record is None]
+            self.torch_segments = [s for s in self.segments if not (s.write and s.record is None)]
+            self.paged = paged and paged_attention.PagedSparsePrefill(
+                paged, hq, hk, d, dv, layer.scaling, q.dtype, k_buf.dtype, q.device)
+        if self.paged:
+            out[self.paged.rows] = self.paged.run(q, k_buf, v_buf).to(q.dtype)
+        for s in self.torch_segments:
             keys, values = k_buf[s.ctx_slots].to(q.dtype), v_buf[s.ctx_slots].to(q.dtype)
             k_pos = torch.arange(keys.shape[0], device=q.device)
             if not s.write:
