@@ -97,6 +97,11 @@ def parse(payload: dict, prompt_len: int) -> ChunkHint:
         if end > last:
             raise HintError(f"token_spans[{i}] = [{start}, {end}] contains the last prompt token (index {last}), "
                             f"which is always recomputed; a span must end at {last} or earlier")
+    return ChunkHint(tuple(spans), *parse_options(payload))
+
+
+def parse_options(payload: dict) -> tuple[str | None, str | None, float | None]:
+    """The optional payload keys, validated: (namespace, selector, ratio), None where absent."""
     namespace, selector, ratio = (payload.get(k) for k in OPTIONAL_KEYS)
     if namespace is not None and (not isinstance(namespace, str) or not namespace):
         raise HintError(f"namespace must be a non-empty string, got {namespace!r}")
@@ -111,7 +116,7 @@ def parse(payload: dict, prompt_len: int) -> ChunkHint:
         if not 0.0 <= ratio <= 1.0:
             raise HintError(f"ratio must be in [0, 1], got {ratio}")
         ratio = float(ratio)
-    return ChunkHint(tuple(spans), namespace, selector, ratio)
+    return namespace, selector, ratio
 
 
 def char_spans_to_token_payload(payload: dict, offsets: Sequence[Sequence[int]], text_len: int) -> dict:

@@ -10,7 +10,7 @@ requests share chunks only when they share the system prompt and instruction).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .hints import envelope
 
@@ -51,3 +51,30 @@ def build(tokenizer, documents: Sequence[str], question: str, *, system: str | N
         ids += chunk
     ids += tokenizer.encode(tail, add_special_tokens=False)
     return RagPrompt(ids, spans)
+
+
+def assemble(text: str, chunks: Sequence[tuple[int, int]], encode: Callable[[list[str]], list[list[int]]], *,
+             head: Sequence[int] = ()) -> RagPrompt:
+    """Token ids of an already rendered `text` whose chunks (sorted, disjoint character spans) are tokenized each on
+    its own; each stretch of text between chunks is tokenized as one piece, as a plain prompt would be.
+
+    `encode` tokenizes a list of strings without special tokens; `head` (e.g. a BOS id) goes first. A chunk that
+    would hold the prompt's last token stays plain text: that token is always recomputed, so no hint may cover it.
+    """
+    pieces: list[tuple[str, bool]] = []
+    pos = 0
+    for start, end in chunks:
+        if start < pos or end <= start or end > len(text):
+            raise ValueError(f"chunk [{start}, {end}) is not a sorted, disjoint, non-empty span of the text")
+        if start > pos:
+            pieces.append((text[pos:start], False))
+        pieces.append((text[start:end], True))
+        pos = end
+    if pos < len(text):
+        pieces.append((text[pos:], False))
+    ids, spans = list(head), []
+    for (_, is_chunk), piece_ids in zip(pieces, encode([p for p, _ in pieces])):
+        if is_chunk and piece_ids:
+            spans.append((len(ids), len(ids) + len(piece_ids)))
+        ids += piece_ids
+    return RagPrompt(ids, [(s, e) for s, e in spans if e < len(ids)])

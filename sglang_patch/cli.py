@@ -34,6 +34,13 @@ def main(argv: list[str] | None = None) -> int:
                           ("eval", "quality sweep of selectors x rho, plus the SpecCache analyses")):
         sub.add_parser(name, help=summary, add_help=False)  # arguments: chunkcache/bench/cli.py
 
+    p = sub.add_parser("ingest", help="precompute and store the chunk KV of documents on a running server")
+    p.add_argument("file", help='JSON Lines: one document per line, a JSON string or {"text": ...}')
+    p.add_argument("--url", default="http://127.0.0.1:30000", help="server (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=16, help="documents per request (default: %(default)s)")
+    p.add_argument("--system", help="system message the documents will be asked with (default: the chat default)")
+    p.add_argument("--namespace", help="chunk store namespace (default: the server's)")
+
     args, extra = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if extra and args.command not in ("serve", "bench", "eval"):
@@ -42,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "model":
             print(resolve_model(args.name))
             return 0
+        if args.command == "ingest":
+            return ingest(args)
         if args.command in ("bench", "eval"):
             from chunkcache.bench import cli as bench_cli
 
@@ -73,6 +82,15 @@ def serve(args: argparse.Namespace, extra: list[str]) -> int:
     except KeyboardInterrupt:
         proc.terminate()
         return proc.wait()
+
+
+def ingest(args: argparse.Namespace) -> int:
+    from chunkcache.client import ingest as send, read_documents
+
+    result = send(args.url, read_documents(args.file), batch_size=args.batch_size, system=args.system,
+                  namespace=args.namespace)
+    print(f"{result.documents} documents: {result.new} new, {result.existing} already stored")
+    return 0
 
 
 def _wait_healthy(base: str, proc: subprocess.Popen, timeout: float = 900) -> bool:

@@ -1,0 +1,70 @@
+"""The documents a client hands the server to reuse: the `"chunkcache"` object of a /v1/chat/completions request
+and the body of POST /chunkcache/ingest.
+
+    {"documents": ["...", "..."], "selector": "prophet", "ratio": 0.15, "namespace": "kb1"}
+
+Each document becomes one chunk (see prompt.build). Pure Python: validated here, so both routes answer a malformed
+body with the same HTTP 400 message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .hints import HintError, parse_options
+
+CHAT_KEYS = ("documents", "selector", "ratio", "namespace")
+INGEST_KEYS = ("documents", "system", "namespace")
+
+
+class DocumentsError(ValueError):
+    """A malformed documents body (a ValueError: the routes answer it with HTTP 400 and this message)."""
+
+
+@dataclass(frozen=True)
+class Documents:
+    documents: tuple[str, ...]
+    namespace: str | None = None
+    selector: str | None = None
+    ratio: float | None = None
+    system: str | None = None
+
+    def hint_options(self) -> dict[str, Any]:
+        """The chunk hint's optional keys (prompt.RagPrompt.kv_hints), None values left out."""
+        options = {"namespace": self.namespace, "selector": self.selector, "ratio": self.ratio}
+        return {k: v for k, v in options.items() if v is not None}
+
+
+def parse(body: Any, *, where: str, allowed: tuple[str, ...]) -> Documents:
+    """Validate a documents body; `where` names it in errors (e.g. "chunkcache" for the chat extra body)."""
+    if not isinstance(body, dict):
+        raise DocumentsError(f'{where} must be an object like {{"documents": ["..."]}}, got {_kind(body)}')
+    unknown = sorted(set(body) - set(allowed))
+    if unknown:
+        raise DocumentsError(f"unknown key(s) {', '.join(map(repr, unknown))} in {where}; "
+                             f"allowed: {', '.join(map(repr, allowed))}")
+    docs = body.get("documents")
+    if not isinstance(docs, list) or not docs:
+        raise DocumentsError(f"{where}.documents must be a non-empty list of strings, got {_kind(docs)}")
+    for i, doc in enumerate(docs):
+        if not isinstance(doc, str) or not doc.strip():
+            raise DocumentsError(f"{where}.documents[{i}] must be a non-empty string, got {_kind(doc)}")
+    system = body.get("system")
+    if system is not None and (not isinstance(system, str) or not system.strip()):
+        raise DocumentsError(f"{where}.system must be a non-empty string, got {_kind(system)}")
+    try:
+        namespace, selector, ratio = parse_options(body)
+    except HintError as exc:
+        raise DocumentsError(f"{where}: {str(exc).removeprefix('chunkcache hint: ')}") from None
+    return Documents(tuple(docs), namespace, selector, ratio, system)
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "nothing"
+    if isinstance(value, str):
+        return "an empty string" if not value.strip() else f"a string ({value[:40]!r})"
+    if isinstance(value, list):
+        return "an empty list" if not value else f"a list of {len(value)}"
+    return f"{type(value).__name__} {str(value)[:40]}"

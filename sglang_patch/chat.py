@@ -1,0 +1,85 @@
+"""Documents on SGLang's OpenAI-compatible /v1/chat/completions (HTTP server process).
+
+    {"messages": [{"role": "system", "content": "..."}, {"role": "user", "content": "the question"}],
+     "chunkcache": {"documents": ["...", "..."], "selector": "prophet", "ratio": 0.15}}
+
+The request schema drops unknown fields, so the `chunkcache` object is read from the raw JSON body. Three hooks on
+OpenAIServingChat:
+  * around `handle_request`: validate, build the prompt with chunkcache.prompt.build (the model's chat template,
+    system = the request's system message or prompt.DEFAULT_SYSTEM) and hand it to SGLang as the request's
+    `input_ids` (SGLang then skips its own templating); a malformed body is a 400 with the reason;
+  * after `_convert_to_internal_request` (run in a worker thread, so the hint travels on the request's state):
+    put the chunk hint on the GenerateReqInput;
+  * after `_build_chat_response`: the response's `metadata["chunkcache"]` is the request's chunk report (what
+    /generate returns in `meta_info["chunkcache"]`). Streamed responses carry no report.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+from chunkcache.documents import CHAT_KEYS, parse
+from chunkcache.prompt import DEFAULT_SYSTEM, build
+
+KEY = "chunkcache"
+_CHAT = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat"
+
+
+def register() -> None:
+    HookRegistry.register(f"{_CHAT}.handle_request", handle_request, HookType.AROUND)
+    HookRegistry.register(f"{_CHAT}._convert_to_internal_request", attach_hint, HookType.AFTER)
+    HookRegistry.register(f"{_CHAT}._build_chat_response", add_report, HookType.AFTER)
+
+
+async def handle_request(original, serving, request, raw_request=None):
+    body = await raw_request.json() if raw_request is not None else None
+    if not isinstance(body, dict) or KEY not in body:
+        return await original(serving, request, raw_request)
+    try:
+        docs = parse(body[KEY], where=KEY, allowed=CHAT_KEYS)
+        system, question = conversation(request)
+        prompt = build(serving.tokenizer_manager.tokenizer, docs.documents, question, system=system or DEFAULT_SYSTEM)
+    except ValueError as exc:
+        return serving.create_error_response(str(exc))
+    request.input_ids = prompt.input_ids
+    raw_request.state.chunkcache_hints = prompt.kv_hints(**docs.hint_options())
+    return await original(serving, request, raw_request)
+
+
+def conversation(request) -> tuple[str | None, str]:
+    """(system, question) of a documents request: an optional system message, then one user message."""
+    if request.input_ids is not None:
+        raise ValueError(f"{KEY}.documents builds the prompt from the messages; do not also send input_ids")
+    if request.tools:
+        raise ValueError(f"{KEY}.documents cannot be combined with tools (the RAG prompt does not render them)")
+    roles = [m.role for m in request.messages]
+    if roles not in (["user"], ["system", "user"]):
+        raise ValueError(f"{KEY}.documents needs messages = [optional system message, one user message with the "
+                         f"question]; got roles {roles}")
+    texts = [_text(m.content, m.role) for m in request.messages]
+    return (texts[0] if len(texts) == 2 else None), texts[-1]
+
+
+def _text(content: Any, role: str) -> str:
+    if isinstance(content, list) and all(getattr(p, "type", None) == "text" for p in content):
+        content = "".join(p.text for p in content)
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError(f"the {role} message must have non-empty text content when {KEY}.documents is used")
+    return content
+
+
+def attach_hint(result, serving, request, raw_request=None, *args, **kwargs):
+    hints = getattr(raw_request.state, "chunkcache_hints", None) if raw_request is not None else None
+    if hints is not None:
+        adapted, _ = result
+        adapted.kv_hints = hints
+    return result
+
+
+def add_report(response, serving, request, ret, *args, **kwargs):
+    report = ret[0]["meta_info"].get(KEY) if ret else None
+    if report is not None and hasattr(response, "metadata"):
+        response.metadata = {**(response.metadata or {}), KEY: report}
+    return response

@@ -1,0 +1,133 @@
+"""Documents over HTTP: the `chunkcache` extra body of /v1/chat/completions, POST /chunkcache/ingest and the
+`chunkcache ingest` command, on the session's live server. Each test uses documents of its own: chunk accounting
+depends on what the store and the radix tree already hold."""
+
+import json
+
+import pytest
+import requests
+
+from chunkcache.documents import CHAT_KEYS, DocumentsError, parse
+from sglang_patch import cli
+
+QUESTION = "Which day does the market open?"
+
+
+def docs(tag: str) -> list[str]:
+    return [f"The {tag} market opens every Tuesday at dawn.", f"The river of {tag} flows north.",
+            f"The {tag} lighthouse was built in 1852."]
+
+
+def chat(server, documents, question=QUESTION, **extra):
+    body = {"messages": [{"role": "user", "content": question}], "max_tokens": 4, "temperature": 0,
+            "chunkcache": {"documents": documents, "selector": "epic"}, **extra}
+    return requests.post(server.url + "/v1/chat/completions", json=body, timeout=600)
+
+
+def ingest(server, documents, **extra):
+    return requests.post(server.url + "/chunkcache/ingest", json={"documents": documents, **extra}, timeout=600)
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"documents": "one string"}, "chunkcache.documents must be a non-empty list of strings, got a string"),
+    ({"documents": []}, "chunkcache.documents must be a non-empty list of strings, got an empty list"),
+    ({"documents": ["ok", ""]}, "chunkcache.documents[1] must be a non-empty string, got an empty string"),
+    ({"documents": ["ok"], "ratio": 2}, "chunkcache: ratio must be in [0, 1], got 2"),
+    ({"documents": ["ok"], "selector": "nope"}, "chunkcache: selector 'nope' is not registered"),
+    ({"documents": ["ok"], "top_k": 3}, "unknown key(s) 'top_k' in chunkcache"),
+    (["ok"], 'chunkcache must be an object like {"documents": ["..."]}, got a list of 1'),
+])
+def test_documents_body_is_validated(body, message):
+    with pytest.raises(DocumentsError) as info:
+        parse(body, where="chunkcache", allowed=CHAT_KEYS)
+    assert message in str(info.value)
+
+
+slow = pytest.mark.slow
+
+
+@slow
+def test_chat_with_documents_answers_and_reuses_them_in_another_order(server):
+    first = chat(server, docs("Amber"))
+    assert first.status_code == 200, first.text
+    assert first.json()["choices"][0]["message"]["content"]
+    report = first.json()["metadata"]["chunkcache"]
+    assert report["chunk_hits"] + report["chunk_misses"] == 3 and report["selector"] == "epic"
+    second = chat(server, docs("Amber")[::-1])
+    assert second.status_code == 200, second.text
+    report = second.json()["metadata"]["chunkcache"]
+    assert (report["chunk_hits"], report["chunk_misses"]) == (3, 0)
+
+
+@slow
+def test_chat_without_documents_is_stock(server):
+    r = requests.post(server.url + "/v1/chat/completions", timeout=600, json={
+        "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+    assert "chunkcache" not in (r.json().get("metadata") or {})
+
+
+@slow
+@pytest.mark.parametrize("documents, extra, message", [
+    ([" "], {}, "chunkcache.documents[0] must be a non-empty string"),
+    ({"a": 1}, {}, "chunkcache.documents must be a non-empty list of strings, got dict"),
+    (["ok"], {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                           {"role": "user", "content": "c"}]},
+     "chunkcache.documents needs messages = [optional system message, one user message with the question]; "
+     "got roles ['user', 'assistant', 'user']"),
+    (["ok"], {"input_ids": [1, 2, 3]}, "do not also send input_ids"),
+])
+def test_malformed_documents_are_a_400(server, documents, extra, message):
+    r = chat(server, documents, **extra)
+    assert r.status_code == 400, r.text
+    assert message in r.json()["message"]
+
+
+@slow
+def test_ingest_then_query_hits_every_chunk_and_ingest_is_idempotent(server):
+    documents = docs("Sorn")
+    r = ingest(server, documents + documents[:1])
+    assert r.status_code == 200, r.text
+    assert r.json() == {"documents": 4, "new": 3, "existing": 1}
+    query = chat(server, documents[1:] + documents[:1])
+    assert query.status_code == 200, query.text
+    report = query.json()["metadata"]["chunkcache"]
+    assert (report["chunk_hits"], report["chunk_misses"]) == (3, 0)
+    again = ingest(server, documents)
+    assert again.json() == {"documents": 3, "new": 0, "existing": 3}
+
+
+@slow
+def test_ingest_uses_the_system_message_as_the_shared_prefix(server):
+    documents, system = docs("Quill"), "Answer in French."
+    assert ingest(server, documents, system=system).json()["new"] == 3
+    r = chat(server, documents, messages=[{"role": "system", "content": system}, {"role": "user", "content": QUESTION}])
+    assert r.status_code == 200, r.text
+    assert r.json()["metadata"]["chunkcache"]["chunk_hits"] == 3
+    assert ingest(server, documents).json()["new"] == 3  # the default system prompt is another prefix
+
+
+@slow
+@pytest.mark.parametrize("body, message", [
+    ({"documents": []}, "ingest.documents must be a non-empty list of strings"),
+    ({"documents": ["ok"], "selector": "epic"}, "unknown key(s) 'selector' in ingest; allowed: 'documents', 'system', 'namespace'"),
+    ({"documents": ["ok"], "system": 3}, "ingest.system must be a non-empty string, got int 3"),
+])
+def test_malformed_ingest_is_a_400(server, body, message):
+    r = requests.post(server.url + "/chunkcache/ingest", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert message in r.json()["error"]["message"]
+
+
+@slow
+def test_ingest_command(server, tmp_path, capsys):
+    path = tmp_path / "docs.jsonl"
+    documents = docs("Vell")
+    path.write_text(json.dumps(documents[0]) + "\n\n" + "".join(json.dumps({"text": d}) + "\n" for d in documents[1:]))
+    assert cli.main(["ingest", str(path), "--url", server.url, "--batch-size", "2"]) == 0
+    assert "3 documents: 3 new, 0 already stored" in capsys.readouterr().out
+    assert cli.main(["ingest", str(path), "--url", server.url]) == 0
+    assert "3 documents: 0 new, 3 already stored" in capsys.readouterr().out
+    path.write_text('{"title": "no text"}\n')
+    assert cli.main(["ingest", str(path), "--url", server.url]) == 2
+    assert f'{path}:1: expected a JSON string or an object with a non-empty "text"' in capsys.readouterr().err
