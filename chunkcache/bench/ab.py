@@ -101,13 +101,30 @@ def run(config: BenchConfig) -> Path:
                         f.writelines(json.dumps(r) + "\n" for r in rows)
     _agreement(records)
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
+    print(summarize(config, records))
+    return out
+
+
+def summarize(config: BenchConfig, records: list[dict]) -> str:
+    """Write the summary table and the plots of a run's records into its results directory."""
     threshold = report.GOODPUT_FRACTION * report.mean(r["f1"] for r in records
                                                if r["side"] == "stock" and r["phase"] == "sequential")
     summary = report.markdown(records, config, threshold)
-    (out / "summary.md").write_text(summary)
-    plots.write_all(records, threshold, out)
-    print(summary)
-    return out
+    (config.out / "summary.md").write_text(summary)
+    plots.write_all(records, threshold, config.out)
+    return summary
+
+
+def load_run(out: Path) -> tuple[BenchConfig, list[dict]]:
+    """The config and records of an earlier run's results directory."""
+    if not (out / "requests.jsonl").is_file():
+        raise FileNotFoundError(f"{out} holds no requests.jsonl: not a bench results directory")
+    raw = json.loads((out / "config.json").read_text())
+    config = BenchConfig(workload=WorkloadConfig(**raw["workload"]), arms=tuple(Arm(**a) for a in raw["arms"]),
+                         rates=tuple(raw["rates"]), load_requests=raw["load_requests"],
+                         max_new_tokens=raw["max_new_tokens"], model=raw["model"],
+                         server_config=raw["server_config"], out=out)
+    return config, [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
 
 
 def _warm(url: str, warm: list[Request], hinted: bool) -> None:

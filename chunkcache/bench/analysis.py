@@ -68,7 +68,7 @@ def _deviation(full_cache, reused_cache, ctx: torch.Tensor) -> tuple[list[float]
     for (kf, vf, *_), (kr, vr, *_) in zip(full_cache, reused_cache):
         for out, f, r in ((ks, kf, kr), (vs, vf, vr)):
             f, r = (x[0].transpose(0, 1).flatten(1).float() for x in (f, r))  # [B,H,T,D] -> [T, H*D]
-            out.append(float((1 - torch.nn.functional.cosine_similarity(f, r, dim=1))[ctx].mean()))
+            out.append(max(0.0, float((1 - torch.nn.functional.cosine_similarity(f, r, dim=1))[ctx].mean())))
     return ks, vs
 
 

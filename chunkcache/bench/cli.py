@@ -50,7 +50,13 @@ def bench(argv: list[str]) -> int:
     ap.add_argument("--load-requests", type=int, help="requests per arrival rate")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: a few minutes on a CPU (CI)")
     ap.add_argument("--out", help="results directory (default results/bench-WORKLOAD-TIME)")
+    ap.add_argument("--report", metavar="DIR", help="only rewrite the summary and plots of an earlier run's results")
     args = ap.parse_args(argv)
+    if args.report:
+        from .ab import load_run, summarize
+
+        print(summarize(*load_run(Path(args.report))))
+        return 0
     size = _sized(args, SMOKE if args.smoke else FULL)
     arms = tuple(Arm(s, r) for s in args.selectors.split(",") for r in _floats(args.ratios))
     stamp = time.strftime("%Y%m%d-%H%M%S")
