@@ -28,8 +28,12 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         argv = [sys.executable, "-m", "sglang_patch.cli", "serve", "--port", str(self.port), "--enable-metrics"]
-        argv += ([] if chunk_reuse else ["--no-chunk-reuse"]) + (["--config", config] if config else [])
-        argv += ["--model", model] if model else []
+        argv += [] if chunk_reuse else ["--no-chunk-reuse"]
+        # paths made absolute: the server runs in the log's directory
+        if config:
+            argv += ["--config", str(Path(config).resolve())]
+        if model:
+            argv += ["--model", str(Path(model).resolve()) if Path(model).exists() else model]
         with open(log_path, "w") as log:
             # cwd: not the repository root, whose package directories would shadow the installed ones
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
