@@ -72,15 +72,21 @@ def plan(cache, forward_batch, reqs) -> list[Work]:
         work = Work(req, i, row, ids, exact)
         works.append(work)
         payload = find_payload(getattr(req, "kv_hints", None))
-        if payload is None or seq_len - exact == 1:  # no chunks, or a decode step riding in a mixed batch
+        prefill = seq_len == len(req.origin_input_ids)
+        if payload is None or (seq_len - exact == 1 and not prefill):  # no chunks, or a decode step in a mixed batch
             continue
-        if seq_len != len(req.origin_input_ids):
+        if not prefill:
             cache.fallback(req, "partial_prefill", "chunked prefill or a retracted request: this round is computed in full")
             continue
         try:
             hint = parse(payload, seq_len)
         except HintError as exc:  # validated at the HTTP layer; an Engine-side bypass still must not crash the batch
             cache.fallback(req, "bad_hint", str(exc))
+            continue
+        if seq_len - exact == 1:  # the radix tree holds the whole prompt: nothing to blend, but say so
+            report(cache, work, hint.selector or cache.config.select.selector,
+                   cache.config.select.ratio if hint.ratio is None else hint.ratio, recomputed=1, select_s=0.0,
+                   stages={"match_fill": 0.0, "copy": 0.0, "select": 0.0, "prefill": 0.0})
             continue
         work.shared = hint.token_spans[0][0]
         # a chunk the radix match reaches into keeps the tree's exact KV for its head; only its tail is blended
@@ -123,21 +129,25 @@ def run(cache, model_runner, forward_batch, reqs):
         counts.append(len(sel))
     result = _forward(model_runner, forward_batch, segments, ids, pos, loc, device, counts=counts)
     t_end = time.perf_counter()
+    stages = {"match_fill": t_fill - t0, "copy": t_copy - t_fill, "select": t_select - t_copy, "prefill": t_end - t_select}
     for w in works:
         if w.blended:
-            hits = w.hits
-            n_ctx = sum(e - s for s, e in w.spans)
-            recomputed = len(w.selected)
-            w.req.chunkcache_info = {
-                "chunk_hits": hits, "chunk_misses": len(w.spans) - hits,
-                "reused_tokens": n_ctx - int(_in_spans(w.selected, w.spans)),
-                "recomputed_tokens": recomputed, "selector": w.selector, "ratio": w.ratio,
-                "select_s": round(select_s[w.index], 6), "blend_s": round(t_end - t0 - sum(select_s.values()), 6),
-                "stages_s": {"match_fill": round(t_fill - t0, 6), "copy": round(t_copy - t_fill, 6),
-                             "select": round(t_select - t_copy, 6), "prefill": round(t_end - t_select, 6)},
-            }
-            cache.record(w.req, w.req.chunkcache_info)
+            report(cache, w, w.selector, w.ratio, recomputed=len(w.selected), select_s=select_s[w.index],
+                   stages=stages, blend_s=t_end - t0 - sum(select_s.values()))
     return result
+
+
+def report(cache, w: Work, selector: str, ratio: float, recomputed: int, select_s: float, stages: dict,
+           blend_s: float = 0.0) -> None:
+    """The request's meta_info["chunkcache"] (stage timings are the whole batch's)."""
+    reused = sum(e - s for s, e in w.spans) - (_in_spans(w.selected, w.spans) if w.spans else 0)
+    w.req.chunkcache_info = {
+        "chunk_hits": w.hits, "chunk_misses": len(w.spans) - w.hits, "reused_tokens": reused,
+        "recomputed_tokens": recomputed, "radix_tokens": w.exact, "selector": selector, "ratio": ratio,
+        "select_s": round(select_s, 6), "blend_s": round(blend_s, 6),
+        "stages_s": {k: round(v, 6) for k, v in stages.items()},
+    }
+    cache.record(w.req, w.req.chunkcache_info)
 
 
 def _in_spans(sel: torch.Tensor, spans) -> int:

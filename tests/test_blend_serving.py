@@ -92,6 +92,16 @@ def test_reordered_chunks_hit_and_reuse(engine, rag):
     assert info["recomputed_tokens"] == len(ids) - spans[-1][1]  # the question, its last token included
 
 
+def test_exact_repeat_is_served_by_the_radix_tree_and_reported(engine, rag):
+    ids, spans = rag.build([1, 4], "What is the code of document 4?")
+    first = gen(engine, ids, hints(spans, selector="epic", namespace="repeat"), n=4)
+    again = gen(engine, ids, hints(spans, selector="epic", namespace="repeat"), n=4)
+    assert again["output_ids"] == first["output_ids"]
+    info = again["meta_info"]["chunkcache"]
+    assert info["radix_tokens"] == len(ids) - 1 == again["meta_info"]["cached_tokens"]
+    assert (info["chunk_hits"], info["chunk_misses"], info["reused_tokens"], info["recomputed_tokens"]) == (0, 0, 0, 1)
+
+
 @pytest.mark.parametrize("selector", ["none", "epic", "cacheblend", "prophet", "spec", "clip"])
 def test_selectors_respect_the_budget(engine, rag, selector):
     ids, spans = rag.build([3, 4, 5, 0], "What is the code of document 4?")
