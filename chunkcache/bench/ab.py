@@ -1,9 +1,9 @@
 """`chunkcache bench`: stock SGLang (prefix caching) vs chunkcache on the same model, same workload, same machine.
 
 Per server, one after the other (stock first):
-  1. warm-up, not measured: every distinct document once, alone after the shared prefix. chunkcache stores its KV
-     (the "precomputed chunks" premise of the papers); stock gets it in its radix tree as the prefix [system][doc],
-     which is what prefix caching can reuse in RAG.
+  1. warm-up, not measured: chunkcache stores the KV of every document (the "precomputed chunks" premise of the
+     papers); stock gets `[system][document]` in its radix tree for every document that opens a measured prompt,
+     which is what prefix caching can reuse in RAG (workloads.chunk_warmup, prefix_warmup).
   2. sequential phase: each request alone (TTFT), once for stock and once per chunkcache (selector, rho).
   3. Poisson phases, one per arrival rate, the first chunkcache configuration against stock; phase k reorders the
      documents (workloads.phase) so no phase replays a prompt already in a radix tree.
@@ -28,7 +28,7 @@ from . import plots, report, scoring
 from .client import flush_cache, generate
 from .load import replay
 from .servers import Server
-from .workloads import Request, WorkloadConfig, documents, items, phase, to_request
+from .workloads import Request, WorkloadConfig, chunk_warmup, items, phase, prefix_warmup, to_request
 
 NAMESPACE = "bench"  # chunk-store and radix namespace of every chunkcache request
 
@@ -71,11 +71,14 @@ def run(config: BenchConfig) -> Path:
     (out / "config.json").write_text(json.dumps(asdict(config), indent=1, default=str))
     tok = AutoTokenizer.from_pretrained(resolve_model(config.model))
     pool = items(config.workload)
-    warm = [to_request(tok, it) for it in documents(pool)]
-    phases = [("sequential", None, [to_request(tok, it) for it in phase(config.workload, pool, 0)])]
+    measured = [("sequential", None, phase(config.workload, pool, 0))]
     for k, rate in enumerate(config.rates, start=1):
-        reqs = [to_request(tok, it) for it in phase(config.workload, pool, k)][: config.load_requests]
-        phases.append((f"poisson@{rate:g}", rate, reqs))
+        measured.append((f"poisson@{rate:g}", rate, phase(config.workload, pool, k)[: config.load_requests]))
+    phases = [(name, rate, [to_request(tok, it) for it in its]) for name, rate, its in measured]
+    warm = {"stock": [to_request(tok, it) for it in prefix_warmup([it for *_, its in measured for it in its])],
+            "chunkcache": [to_request(tok, it) for it in chunk_warmup(pool)]}
+    # re-primes the shared system prefix after a flush (its chunk is a store hit by then)
+    prime = warm["stock"][:1]
 
     records: list[dict] = []
     jsonl = out / "requests.jsonl"
@@ -84,13 +87,14 @@ def run(config: BenchConfig) -> Path:
         t = time.perf_counter()
         with Server(out / f"server_{side}.log", chunk_reuse=side == "chunkcache", config=config.server_config,
                     model=config.model) as server:
-            print(f"{side}: server up in {time.perf_counter() - t:.0f} s; warming {len(warm)} documents", flush=True)
-            _warm(server.url, warm, side == "chunkcache")
+            print(f"{side}: server up in {time.perf_counter() - t:.0f} s; {len(warm[side])} warm-up requests",
+                  flush=True)
+            _warm(server.url, warm[side], side == "chunkcache")
             for name, rate, reqs in phases:
                 for arm in arms if rate is None else arms[:1]:
                     if side == "chunkcache":
                         flush_cache(server.url)
-                        _warm(server.url, warm[:1], True)
+                        _warm(server.url, prime, True)
                     rows = replay(server.url, reqs, arm.hints, config.max_new_tokens, rate=rate,
                                   seed=config.workload.seed, desc=f"{side} {arm.label} {name}")
                     for r, req in zip(rows, reqs):

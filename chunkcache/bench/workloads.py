@@ -72,14 +72,22 @@ def phase(config: WorkloadConfig, pool: list[Item], k: int) -> list[Item]:
     return [Item(it.id, _rotate(it.documents, k), it.question, it.answers, it.system, it.instruction) for it in pool]
 
 
-def documents(pool: list[Item]) -> list[Item]:
-    """One single-document item per distinct document (same system prompt and instruction): the warm-up that puts
-    every document in the chunk store, and in stock's radix tree right after the shared prefix."""
+WARM_QUESTION = "Question: Which documents are these?"
+
+
+def chunk_warmup(pool: list[Item]) -> list[Item]:
+    """Every document of the pool into the chunk store: one request per item, all its documents hinted (a missed
+    chunk is computed alone after the shared prefix, wherever it sits, so batching them changes no stored KV)."""
+    return [Item(f"warm-{it.id}", it.documents, WARM_QUESTION, (), it.system, it.instruction) for it in pool]
+
+
+def prefix_warmup(measured: list[Item]) -> list[Item]:
+    """Stock's counterpart: `[system][document]` in its radix tree for every document that opens a measured prompt
+    (the only place prefix caching can reuse a document; the others' entries would never be matched)."""
     seen: dict[str, Item] = {}
-    for it in pool:
-        for d in it.documents:
-            seen.setdefault(d, Item(f"doc{len(seen)}", (d,), "Question: Which document is this?", (),
-                                    it.system, it.instruction))
+    for it in measured:
+        d = it.documents[0]
+        seen.setdefault(d, Item(f"warm{len(seen)}", (d,), WARM_QUESTION, (), it.system, it.instruction))
     return list(seen.values())
 
 
