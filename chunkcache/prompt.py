@@ -4,7 +4,8 @@ The chat template is rendered once around a placeholder; the text before the fir
 turn header, instruction) is the shared prefix, each document is tokenized on its own (with its separator) and the
 ids are concatenated, then the question and the assistant header follow. So a document always maps to the same
 token ids, and the same documents in any order give chunk keys that match (keys also hash the shared prefix:
-requests share chunks only when they share the system prompt and instruction).
+requests share chunks only when they share the system prompt and instruction). `assemble` does the same for a
+prompt already rendered as text (an SGLang frontend program), its chunks given as character spans.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ of the chunks is everything the program wrote before its first chunk.
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import requests
 from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
@@ -30,6 +30,7 @@ from sglang.lang.ir import SglConstantText, SglExprList
 from chunkcache.prompt import assemble
 
 SPANS = "chunkcache_spans"  # StreamExecutor attribute: character spans of the chunks in its text_
+_SELECTING = "chunkcache_selecting"  # StreamExecutor attribute: set while select() runs
 
 
 class Chunk(SglConstantText):
@@ -99,11 +100,28 @@ class ChunkcacheEndpoint(RuntimeEndpoint):
                              if v is not None}
         self._head: list[int] | None = None
 
+    def generate_stream(self, s: StreamExecutor, sampling_params: Any) -> Iterator[tuple[str, dict]]:
+        # the chunk report comes with a streamed request's first chunk; the program keeps the last chunk's meta_info
+        report = None
+        for text, meta_info in super().generate_stream(s, sampling_params):
+            report = meta_info.get("chunkcache", report)
+            yield text, meta_info if report is None else {**meta_info, "chunkcache": report}
+
+    def select(self, s: StreamExecutor, *args: Any, **kwargs: Any) -> Any:
+        # select() scores the choices with text requests at a token offset taken from its own prefix request, so
+        # that one must be tokenized as text too: no chunks while it runs
+        s.__dict__[_SELECTING] = True
+        try:
+            return super().select(s, *args, **kwargs)
+        finally:
+            del s.__dict__[_SELECTING]
+
     def _add_images(self, s: StreamExecutor, data: dict) -> None:
-        # Every request that carries the program's text (gen, streamed gen, select's prefix fill, fork's commit)
-        # passes here right before it is posted: the one place to swap the text for token ids and a chunk hint.
+        # Every request that carries the program's text (gen, streamed gen, fork's commit) passes here right before
+        # it is posted: the one place to swap the text for token ids and a chunk hint.
         super()._add_images(s, data)
-        if data.get("text") != s.text_ or "image_data" in data or data.get("return_logprob"):
+        if (data.get("text") != s.text_ or "image_data" in data or data.get("return_logprob")
+                or s.__dict__.get(_SELECTING)):
             return
         spans = [span for span in chunk_spans(s) if span[1] <= len(s.text_)]
         if not spans:

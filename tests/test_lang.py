@@ -135,3 +135,18 @@ def test_forked_program_and_plain_program_on_the_server(server):
     stock = requests.post(server.url + "/generate", timeout=300, json={
         "text": "The capital of France is", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}).json()
     assert state["x"] == stock["text"] and "chunkcache" not in state.get_meta_info("x")
+
+
+@pytest.mark.slow
+def test_select_and_streamed_gen_with_chunks(server):
+    @sgl.function
+    def ask(s, docs):
+        s += sgl.user("Documents:\n\n" + lang.documents(docs) + "Does the market open on Tuesday? Answer yes or no.")
+        s += sgl.assistant(sgl.select("yn", choices=["yes", "no"]) + " " + sgl.gen("why", max_tokens=4, temperature=0))
+
+    backend = lang.ChunkcacheEndpoint(server.url, selector="epic", chat_template_name="chatml")
+    docs = ["The Amber market opens every Tuesday at dawn.", "The river Vell flows north through Amber."]
+    state = ask.run(docs=docs, backend=backend, stream=True)
+    assert "".join(state.text_iter("why")) and state["yn"] in ("yes", "no")
+    report = state.get_meta_info("why")["chunkcache"]  # sent with the first streamed chunk, kept to the end
+    assert report["chunk_hits"] + report["chunk_misses"] == 2
