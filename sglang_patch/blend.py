@@ -192,14 +192,17 @@ def _fill(cache, model_runner, forward_batch, works, device):
 def _copy_chunks(cache, w: Work):
     """Copy (never alias) each chunk's stored KV into the request's slots, K re-rotated to its new positions."""
     pool = cache.token_to_kv_pool
-    for (s, e), off, entry in zip(w.spans, w.offsets, w.entries):
-        slots = w.row[s:e]
-        k = rerotate(entry.k[:, off:].to(slots.device), s - off - entry.start_pos, cache.rope)
-        v = entry.v[:, off:]
-        for layer in range(entry.num_layers):
-            k_buf, v_buf = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
-            k_buf[slots] = k[layer].to(k_buf.dtype)
-            v_buf[slots] = v[layer].to(device=slots.device, dtype=v_buf.dtype)
+    device, dtype = w.row.device, pool.get_key_buffer(0).dtype
+    # all chunks of the request at once: one indexed write per layer and buffer
+    slots = torch.cat([w.row[s:e] for s, e in w.spans])
+    # with the cached positions, re-rotation reproduces the model's own float32 angle rounding (see chunkcache.rope)
+    k = torch.cat([rerotate(entry.k[:, off:].to(device), s - off - entry.start_pos, cache.rope,
+                            torch.arange(entry.start_pos + off, entry.start_pos + entry.num_tokens)).to(dtype)
+                   for (s, _), off, entry in zip(w.spans, w.offsets, w.entries)], dim=1)
+    v = torch.cat([entry.v[:, off:].to(device=device, dtype=dtype) for off, entry in zip(w.offsets, w.entries)], dim=1)
+    for layer in range(k.shape[0]):
+        pool.get_key_buffer(layer)[slots] = k[layer]
+        pool.get_value_buffer(layer)[slots] = v[layer]
 
 
 class _Features:

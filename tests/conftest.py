@@ -1,3 +1,4 @@
+import contextlib
 import os
 import signal
 import socket
@@ -84,6 +85,25 @@ class Server:
                 except ProcessLookupError:
                     return
                 time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def sglang_engine(model: Path, config_dir: Path, config_yaml: str = "", **settings):
+    """An in-process `sgl.Engine` with the chunkcache backend on this host's settings, `config_yaml` as its config."""
+    from chunkcache.config import Config
+    from sglang_patch.launcher import prepare_environment, server_settings
+
+    config = config_dir / "chunkcache.yaml"
+    config.write_text(config_yaml)
+    prepare_environment(config)
+    import sglang as sgl
+
+    args = {k: v for k, v in server_settings(model, Config()).items() if k not in ("host", "port")}
+    engine = sgl.Engine(**{**args, **settings}, log_level="error")
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
 
 
 @pytest.fixture(scope="session")

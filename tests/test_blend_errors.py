@@ -3,6 +3,7 @@
 import pytest
 
 from chunkcache.prompt import build
+from conftest import sglang_engine
 
 pytestmark = pytest.mark.slow
 DOCS = ["The Vell river flows north through Amber.", "Amber's market opens on Tuesdays.",
@@ -11,19 +12,10 @@ DOCS = ["The Vell river flows north through Amber.", "Amber's market opens on Tu
 
 @pytest.fixture(scope="module")
 def engine(default_model, tmp_path_factory):
-    from chunkcache.config import Config
-    from sglang_patch.launcher import prepare_environment, server_settings
-
-    config = tmp_path_factory.mktemp("cfg") / "c.yaml"
-    config.write_text("select:\n  options:\n    cacheblend:\n      layer: 99\n")  # the model has 30 layers
-    prepare_environment(config)
-    import sglang as sgl
-
-    settings = server_settings(default_model, Config())
-    del settings["host"], settings["port"]
-    eng = sgl.Engine(**settings, max_total_tokens=3000, log_level="error")
-    yield eng
-    eng.shutdown()
+    # the model has 30 layers: cacheblend's check layer 99 fails inside the blend
+    with sglang_engine(default_model, tmp_path_factory.mktemp("cfg"), "select:\n  options:\n    cacheblend:\n      layer: 99\n",
+                       max_total_tokens=3000) as eng:
+        yield eng
 
 
 def test_failed_blend_falls_back_to_full_compute_and_says_so(engine, default_model):

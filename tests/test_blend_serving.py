@@ -3,6 +3,7 @@
 import random
 
 import pytest
+from conftest import sglang_engine
 
 pytestmark = pytest.mark.slow
 WORDS = "alpha beta gamma delta river mountain city blue green red fast slow north south".split()
@@ -37,19 +38,9 @@ class Rag:
 
 @pytest.fixture(scope="module")
 def engine(default_model, tmp_path_factory):
-    from chunkcache.config import Config
-    from sglang_patch.launcher import prepare_environment, server_settings
-
-    config = tmp_path_factory.mktemp("cfg") / "c.yaml"
-    config.write_text("select:\n  selector: full\n  ratio: 0.15\n")
-    prepare_environment(config)
-    import sglang as sgl
-
-    settings = server_settings(default_model, Config())
-    del settings["host"], settings["port"]
-    eng = sgl.Engine(**settings, max_total_tokens=6000, log_level="error")
-    yield eng
-    eng.shutdown()
+    with sglang_engine(default_model, tmp_path_factory.mktemp("cfg"), "select:\n  selector: full\n  ratio: 0.15\n",
+                       max_total_tokens=6000) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +81,21 @@ def test_reordered_chunks_hit_and_reuse(engine, rag):
     # exactly (documents start alike, so the tree can reach a couple of tokens into the first chunk)
     assert info["reused_tokens"] == blended_context(spans, meta)
     assert info["recomputed_tokens"] == len(ids) - spans[-1][1]  # the question, its last token included
+
+
+@pytest.mark.parametrize("selector", ["none", "epic"])
+def test_blend_matches_the_reference_blender(engine, rag, default_model, selector):
+    """The same blend computed by the torch reference on HF transformers (chunkcache.reference, itself checked
+    against full prefill): reused chunk KV copied and re-rotated into the pool, the same tokens recomputed."""
+    from chunkcache.reference import ReferenceBlender
+
+    ids, spans = rag.build([5, 2, 3], "What is the code of document 2?")
+    served = gen(engine, ids, hints(spans, selector=selector, namespace=f"reference-{selector}"), n=8)
+    assert served["meta_info"]["chunkcache"]["radix_tokens"] == 0
+    ref = ReferenceBlender.from_pretrained(default_model)
+    result = ref.blend(ids[: spans[0][0]], [ids[s:e] for s, e in spans], ids[spans[-1][1]:], selector=selector)
+    assert len(result.recomputed) == served["meta_info"]["chunkcache"]["recomputed_tokens"]
+    assert ref.generate(result, 8) == served["output_ids"]
 
 
 def test_exact_repeat_is_served_by_the_radix_tree_and_reported(engine, rag):

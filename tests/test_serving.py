@@ -2,29 +2,19 @@
 
 import pytest
 import requests
+from conftest import sglang_engine
 
 pytestmark = pytest.mark.slow
 
 
-def test_engine_answers_capital_of_france(default_model):
+def test_engine_answers_capital_of_france(default_model, tmp_path):
     from transformers import AutoTokenizer
 
-    from chunkcache.config import Config
-    from sglang_patch.launcher import prepare_environment, server_settings
-
-    prepare_environment(None)
-    import sglang as sgl
-
-    settings = server_settings(default_model, Config())
-    del settings["host"], settings["port"]
-    engine = sgl.Engine(**settings, log_level="error")
-    try:
-        tok = AutoTokenizer.from_pretrained(default_model)
-        prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                         tokenize=False, add_generation_prompt=True)
+    tok = AutoTokenizer.from_pretrained(default_model)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                     tokenize=False, add_generation_prompt=True)
+    with sglang_engine(default_model, tmp_path) as engine:
         out = engine.generate(prompt, {"max_new_tokens": 20, "temperature": 0})
-    finally:
-        engine.shutdown()
     assert "Paris" in out["text"]
 
 
