@@ -87,6 +87,9 @@ def markdown(analyses: dict) -> str:
              "", "| layer | " + " | ".join(str(i + 1) for i in shown) + " |", "|---|" + "---|" * len(shown),
              "| K | " + " | ".join(f"{dev['k'][i]:.4f}" for i in shown) + " |",
              "| V | " + " | ".join(f"{dev['v'][i]:.4f}" for i in shown) + " |", "",
-             f"#### Jaccard overlap of the top-{TOP:.0%} context tokens", "", "| pair | Jaccard |", "|---|---|"]
+             f"#### Jaccard overlap of the top-{TOP:.0%} context tokens", "",
+             # two independent random top-p sets overlap by p^2 n, so their Jaccard is about p / (2 - p)
+             f"Two random top-{TOP:.0%} sets would score {TOP / (2 - TOP):.3f}.", "",
+             "| pair | Jaccard |", "|---|---|"]
     lines += [f"| {label} | {value:.3f} |" for label, value in analyses["jaccard_top20"].items()]
     return "\n".join(lines)
