@@ -70,6 +70,19 @@ def test_full_selector_matches_stock_sglang(engine, rag):
         assert blended["output_ids"] == stock["output_ids"], (order, blended["text"], stock["text"])
 
 
+def test_one_batch_of_blended_and_plain_requests_matches_stock(engine, rag):
+    """Several hinted requests and a plain one submitted together (one extend batch for the scheduler)."""
+    prompts = [rag.build(order, f"What is the code of document {order[1]}?")
+               for order in ([0, 2, 4], [4, 0, 2], [1, 3, 5], [5, 1])]
+    params = {"max_new_tokens": 8, "temperature": 0}
+    stock = [gen(engine, ids, n=8)["output_ids"] for ids, _ in prompts]
+    kv = [hints(spans, selector="full", namespace="batch") for _, spans in prompts[:-1]] + [None]
+    outs = engine.generate(input_ids=[ids for ids, _ in prompts], sampling_params=params, kv_hints=kv)
+    assert [o["output_ids"] for o in outs] == stock
+    assert all(o["meta_info"]["chunkcache"]["selector"] == "full" for o in outs[:-1])
+    assert "chunkcache" not in outs[-1]["meta_info"]
+
+
 def test_reordered_chunks_hit_and_reuse(engine, rag):
     ids, spans = rag.build([0, 1, 2], "What is the code of document 1?")
     gen(engine, ids, hints(spans, selector="none", namespace="reorder"))
