@@ -53,10 +53,13 @@ async def ingest(request: Request):
         reports = await asyncio.gather(*(_store(manager, doc, docs, extra_key, request) for doc in unique))
     except ValueError as exc:
         return _error(str(exc), 400)
-    unreported = [doc for doc, report in zip(unique, reports) if report is None]
-    if unreported:
-        return _error(f"documents[{docs.documents.index(unreported[0])}] was computed without chunk reuse (no chunk "
-                      f"report): is the server running with chunk reuse (not --no-chunk-reuse)? its log says why", 501)
+    for doc, report in zip(unique, reports):
+        where = f"documents[{docs.documents.index(doc)}]"
+        if report is None:
+            return _error(f"{where} was computed without chunk reuse (no chunk report): is the server running with "
+                          f"chunk reuse (not --no-chunk-reuse)? its log says why", 501)
+        if "fallback" in report:  # e.g. longer than the chunked-prefill size: computed in full, nothing stored
+            return _error(f"{where} was not stored ({report['fallback']}): {report['detail']}", 422)
     new = sum(report["chunk_misses"] for report in reports)
     return {"documents": len(docs.documents), "new": new, "existing": len(docs.documents) - new}
 
