@@ -59,6 +59,7 @@ class BenchConfig:
     model: str = "smollm2-135m-instruct"
     server_config: str | None = None  # YAML for both servers (chunkcache serve --config)
     out: Path = Path("results/bench")
+    resume: bool = False  # keep the (side, phase, configuration) runs already in out/requests.jsonl, run the rest
 
 
 def run(config: BenchConfig) -> Path:
@@ -80,29 +81,33 @@ def run(config: BenchConfig) -> Path:
     # re-primes the shared system prefix after a flush (its chunk is a store hit by then)
     prime = warm["stock"][:1]
 
-    records: list[dict] = []
     jsonl = out / "requests.jsonl"
-    jsonl.write_text("")
+    records = [json.loads(line) for line in jsonl.read_text().splitlines()] if config.resume and jsonl.exists() else []
+    done = {(r["side"], r["phase"], r["arm"]) for r in records}
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
     for side, arms in (("stock", (Arm(),)), ("chunkcache", config.arms)):
+        todo = [(name, rate, reqs, arm) for name, rate, reqs in phases for arm in (arms if rate is None else arms[:1])
+                if (side, name, arm.label) not in done]
+        if not todo:
+            continue
         t = time.perf_counter()
         with Server(out / f"server_{side}.log", chunk_reuse=side == "chunkcache", config=config.server_config,
                     model=config.model) as server:
             print(f"{side}: server up in {time.perf_counter() - t:.0f} s; {len(warm[side])} warm-up requests",
                   flush=True)
             _warm(server.url, warm[side], side == "chunkcache")
-            for name, rate, reqs in phases:
-                for arm in arms if rate is None else arms[:1]:
-                    if side == "chunkcache":
-                        flush_cache(server.url)
-                        _warm(server.url, prime, True)
-                    rows = replay(server.url, reqs, arm.hints, config.max_new_tokens, rate=rate,
-                                  seed=config.workload.seed, desc=f"{side} {arm.label} {name}")
-                    for r, req in zip(rows, reqs):
-                        r.update(workload=config.workload.spec, side=side, arm=arm.label, selector=arm.selector,
-                                 ratio=arm.ratio, phase=name, rate=rate, **_scores(r["answer"], req.answers))
-                    records += rows
-                    with jsonl.open("a") as f:
-                        f.writelines(json.dumps(r) + "\n" for r in rows)
+            for name, rate, reqs, arm in todo:
+                if side == "chunkcache":
+                    flush_cache(server.url)
+                    _warm(server.url, prime, True)
+                rows = replay(server.url, reqs, arm.hints, config.max_new_tokens, rate=rate,
+                              seed=config.workload.seed, desc=f"{side} {arm.label} {name}")
+                for r, req in zip(rows, reqs):
+                    r.update(workload=config.workload.spec, side=side, arm=arm.label, selector=arm.selector,
+                             ratio=arm.ratio, phase=name, rate=rate, **_scores(r["answer"], req.answers))
+                records += rows
+                with jsonl.open("a") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in rows)
     _agreement(records)
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
     print(summarize(config, records))

@@ -51,6 +51,8 @@ def bench(argv: list[str]) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: a few minutes on a CPU (CI)")
     ap.add_argument("--out", help="results directory (default results/bench-WORKLOAD-TIME)")
     ap.add_argument("--report", metavar="DIR", help="only rewrite the summary and plots of an earlier run's results")
+    ap.add_argument("--resume", action="store_true", help="continue a cut-short run in --out (same arguments): "
+                    "the side / phase / configuration runs already in its requests.jsonl are kept")
     args = ap.parse_args(argv)
     if args.report:
         from .ab import load_run, summarize
@@ -64,7 +66,8 @@ def bench(argv: list[str]) -> int:
     config = BenchConfig(
         workload=WorkloadConfig(args.workload, size["requests"], size["docs"], size["words"], size["pool"], args.seed),
         arms=arms, rates=_floats(size["rates"]), load_requests=size["load_requests"],
-        max_new_tokens=size["max_new_tokens"], model=args.model, server_config=args.config, out=out)
+        max_new_tokens=size["max_new_tokens"], model=args.model, server_config=args.config, out=out,
+        resume=args.resume)
     from .ab import run
 
     print(f"results in {run(config)}")

@@ -57,8 +57,9 @@ def generate(url: str, input_ids: list[int], max_new_tokens: int, kv_hints: dict
                    meta.get("cached_tokens", 0), report)
 
 
-def flush_cache(url: str) -> None:
-    """Empty the server's radix tree (the chunk store is kept): later requests cannot exact-match earlier ones."""
-    r = requests.post(url + "/flush_cache", timeout=120)
+def flush_cache(url: str, wait_s: float = 120) -> None:
+    """Empty the server's radix tree (the chunk store is kept): later requests cannot exact-match earlier ones.
+    The scheduler may still hold a request whose last chunk the client already has: it waits up to wait_s for idle."""
+    r = requests.post(url + "/flush_cache", params={"timeout": wait_s}, timeout=wait_s + 60)
     if r.status_code != 200:
         raise RuntimeError(f"{url}/flush_cache answered {r.status_code}: {r.text[:300]}")
