@@ -14,7 +14,9 @@ import torch.nn.functional as F
 
 from . import paged_attention
 
-QUERY_BLOCK = 1024  # query rows per attention call: bounds the [rows, keys] score matrix in memory
+# Query rows per attention call. Rows are sorted by position, so a block only needs the keys up to its last row's
+# position: small blocks skip the masked upper triangle (about half the work for queries spread over the prompt).
+QUERY_BLOCK = 128
 
 
 @dataclass
@@ -69,13 +71,17 @@ class SparseAttention:
 def attend(q, keys, values, q_pos, k_pos, scale, record=None):
     """q [m, Hq, D] at positions q_pos; keys/values [c, Hk, D] at k_pos. GQA by head grouping."""
     group = q.shape[1] // keys.shape[1]
-    kt = keys.transpose(0, 1)  # [Hk, c, D]
-    vt = values.transpose(0, 1)
+    kt_all = keys.transpose(0, 1)  # [Hk, c, D]
+    vt_all = values.transpose(0, 1)
+    # keys at positions 0..c-1 in order (pool rows): a block sees a prefix of them
+    ordered = torch.equal(k_pos, torch.arange(len(k_pos), device=k_pos.device))
     out = torch.empty(q.shape[0], q.shape[1], values.shape[-1], dtype=q.dtype, device=q.device)
     for start in range(0, q.shape[0], QUERY_BLOCK):
         blk = slice(start, start + QUERY_BLOCK)
+        n_keys = int(q_pos[blk].max()) + 1 if ordered and record is None else len(k_pos)
+        kt, vt = kt_all[:, :n_keys], vt_all[:, :n_keys]
         qb = q[blk].transpose(0, 1)  # [Hq, b, D]
-        allowed = k_pos[None, :] <= q_pos[blk, None]  # [b, c]
+        allowed = k_pos[None, :n_keys] <= q_pos[blk, None]  # [b, keys]
         if record is None:
             o = F.scaled_dot_product_attention(qb, kt, vt, attn_mask=allowed, scale=scale, enable_gqa=group > 1)
         else:
