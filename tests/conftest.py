@@ -1,7 +1,6 @@
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -9,15 +8,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-import requests
+
+from chunkcache.bench.servers import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -49,18 +43,11 @@ class Server:
                 stdout=log, stderr=subprocess.PIPE, text=True, check=True, env={**os.environ, **(env or {})},
             )
         self.pid = int(launcher.stderr.strip())
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            if not self.alive():
-                raise RuntimeError(f"server exited:\n{self.log()[-4000:]}")
-            try:
-                if requests.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(2)
-        self.stop()
-        raise TimeoutError(f"server not healthy after 600 s:\n{self.log()[-4000:]}")
+        try:
+            wait_healthy(self.url, self.alive, log_path, timeout=600)
+        except TimeoutError:
+            self.stop()
+            raise
 
     def alive(self) -> bool:
         # A zombie counts as dead: in a container whose init does not reap, the orphaned server may linger as one.

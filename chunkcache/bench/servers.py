@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import requests
 
@@ -17,6 +18,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_healthy(url: str, alive: Callable[[], bool], log_path: Path, timeout: float) -> None:
+    """Poll `url`/health until it answers 200; RuntimeError (with the log's tail) if `alive()` turns False first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if not alive():
+            raise RuntimeError(f"server exited; log {log_path}:\n{log_path.read_text()[-3000:]}")
+        try:
+            if requests.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"server not healthy after {timeout:.0f} s; log {log_path}")
 
 
 class Server:
@@ -41,19 +57,11 @@ class Server:
         self._wait_healthy(startup_timeout)
 
     def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; log {self.log_path}:\n"
-                                   f"{self.log_path.read_text()[-3000:]}")
-            try:
-                if requests.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(2)
-        self.stop()
-        raise TimeoutError(f"server not healthy after {timeout:.0f} s; log {self.log_path}")
+        try:
+            wait_healthy(self.url, lambda: self.proc.poll() is None, self.log_path, timeout)
+        except TimeoutError:
+            self.stop()
+            raise
 
     def stop(self) -> None:
         try:
