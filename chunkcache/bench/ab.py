@@ -76,10 +76,10 @@ def run(config: BenchConfig) -> Path:
     for k, rate in enumerate(config.rates, start=1):
         measured.append((f"poisson@{rate:g}", rate, phase(config.workload, pool, k)[: config.load_requests]))
     phases = [(name, rate, [to_request(tok, it) for it in its]) for name, rate, its in measured]
-    warm = {"stock": [to_request(tok, it) for it in prefix_warmup([it for *_, its in measured for it in its])],
-            "chunkcache": [to_request(tok, it) for it in chunk_warmup(pool)]}
+    warmups = {"stock": [to_request(tok, it) for it in prefix_warmup([it for *_, its in measured for it in its])],
+            "chunkcache": [to_request(tok, it) for it in chunk_warmup(pool, config.workload.docs)]}
     # re-primes the shared system prefix after a flush (its chunk is a store hit by then)
-    prime = warm["stock"][:1]
+    prime = warmups["stock"][:1]
 
     jsonl = out / "requests.jsonl"
     records = [json.loads(line) for line in jsonl.read_text().splitlines()] if config.resume and jsonl.exists() else []
@@ -93,13 +93,13 @@ def run(config: BenchConfig) -> Path:
         t = time.perf_counter()
         with Server(out / f"server_{side}.log", chunk_reuse=side == "chunkcache", config=config.server_config,
                     model=config.model) as server:
-            print(f"{side}: server up in {time.perf_counter() - t:.0f} s; {len(warm[side])} warm-up requests",
+            print(f"{side}: server up in {time.perf_counter() - t:.0f} s; {len(warmups[side])} warm-up requests",
                   flush=True)
-            _warm(server.url, warm[side], side == "chunkcache")
+            warm(server.url, warmups[side], side == "chunkcache")
             for name, rate, reqs, arm in todo:
                 if side == "chunkcache":
                     flush_cache(server.url)
-                    _warm(server.url, prime, True)
+                    warm(server.url, prime, True)
                 rows = replay(server.url, reqs, arm.hints, config.max_new_tokens, rate=rate,
                               seed=config.workload.seed, desc=f"{side} {arm.label} {name}")
                 for r, req in zip(rows, reqs):
@@ -136,12 +136,13 @@ def load_run(out: Path) -> tuple[BenchConfig, list[dict]]:
     return config, [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
 
 
-def _warm(url: str, warm: list[Request], hinted: bool) -> None:
+def warm(url: str, requests: list[Request], hinted: bool) -> None:
+    """Send the unmeasured warm-up requests, one new token each, and wait for all of them."""
     # selector "none": warm-up only stores chunks, its own recompute set does not matter. A few at a time: the
     # server batches them; measured phases start only after all are done.
     arm = Arm("none", 0.0) if hinted else Arm()
     with ThreadPoolExecutor(max_workers=4) as pool:
-        jobs = [pool.submit(generate, url, r.prompt.input_ids, 1, arm.hints(r)) for r in warm]
+        jobs = [pool.submit(generate, url, r.prompt.input_ids, 1, arm.hints(r)) for r in requests]
         for j in tqdm(jobs, desc="warm-up", unit="doc", leave=False):
             j.result()
 

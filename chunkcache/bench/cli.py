@@ -13,9 +13,10 @@ from .quality import RATIOS, EvalConfig
 from .workloads import WorkloadConfig
 
 # --smoke: a few minutes on a 2-core CPU, end to end (CI); the defaults are the full size, run by hand
-SMOKE = {"requests": 3, "docs": 2, "words": 60, "pool": 4, "rates": "0.5", "load_requests": 3, "max_new_tokens": 16}
+SMOKE = {"requests": 3, "docs": 2, "words": 60, "pool": 4, "rates": "0.5", "load_requests": 3, "max_new_tokens": 16,
+         "clients": "1,2", "closed_requests": 2, "blocks": 1}
 FULL = {"requests": 30, "docs": 6, "words": 150, "pool": 12, "rates": "0.03,0.06", "load_requests": 10,
-        "max_new_tokens": 16}
+        "max_new_tokens": 16, "clients": "1,4,8,16", "closed_requests": 32, "blocks": 2}
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -40,37 +41,66 @@ def _sized(args: argparse.Namespace, preset: dict) -> dict:
 
 
 def bench(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="chunkcache bench", description="A/B: stock SGLang prefix caching vs "
-                                 "chunkcache, same model and workload, one server after the other.")
+    ap = argparse.ArgumentParser(
+        prog="chunkcache bench", description="Stock SGLang prefix caching vs chunkcache, same model and workload. "
+        "--mode ab: sequential (TTFT, quality) and Poisson phases, one server after the other. --mode closed: "
+        "throughput and TTFT at fixed concurrencies, both servers up, the sides alternating in short blocks.",
+        epilog="~3K-token prompts: --mode closed --docs 8 --words 380 --pool 16; ~7K: --docs 17 --words 380 --pool 24 "
+        "(the default model has an 8192-token context).")
     _workload_args(ap)
+    ap.add_argument("--mode", choices=("ab", "closed"), default="ab", help="which comparison (see above)")
     ap.add_argument("--selectors", default="prophet", help="chunkcache selectors (comma-separated)")
     ap.add_argument("--ratios", default="0.15", help="recompute budgets rho; every selector x rho is one "
-                    "chunkcache configuration, the first one runs the Poisson phases")
-    ap.add_argument("--rates", help=f"Poisson arrival rates, req/s (default {FULL['rates']}; empty: none)")
-    ap.add_argument("--load-requests", type=int, help="requests per arrival rate")
+                    "chunkcache configuration, the first one runs the Poisson phases and the closed loop")
+    ap.add_argument("--rates", help=f"ab: Poisson arrival rates, req/s (default {FULL['rates']}; empty: none)")
+    ap.add_argument("--load-requests", type=int, help="ab: requests per arrival rate")
+    ap.add_argument("--clients", help=f"closed: client counts (default {FULL['clients']})")
+    ap.add_argument("--closed-requests", type=int, help=f"closed: requests per block (default "
+                    f"{FULL['closed_requests']}; several times the largest client count, or the tail dominates)")
+    ap.add_argument("--blocks", type=int, help=f"closed: (stock, chunkcache) block pairs per client count (default "
+                    f"{FULL['blocks']})")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: a few minutes on a CPU (CI)")
-    ap.add_argument("--out", help="results directory (default results/bench-WORKLOAD-TIME)")
-    ap.add_argument("--report", metavar="DIR", help="only rewrite the summary and plots of an earlier run's results")
-    ap.add_argument("--resume", action="store_true", help="continue a cut-short run in --out (same arguments): "
+    ap.add_argument("--out", help="results directory (default results/bench[-closed]-WORKLOAD-TIME)")
+    ap.add_argument("--report", metavar="DIR", help="only rewrite the summaries and plots of an earlier run's results "
+                    "(ab, closed or both, from their JSONL)")
+    ap.add_argument("--resume", action="store_true", help="ab: continue a cut-short run in --out (same arguments): "
                     "the side / phase / configuration runs already in its requests.jsonl are kept")
     args = ap.parse_args(argv)
     if args.report:
-        from .ab import load_run, summarize
-
-        print(summarize(*load_run(Path(args.report))))
-        return 0
+        return _report(Path(args.report))
     size = _sized(args, SMOKE if args.smoke else FULL)
     arms = tuple(Arm(s, r) for s in args.selectors.split(",") for r in _floats(args.ratios))
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = Path(args.out or f"results/bench-{args.workload.replace(':', '-').replace('/', '_')}-{stamp}")
-    config = BenchConfig(
-        workload=WorkloadConfig(args.workload, size["requests"], size["docs"], size["words"], size["pool"], args.seed),
-        arms=arms, rates=_floats(size["rates"]), load_requests=size["load_requests"],
-        max_new_tokens=size["max_new_tokens"], model=args.model, server_config=args.config, out=out,
-        resume=args.resume)
-    from .ab import run
+    name = "bench" if args.mode == "ab" else "bench-closed"
+    out = Path(args.out or f"results/{name}-{args.workload.replace(':', '-').replace('/', '_')}-{stamp}")
+    workload = WorkloadConfig(args.workload, size["requests"], size["docs"], size["words"], size["pool"], args.seed)
+    if args.mode == "closed":
+        from .closed_loop import ClosedConfig, run
 
+        config = ClosedConfig(workload=workload, arm=arms[0], clients=tuple(int(n) for n in size["clients"].split(",")),
+                              requests=size["closed_requests"], blocks=size["blocks"],
+                              max_new_tokens=size["max_new_tokens"], model=args.model, server_config=args.config,
+                              out=out)
+    else:
+        from .ab import run
+
+        config = BenchConfig(workload=workload, arms=arms, rates=_floats(size["rates"]),
+                             load_requests=size["load_requests"], max_new_tokens=size["max_new_tokens"],
+                             model=args.model, server_config=args.config, out=out, resume=args.resume)
     print(f"results in {run(config)}")
+    return 0
+
+
+def _report(out: Path) -> int:
+    """Re-render whichever runs the directory holds: an ab run, a closed-loop run or both."""
+    from . import ab, closed_loop, closed_report
+
+    renders = {"requests.jsonl": lambda: ab.summarize(*ab.load_run(out)),
+               closed_loop.RECORDS: lambda: closed_report.write(*closed_loop.load_run(out))}
+    summaries = [render() for name, render in renders.items() if (out / name).is_file()]
+    if not summaries:
+        raise FileNotFoundError(f"{out} holds none of {', '.join(renders)}: not a bench results directory")
+    print("\n".join(summaries))
     return 0
 
 

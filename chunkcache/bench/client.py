@@ -30,10 +30,19 @@ class Outcome:
         return (self.completion_tokens - 1) / decode if decode > 0 and self.completion_tokens > 1 else float("nan")
 
 
+def fell_back(report: dict | None) -> bool:
+    """The server computed a hinted prompt (or part of it) in full instead of blending it: a `fallback` in its
+    report, a non-empty `fallbacks` list, or a `rounds` entry (one per prefill round) with a `fallback`."""
+    report = report or {}
+    return ("fallback" in report or bool(report.get("fallbacks"))
+            or any("fallback" in entry for entry in report.get("rounds") or ()))
+
+
 def generate(url: str, input_ids: list[int], max_new_tokens: int, kv_hints: dict | None = None,
-             timeout: float = 1800) -> Outcome:
+             timeout: float = 1800, *, ignore_eos: bool = False) -> Outcome:
+    """`ignore_eos`: exactly max_new_tokens tokens, so both sides of a throughput comparison decode the same."""
     body: dict = {"input_ids": input_ids, "stream": True,
-                  "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
+                  "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": ignore_eos}}
     if kv_hints is not None:
         body["kv_hints"] = kv_hints
     t0 = time.perf_counter()

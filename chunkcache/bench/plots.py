@@ -1,4 +1,5 @@
-"""PNG plots of a bench run (matplotlib, Agg: no display needed): TTFT CDF, latency-quality frontier, goodput."""
+"""PNG plots of a bench run (matplotlib, Agg: no display needed): TTFT CDF, latency-quality frontier, goodput;
+throughput and TTFT vs clients of a closed-loop run."""
 
 from __future__ import annotations
 
@@ -59,6 +60,29 @@ def goodput_vs_rate(g: dict, threshold: float, path: Path) -> Path:
     ax.set(xlabel="arrival rate (req/s)", ylabel="req/s", title=f"goodput (F1 ≥ {threshold:.2f}) vs arrival rate")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def closed_loop(cells: dict, path: Path) -> Path:
+    """Throughput and median TTFT vs client count, one line per side (closed_report.cells)."""
+    fig, (thr, ttft) = plt.subplots(1, 2, figsize=(10, 4))
+    by_arm: dict[str, list] = {}
+    for sides in cells.values():
+        for c in sides.values():
+            by_arm.setdefault(c.arm, []).append(c)
+    for arm, cs in by_arm.items():
+        cs.sort(key=lambda c: c.clients)
+        x = [c.clients for c in cs]
+        thr.plot(x, [c.req_s for c in cs], marker="o", label=arm)
+        ttft.plot(x, [c.ttft_p50 for c in cs], marker="o", label=arm)
+    thr.set(xlabel="clients", ylabel="requests/s", title="throughput, closed loop")
+    ttft.set(xlabel="clients", ylabel="TTFT p50 (s)", title="median TTFT, closed loop")
+    for ax in (thr, ttft):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(cells), [str(n) for n in sorted(cells)])
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend()
     return _save(fig, path)
 
 

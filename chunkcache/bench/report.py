@@ -36,9 +36,14 @@ def ratios(rows: list[dict], stock: list[dict], key: str) -> list[float]:
     return [r[key] / base[r["request"]] for r in rows]
 
 
+def span(rows: list[dict]) -> float:
+    """Seconds from the first arrival to the last finish of requests replayed together (a phase, a block)."""
+    return max(r["finish_s"] for r in rows) - min(r["arrival_s"] for r in rows)
+
+
 def goodput(rows: list[dict], threshold: float) -> tuple[float, float, float]:
     """(throughput req/s, goodput req/s, output tokens/s) over the phase's duration H: first arrival to last finish."""
-    duration = max(r["finish_s"] for r in rows) - min(r["arrival_s"] for r in rows)
+    duration = span(rows)
     good = sum(r["f1"] >= threshold for r in rows)
     return len(rows) / duration, good / duration, sum(r["output_tokens"] for r in rows) / duration
 

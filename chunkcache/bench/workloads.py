@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..prompt import RagPrompt, build
@@ -72,13 +72,38 @@ def phase(config: WorkloadConfig, pool: list[Item], k: int) -> list[Item]:
     return [Item(it.id, _rotate(it.documents, k), it.question, it.answers, it.system, it.instruction) for it in pool]
 
 
+DRY_PHASES = 20
+
+
+def fresh(config: WorkloadConfig, pool: list[Item], n: int) -> list[Item]:
+    """n items from phases 1, 2, ..., no two with the same documents in the same order: a run whose servers live
+    through many measured blocks never replays a prompt. Rotations run out after `docs` phases; shuffled draws at
+    random, so a phase may bring nothing new before its orders run out: ValueError after DRY_PHASES such in a row."""
+    out: list[Item] = []
+    seen: set[tuple[str, ...]] = set()
+    k = dry = 0
+    while len(out) < n:
+        k += 1
+        before = len(out)
+        for it in phase(config, pool, k):
+            if it.documents not in seen:
+                seen.add(it.documents)
+                out.append(replace(it, id=f"{it.id}.{k}"))
+        dry = dry + 1 if len(out) == before else 0
+        if dry == DRY_PHASES:
+            raise ValueError(f"{config.spec}: {len(out)} distinct document orders, {n} needed (raise --pool or --docs)")
+    return out[:n]
+
+
 WARM_QUESTION = "Question: Which documents are these?"
 
 
-def chunk_warmup(pool: list[Item]) -> list[Item]:
-    """Every document of the pool into the chunk store: one request per item, all its documents hinted (a missed
-    chunk is computed alone after the shared prefix, wherever it sits, so batching them changes no stored KV)."""
-    return [Item(f"warm-{it.id}", it.documents, WARM_QUESTION, (), it.system, it.instruction) for it in pool]
+def chunk_warmup(pool: list[Item], per_request: int) -> list[Item]:
+    """Every document of the pool into the chunk store: requests of at most `per_request` documents (the shuffled
+    pool is one item, larger than a prompt and maybe than the context), all hinted (a missed chunk is computed alone
+    after the shared prefix, wherever it sits, so batching them changes no stored KV)."""
+    return [Item(f"warm-{it.id}-{i}", it.documents[i:i + per_request], WARM_QUESTION, (), it.system, it.instruction)
+            for it in pool for i in range(0, len(it.documents), per_request)]
 
 
 def prefix_warmup(measured: list[Item]) -> list[Item]:

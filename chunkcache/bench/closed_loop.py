@@ -1,0 +1,95 @@
+"""`chunkcache bench --mode closed`: throughput and TTFT of stock SGLang (prefix caching) vs chunkcache at a fixed
+concurrency: N clients, each sending its next request as soon as its previous one finished (load.closed).
+
+Both servers run for the whole run, and the sides alternate in short blocks (per client count: stock, chunkcache,
+stock, chunkcache, ...; `blocks` pairs, pooled per side), so a drift of the host (thermal, a neighbour's load) lands
+on both sides instead of on whichever ran second. Each pair of blocks sends both servers the same prompts, and no
+prompt is sent to a server twice (workloads.fresh): stock's radix tree gets the prefix hits a new request would
+get, no more. Warm-up as in ab.run, once before the first block: chunkcache stores every document's chunk, stock
+gets `[system][document]` for every document that opens a measured prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from . import closed_report
+from .ab import Arm, warm
+from .load import closed
+from .servers import Server
+from .workloads import WorkloadConfig, chunk_warmup, fresh, items, prefix_warmup, to_request
+
+SIDES = ("stock", "chunkcache")
+
+
+@dataclass
+class ClosedConfig:
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    arm: Arm = Arm("prophet", 0.15)  # the chunkcache side's configuration
+    clients: tuple[int, ...] = (1, 4, 8, 16)  # concurrencies, one after the other
+    requests: int = 32  # per block: a block's wall time is its throughput's denominator
+    blocks: int = 2  # (stock, chunkcache) block pairs per client count
+    max_new_tokens: int = 16  # every request decodes exactly this many (ignore_eos)
+    model: str = "smollm2-135m-instruct"
+    server_config: str | None = None  # YAML for both servers (chunkcache serve --config)
+    out: Path = Path("results/closed")
+
+
+CONFIG, RECORDS = "closed_loop.json", "closed_loop.jsonl"
+
+
+def run(config: ClosedConfig) -> Path:
+    from transformers import AutoTokenizer
+
+    from ..models import resolve_model
+
+    out = config.out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CONFIG).write_text(json.dumps(asdict(config), indent=1, default=str))
+    tok = AutoTokenizer.from_pretrained(resolve_model(config.model))
+    pool = items(config.workload)
+    n = config.requests
+    measured = fresh(config.workload, pool, len(config.clients) * config.blocks * n)
+    schedule = [to_request(tok, it) for it in measured]
+    warmups = {"stock": prefix_warmup(measured), "chunkcache": chunk_warmup(pool, config.workload.docs)}
+    arms = {"stock": Arm(), "chunkcache": config.arm}
+
+    jsonl = out / RECORDS
+    jsonl.write_text("")
+    records: list[dict] = []
+    with ExitStack() as stack:
+        servers = {}
+        for side in SIDES:
+            t = time.perf_counter()
+            servers[side] = stack.enter_context(Server(
+                out / f"closed_loop_server_{side}.log", chunk_reuse=side == "chunkcache",
+                config=config.server_config, model=config.model))
+            print(f"{side}: server up in {time.perf_counter() - t:.0f} s; {len(warmups[side])} warm-up requests",
+                  flush=True)
+            warm(servers[side].url, [to_request(tok, it) for it in warmups[side]], side == "chunkcache")
+        for c, clients in enumerate(config.clients):
+            for b in range(config.blocks):
+                start = (c * config.blocks + b) * n
+                for side in SIDES:
+                    arm = arms[side]
+                    rows = closed(servers[side].url, schedule[start:start + n], arm.hints, config.max_new_tokens,
+                                  clients, desc=f"{side} {clients} clients, block {b + 1}/{config.blocks}")
+                    for r in rows:
+                        r.update(workload=config.workload.spec, side=side, arm=arm.label, clients=clients, block=b)
+                    records += rows
+                    with jsonl.open("a") as f:
+                        f.writelines(json.dumps(r) + "\n" for r in rows)
+    print(closed_report.write(config, records))
+    return out
+
+
+def load_run(out: Path) -> tuple[ClosedConfig, list[dict]]:
+    """The config and records of an earlier closed-loop run's results directory."""
+    raw = json.loads((out / CONFIG).read_text())
+    config = ClosedConfig(**{**raw, "workload": WorkloadConfig(**raw["workload"]), "arm": Arm(**raw["arm"]),
+                             "clients": tuple(raw["clients"]), "out": out})
+    return config, [json.loads(line) for line in (out / RECORDS).read_text().splitlines()]
