@@ -31,7 +31,7 @@ ACTIVE: "ChunkRadixCache | None" = None  # the scheduler process's instance (one
 
 
 class ChunkRadixCache(UnifiedRadixCache):
-    def __init__(self, params, *, model_config, model_path: str, **kwargs):
+    def __init__(self, params, *, model_config, model_path: str, prefill_budget: int | None = None, **kwargs):
         super().__init__(params, **kwargs)
         global ACTIVE
         self.config = load_server_config()
@@ -41,6 +41,7 @@ class ChunkRadixCache(UnifiedRadixCache):
         self.fingerprint = model_fingerprint(model_path)
         self.store = ChunkStore.from_config(self.config.store, self.fingerprint)
         self.model_path = model_path
+        self.prefill_budget = prefill_budget  # tokens one prefill forward may compute (chunked-prefill size); None: any
         self._selectors: dict[str, Selector] = {}
         self._drafts: dict = {}
         self._tokenizer = None
@@ -81,12 +82,13 @@ class ChunkRadixCache(UnifiedRadixCache):
         """The request is computed in full instead of blended: said in the log, a metric and its meta_info."""
         log.warning("chunkcache: request %s computed in full (%s): %s", getattr(req, "rid", "?"), reason, detail)
         metrics.record_fallback(reason)
-        req.chunkcache_info = {"fallback": reason, "detail": detail}
+        _add_round(req, {"fallback": reason, "detail": detail})
 
     def record(self, req, info: dict) -> None:
         log.info("chunkcache: request %s %s", getattr(req, "rid", "?"), info)
         metrics.record_request(info)
         metrics.set_store_stats(self.store.stats())
+        _add_round(req, info)
 
     def chunkcache_state(self) -> dict:
         """What /server_info reports under internal_states[i]['chunkcache']."""
@@ -96,8 +98,26 @@ class ChunkRadixCache(UnifiedRadixCache):
                             "evictable": int(self.evictable_size()), "protected": int(self.protected_size())}}
 
 
+def _add_round(req, info: dict) -> None:
+    """`req.chunkcache_info` (what meta_info reports) accounts for every prefill round of the request: the last
+    round's report, with all rounds listed when there were several, and a round computed in full stays visible as
+    the top-level `fallback` after a later round blends."""
+    rounds = req.__dict__.setdefault("chunkcache_rounds", [])
+    rounds.append(info)
+    merged = dict(info)
+    if len(rounds) > 1:
+        merged["rounds"] = list(rounds)
+        full = next((r for r in rounds if "fallback" in r), None)
+        if full is not None and "fallback" not in merged:
+            merged["fallback"], merged["detail"] = full["fallback"], full["detail"]
+    req.chunkcache_info = merged
+
+
 def factory(ctx: TreeCacheBuildContext) -> ChunkRadixCache:
+    budget = ctx.server_args.chunked_prefill_size
+
     def build(params):
-        return ChunkRadixCache(params, model_config=ctx.model_config, model_path=ctx.server_args.model_path)
+        return ChunkRadixCache(params, model_config=ctx.model_config, model_path=ctx.server_args.model_path,
+                               prefill_budget=budget if budget and budget > 0 else None)
 
     return create_unified_radix_cache(ctx, cache_class=build)

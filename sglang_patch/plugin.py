@@ -14,7 +14,7 @@ log = logging.getLogger(__name__)
 def register() -> None:
     from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
 
-    from . import cache
+    from . import admission, cache
 
     if cache.BACKEND_NAME not in registered_radix_cache_backends():
         register_radix_cache_backend(cache.BACKEND_NAME, cache.factory)
@@ -24,6 +24,7 @@ def register() -> None:
         "sglang.srt.managers.schedule_batch.Req.__init__": (_namespace_blended, HookType.AFTER),
         "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new": (_attach_reqs, HookType.AFTER),
         "sglang.srt.model_executor.runner.eager_runner.EagerRunner._execute_extend": (_blend_extend, HookType.AROUND),
+        "sglang.srt.managers.scheduler.Scheduler.get_prefill_adder_class": (admission.adder_class, HookType.AFTER),
     }
     for target, (fn, kind) in hooks.items():
         HookRegistry.register(target, fn, kind)

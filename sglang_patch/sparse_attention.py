@@ -3,6 +3,10 @@
 Each segment is a set of queries at arbitrary positions of one request; a query attends, by position, to the KV of
 its request row (reused or freshly written) and never to later positions. Cost is O(queries x context) per layer,
 where SGLang's torch_native extend pads every request to a full N x N square.
+
+Plan/run split: everything that is the same for every layer (which rows write the pool, each segment's key range
+and its per-block masks) is built once per pass in `SparseAttention.__init__`; `forward` (once per layer) only
+writes, reads and attends.
 """
 
 from __future__ import annotations
@@ -29,65 +33,115 @@ class Segment:
     record: torch.Tensor | None = None  # [c] if set: += mean attention of the queries to each context key
 
 
+@dataclass
+class _Block:
+    rows: slice  # rows of the segment (relative to its first row)
+    n_keys: int  # keys [0, n_keys) of the segment's key axis are visible to some row of the block
+    mask: torch.Tensor | None  # [b, n_keys] bool; None: every key visible to every row
+
+
+class _SegmentPlan:
+    """What attending for one segment needs, computed once per pass."""
+
+    def __init__(self, s: Segment, device: torch.device):
+        self.segment = s
+        slots = s.ctx_slots
+        # A request's slots are usually one contiguous run of the pool: read the context as a view, not a gather.
+        c = len(slots)
+        contiguous = c > 0 and int(slots[-1]) - int(slots[0]) == c - 1 and bool(
+            (slots[1:] - slots[:-1] == 1).all())
+        self.context = slice(int(slots[0]), int(slots[0]) + c) if contiguous else slots
+        k_pos = torch.arange(c, device=device)
+        if not s.write:  # the segment's own fresh keys come after its context
+            k_pos = torch.cat([k_pos, s.q_pos.to(device)])
+        self.blocks = plan_blocks(s.q_pos.to(device), k_pos, s.record is not None)
+
+
+def plan_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, whole_context: bool) -> list[_Block]:
+    """Query blocks of QUERY_BLOCK rows (q_pos sorted) with their masks. When the keys sit at positions 0..c-1 in
+    order, a block needs only a prefix of them, unless `whole_context` (recording attention to every key)."""
+    ordered = not whole_context and torch.equal(k_pos, torch.arange(len(k_pos), device=k_pos.device))
+    blocks = []
+    for start in range(0, len(q_pos), QUERY_BLOCK):
+        blk = slice(start, start + QUERY_BLOCK)
+        qp = q_pos[blk]
+        n_keys = int(qp.max()) + 1 if ordered else len(k_pos)
+        allowed = k_pos[None, :n_keys] <= qp[:, None]
+        blocks.append(_Block(blk, n_keys, None if bool(allowed.all()) else allowed))
+    return blocks
+
+
 class SparseAttention:
     """Takes the place of the model runner's attention backend for one pass (see sglang_patch.blend)."""
 
-    def __init__(self, base, segments: list[Segment]):
+    def __init__(self, base, segments: list[Segment], out_cache_loc: torch.Tensor, device: torch.device):
         self.token_to_kv_pool = base.token_to_kv_pool
         self.req_to_token_pool = base.req_to_token_pool
         self.segments = segments
-        self.paged = None  # GPU: the FlashInfer plan of the paged segments, made at the first layer
-        self.torch_segments = segments
+        written = [s for s in segments if s.write]
+        if written and all(s.write for s in segments):
+            self.write_rows, self.write_loc = None, out_cache_loc  # every row writes: no gather
+        elif written:
+            rows = torch.cat([torch.arange(s.rows.start, s.rows.stop) for s in written]).to(device)
+            self.write_rows, self.write_loc = rows, out_cache_loc[rows]
+        else:
+            self.write_rows = self.write_loc = None
+        self.paged = None
+        if paged_attention.available(device):
+            paged = [s for s in segments if s.write and s.record is None]
+            segments = [s for s in segments if not (s.write and s.record is None)]
+            self.paged = paged or None  # the FlashInfer plan is made at the first layer (head counts, dtypes)
+        self.plans = [_SegmentPlan(s, device) for s in segments]
 
     def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         hq, hk, d, dv = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim
         q, k, v = q.view(-1, hq, d), k.view(-1, hk, d), v.view(-1, hk, dv)
         pool = self.token_to_kv_pool
-        written = [s for s in self.segments if s.write]
-        if written:
-            rows = torch.cat([torch.arange(s.rows.start, s.rows.stop) for s in written]).to(q.device)
-            pool.set_kv_buffer(layer, forward_batch.out_cache_loc[rows], k[rows], v[rows])
+        if self.write_loc is not None:
+            rows = self.write_rows
+            pool.set_kv_buffer(layer, self.write_loc, k if rows is None else k[rows], v if rows is None else v[rows])
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         out = q.new_empty(q.shape[0], hq, dv)
-        if self.paged is None and paged_attention.available(q.device):
-            paged = [s for s in self.segments if s.write and s.record is None]
-            self.torch_segments = [s for s in self.segments if not (s.write and s.record is None)]
-            self.paged = paged and paged_attention.PagedSparsePrefill(
-                paged, hq, hk, d, dv, layer.scaling, q.dtype, k_buf.dtype, q.device)
-        if self.paged:
+        if isinstance(self.paged, list):
+            self.paged = paged_attention.PagedSparsePrefill(
+                self.paged, hq, hk, d, dv, layer.scaling, q.dtype, k_buf.dtype, q.device)
+        if self.paged is not None:
             out[self.paged.rows] = self.paged.run(q, k_buf, v_buf).to(q.dtype)
-        for s in self.torch_segments:
-            keys, values = k_buf[s.ctx_slots].to(q.dtype), v_buf[s.ctx_slots].to(q.dtype)
-            k_pos = torch.arange(keys.shape[0], device=q.device)
+        for p in self.plans:
+            s = p.segment
+            keys, values = k_buf[p.context], v_buf[p.context]
             if not s.write:
                 fresh_k, fresh_v = k[s.rows], v[s.rows]
                 s.scratch.append((fresh_k.clone(), fresh_v.clone()))
                 keys, values = torch.cat([keys, fresh_k]), torch.cat([values, fresh_v])
-                k_pos = torch.cat([k_pos, s.q_pos])
-            out[s.rows] = attend(q[s.rows], keys, values, s.q_pos, k_pos, layer.scaling, s.record)
+            out[s.rows] = attend_blocks(q[s.rows], keys.to(q.dtype), values.to(q.dtype), p.blocks, layer.scaling,
+                                        s.record)
         return out.view(-1, hq * dv)
 
 
 def attend(q, keys, values, q_pos, k_pos, scale, record=None):
-    """q [m, Hq, D] at positions q_pos; keys/values [c, Hk, D] at k_pos. GQA by head grouping."""
+    """q [m, Hq, D] at positions q_pos (sorted); keys/values [c, Hk, D] at k_pos. One-shot form of attend_blocks."""
+    return attend_blocks(q, keys, values, plan_blocks(q_pos, k_pos, record is not None), scale, record)
+
+
+def attend_blocks(q, keys, values, blocks: list[_Block], scale, record=None):
+    """q [m, Hq, D]; keys/values [c, Hk, D]; `blocks` partition q's rows (plan_blocks). GQA by head grouping."""
     group = q.shape[1] // keys.shape[1]
     kt_all = keys.transpose(0, 1)  # [Hk, c, D]
     vt_all = values.transpose(0, 1)
-    # keys at positions 0..c-1 in order (pool rows): a block sees a prefix of them
-    ordered = torch.equal(k_pos, torch.arange(len(k_pos), device=k_pos.device))
     out = torch.empty(q.shape[0], q.shape[1], values.shape[-1], dtype=q.dtype, device=q.device)
-    for start in range(0, q.shape[0], QUERY_BLOCK):
-        blk = slice(start, start + QUERY_BLOCK)
-        n_keys = int(q_pos[blk].max()) + 1 if ordered and record is None else len(k_pos)
-        kt, vt = kt_all[:, :n_keys], vt_all[:, :n_keys]
-        qb = q[blk].transpose(0, 1)  # [Hq, b, D]
-        allowed = k_pos[None, :n_keys] <= q_pos[blk, None]  # [b, keys]
+    for b in blocks:
+        kt, vt = kt_all[:, : b.n_keys], vt_all[:, : b.n_keys]
+        qb = q[b.rows].transpose(0, 1)  # [Hq, b, D]
         if record is None:
-            o = F.scaled_dot_product_attention(qb, kt, vt, attn_mask=allowed, scale=scale, enable_gqa=group > 1)
+            o = F.scaled_dot_product_attention(qb, kt, vt, attn_mask=b.mask, scale=scale, enable_gqa=group > 1)
         else:
             kg, vg = kt.repeat_interleave(group, 0), vt.repeat_interleave(group, 0)
-            probs = ((qb @ kg.transpose(1, 2)) * scale).masked_fill(~allowed, float("-inf")).softmax(-1)
+            logits = (qb @ kg.transpose(1, 2)) * scale
+            if b.mask is not None:
+                logits = logits.masked_fill(~b.mask, float("-inf"))
+            probs = logits.softmax(-1)
             record += probs[:, :, : record.shape[0]].float().sum((0, 1)) / (q.shape[0] * q.shape[1])
             o = probs @ vg
-        out[blk] = o.transpose(0, 1)
+        out[b.rows] = o.transpose(0, 1)
     return out

@@ -1,5 +1,6 @@
 import contextlib
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -98,3 +99,43 @@ def server(tmp_path_factory, default_model):
     srv = Server(tmp_path_factory.mktemp("server") / "server.log", "--enable-metrics")  # /metrics is tested too
     yield srv
     srv.stop()
+
+
+# RAG prompts and chunk hints for the engine tests (tests/test_blend_serving.py, tests/test_serving_load.py)
+WORDS = "alpha beta gamma delta river mountain city blue green red fast slow north south".split()
+
+
+def hints(spans, **payload):
+    return {"protocol_version": "1", "message_id": "t", "actions": [{
+        "action_id": "c", "action_type": "chunkcache.chunks", "action_version": "1",
+        "payload": {"token_spans": spans, **payload}}]}
+
+
+class Rag:
+    """RAG prompts from fixed documents: [system prefix][doc]...[doc][question], each piece tokenized alone."""
+
+    def __init__(self, tokenizer, n_docs=6, words=120, seed=0):
+        rng = random.Random(seed)
+        self.tok = tokenizer
+        self.docs = [tokenizer.encode(f"Document {i}: " + " ".join(rng.choice(WORDS) for _ in range(words))
+                                      + f". The code of document {i} is {4000 + 7 * i}.\n", add_special_tokens=False)
+                     for i in range(n_docs)]
+        self.prefix = tokenizer.encode("<|im_start|>system\nAnswer from the documents.<|im_end|>\n<|im_start|>user\n",
+                                       add_special_tokens=False)
+
+    def build(self, order, question):
+        ids, spans = list(self.prefix), []
+        for i in order:
+            spans.append([len(ids), len(ids) + len(self.docs[i])])
+            ids += self.docs[i]
+        ids += self.tok.encode(f"{question}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+        return ids, spans
+
+
+def blended_context(spans, meta) -> int:
+    """Chunk tokens the blend handles: all chunk tokens but those inside SGLang's exact radix match."""
+    return sum(e - s for s, e in spans) - max(0, meta["cached_tokens"] - spans[0][0])
+
+
+def gen(engine, ids, kv_hints=None, n=12):
+    return engine.generate(input_ids=ids, sampling_params={"max_new_tokens": n, "temperature": 0}, kv_hints=kv_hints)

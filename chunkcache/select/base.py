@@ -99,8 +99,17 @@ class Features(Protocol):
 
 class Selector(Protocol):
     name: ClassVar[str]  # registry key, also what configs and request hints name
+    # Engine features the selector will ask for, as (Features method, args) pairs. An engine that serves many
+    # requests at once computes them for the whole batch before any select() call (one model pass for all, not
+    # one per request); select() then finds them computed. Optional: without it a selector is simply served lazily.
+    needs: tuple[tuple[str, tuple], ...]
 
     def select(self, layout: Layout, ratio: float, features: Features) -> Selection: ...
+
+
+def needs(selector: Selector) -> tuple[tuple[str, tuple], ...]:
+    """The features `selector` declares (see Selector.needs); none for a selector that declares nothing."""
+    return tuple(getattr(selector, "needs", ()))
 
 
 def finish(layout: Layout, picked: torch.Tensor, scores: torch.Tensor | None, seconds: float) -> Selection:

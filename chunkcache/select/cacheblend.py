@@ -23,6 +23,10 @@ class CacheBlendSelector:
         if self.which not in ("k", "v"):
             raise ValueError(f"which must be 'k' or 'v', got {self.which!r}")
 
+    @property
+    def needs(self) -> tuple[tuple[str, tuple], ...]:
+        return (("kv_deviation", (self.layer, self.which)),)
+
     def select(self, layout: Layout, ratio: float, features: Features) -> Selection:
         t0 = time.perf_counter()
         scores = features.kv_deviation(self.layer, self.which)

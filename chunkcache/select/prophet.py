@@ -16,6 +16,7 @@ from .budget import top_k
 @dataclass(frozen=True)
 class ProphetSelector:
     name: ClassVar[str] = "prophet"
+    needs: ClassVar[tuple] = (("query_attention", ()),)
     whole_units: bool = False  # keep numbers / words whole (off: the paper's plain top-K)
 
     def select(self, layout: Layout, ratio: float, features: Features) -> Selection:

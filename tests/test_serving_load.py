@@ -1,0 +1,97 @@
+"""Chunk reuse under serving conditions: prompts longer than the prefill budget, hinted requests that together
+exceed it, blended prefills in one batch with running decodes. Oracle: stock SGLang's output on the same engine
+(requests without hints take SGLang's own path, untouched)."""
+
+import asyncio
+import random
+
+import pytest
+from conftest import Rag, gen, hints, sglang_engine
+
+pytestmark = pytest.mark.slow
+CONTEXT = 8192  # the default model's context length
+
+
+@pytest.fixture(scope="module")
+def engine(default_model, tmp_path_factory):
+    # SGLang's own chunked-prefill size (not overridden), and mixed chunks: running decodes join prefill batches
+    with sglang_engine(default_model, tmp_path_factory.mktemp("cfg"), "select:\n  selector: prophet\n  ratio: 0.15\n",
+                       max_total_tokens=40000, enable_mixed_chunk=True) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model)
+
+
+def budget(engine) -> int:
+    return engine.get_server_info()["chunked_prefill_size"]
+
+
+def report(out) -> dict:
+    info = out["meta_info"]["chunkcache"]
+    assert "fallback" not in info, info
+    return info
+
+
+def test_a_prompt_longer_than_the_prefill_budget_is_blended(engine, tokenizer):
+    long = Rag(tokenizer, n_docs=16, words=330, seed=7)
+    order = list(range(16))
+    ids, spans = long.build(order, "What is the code of document 11?")
+    assert budget(engine) < 7000 < len(ids) < CONTEXT - 16
+    stock = gen(engine, ids, n=8)
+    # every chunk misses: the fill computes them standalone in forwards of at most the budget, then all is recomputed
+    full = gen(engine, ids, hints(spans, selector="full", namespace="long"), n=8)
+    info = report(full)
+    assert info["chunk_misses"] == 16 and info["batch"]["forwards"] >= 3  # >= 2 fill forwards + the recompute
+    assert full["output_ids"] == stock["output_ids"], (full["text"], stock["text"])
+    # the same documents in another order: every chunk a hit, a sixth of the prompt recomputed, one batch
+    random.Random(0).shuffle(order)
+    ids, spans = long.build(order, "What is the code of document 11?")
+    info = report(gen(engine, ids, hints(spans, selector="prophet", ratio=0.15, namespace="long"), n=8))
+    assert info["chunk_hits"] == 16 and info["chunk_misses"] == 0
+    assert info["recomputed_tokens"] < len(ids) / 5
+
+
+def test_hinted_requests_over_the_budget_together_are_admitted_in_one_batch(engine, tokenizer):
+    rag = Rag(tokenizer, n_docs=12, words=160, seed=3)
+    rng = random.Random(5)
+    orders = [rng.sample(range(12), 6) for _ in range(5)]
+    for start in (0, 6):  # warm-up: every document into the chunk store
+        ids, spans = rag.build(list(range(start, start + 6)), "Which documents are these?")
+        report(gen(engine, ids, hints(spans, selector="none", namespace="batch"), n=1))
+    prompts = [rag.build(order, f"What is the code of document {order[2]}?") for order in orders]
+    assert sum(len(ids) for ids, _ in prompts) > budget(engine)  # charged their length, SGLang would split them
+    outs = engine.generate(input_ids=[ids for ids, _ in prompts], sampling_params={"max_new_tokens": 4, "temperature": 0},
+                           kv_hints=[hints(spans, selector="prophet", namespace="batch") for _, spans in prompts])
+    for out, (ids, spans) in zip(outs, prompts):
+        info = report(out)
+        assert info["chunk_hits"] == 6 and info["batch"]["requests"] == len(prompts)
+        # charged what it computed: the recomputed tokens, the query a second time (ProphetKV's feature pass) and
+        # any shared-prefix token the radix tree did not hold
+        query = len(ids) - spans[-1][1]
+        assert info["admitted_compute"] == info["recomputed_tokens"] + query + max(0, spans[0][0] - info["radix_tokens"])
+
+
+def test_blended_prefills_mixed_with_decodes_match_stock(engine, tokenizer):
+    rag = Rag(tokenizer, n_docs=6, words=120, seed=11)
+    decoder = rag.build([0, 1], "Write a long story about the documents.")[0]
+    prompts = [rag.build(order, f"What is the code of document {order[0]}?") for order in ([2, 3, 4], [5, 2], [4, 5, 3])]
+    params = {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True}
+    stock = [engine.generate(input_ids=ids, sampling_params=params)["output_ids"] for ids in [decoder] + [p[0] for p in prompts]]
+
+    async def together():
+        first = asyncio.ensure_future(engine.async_generate(input_ids=decoder, sampling_params=params))
+        await asyncio.sleep(0.5)  # the first request is decoding when the hinted ones arrive
+        rest = await asyncio.gather(*[engine.async_generate(
+            input_ids=ids, sampling_params=params, kv_hints=hints(spans, selector="full", namespace="mixed"))
+            for ids, spans in prompts])
+        return [await first, *rest]
+
+    outs = engine.loop.run_until_complete(together())
+    assert [o["output_ids"] for o in outs] == stock
+    infos = [report(o) for o in outs[1:]]
+    assert any(info["batch"]["decodes"] > 0 for info in infos), [info["batch"] for info in infos]
