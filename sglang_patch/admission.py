@@ -95,6 +95,14 @@ class ChunkAwarePrefillAdder(PrefillAdder):
             self.rem_input_tokens = tokens - compute
 
 
+def adopt_budget(result, scheduler, *args, **kwargs) -> None:
+    """AFTER hook on Scheduler.init_chunked_prefill: the blend splits its fill at the size the scheduler resolved."""
+    from .cache import ChunkRadixCache
+
+    if isinstance(scheduler.tree_cache, ChunkRadixCache):
+        scheduler.tree_cache.prefill_budget = scheduler.chunked_prefill_size
+
+
 def adder_class(result, scheduler, *args, **kwargs):
     """AFTER hook on Scheduler.get_prefill_adder_class: ours when the scheduler's tree cache is chunkcache's."""
     from .cache import ChunkRadixCache

@@ -31,7 +31,7 @@ ACTIVE: "ChunkRadixCache | None" = None  # the scheduler process's instance (one
 
 
 class ChunkRadixCache(UnifiedRadixCache):
-    def __init__(self, params, *, model_config, model_path: str, prefill_budget: int | None = None, **kwargs):
+    def __init__(self, params, *, model_config, model_path: str, **kwargs):
         super().__init__(params, **kwargs)
         global ACTIVE
         self.config = load_server_config()
@@ -41,7 +41,9 @@ class ChunkRadixCache(UnifiedRadixCache):
         self.fingerprint = model_fingerprint(model_path)
         self.store = ChunkStore.from_config(self.config.store, self.fingerprint)
         self.model_path = model_path
-        self.prefill_budget = prefill_budget  # tokens one prefill forward may compute (chunked-prefill size); None: any
+        # tokens one prefill forward may compute: the scheduler's resolved chunked-prefill size (set by
+        # admission.adopt_budget once the scheduler has it); None: unbounded
+        self.prefill_budget: int | None = None
         self._selectors: dict[str, Selector] = {}
         self._drafts: dict = {}
         self._tokenizer = None
@@ -114,10 +116,7 @@ def _add_round(req, info: dict) -> None:
 
 
 def factory(ctx: TreeCacheBuildContext) -> ChunkRadixCache:
-    budget = ctx.server_args.chunked_prefill_size
-
     def build(params):
-        return ChunkRadixCache(params, model_config=ctx.model_config, model_path=ctx.server_args.model_path,
-                               prefill_budget=budget if budget and budget > 0 else None)
+        return ChunkRadixCache(params, model_config=ctx.model_config, model_path=ctx.server_args.model_path)
 
     return create_unified_radix_cache(ctx, cache_class=build)

@@ -24,7 +24,7 @@ def server_settings(model_path: str | Path, config: Config, *, chunk_reuse: bool
     the B side of an A/B comparison."""
     s = config.serve
     settings: dict = {"model_path": str(model_path), "host": s.host, "port": s.port,
-                      "mem_fraction_static": s.mem_fraction_static}
+                      "mem_fraction_static": s.mem_fraction_static, "dtype": s.dtype, "sleep_on_idle": s.sleep_on_idle}
     if s.max_total_tokens:
         settings["max_total_tokens"] = s.max_total_tokens
     if chunk_reuse:
@@ -33,7 +33,11 @@ def server_settings(model_path: str | Path, config: Config, *, chunk_reuse: bool
         # SGLang's CPU engine without AMX or a CPU sgl_kernel build: torch-native attention, no CUDA graphs, and an
         # explicit memory fraction (the automatic one comes out negative on CPU and SGLang refuses to start).
         settings.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
-                        disable_overlap_schedule=True, dtype="float32")
+                        disable_overlap_schedule=True)
+        if s.dtype == "auto":
+            # SGLang's "auto" is the checkpoint's dtype, float16 for a float32 one: CPUs multiply bfloat16 natively
+            # (AMX, AVX512-BF16) and float16 mostly not
+            settings["dtype"] = "bfloat16"
     return settings
 
 

@@ -25,6 +25,7 @@ def register() -> None:
         "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new": (_attach_reqs, HookType.AFTER),
         "sglang.srt.model_executor.runner.eager_runner.EagerRunner._execute_extend": (_blend_extend, HookType.AROUND),
         "sglang.srt.managers.scheduler.Scheduler.get_prefill_adder_class": (admission.adder_class, HookType.AFTER),
+        "sglang.srt.managers.scheduler.Scheduler.init_chunked_prefill": (admission.adopt_budget, HookType.AFTER),
     }
     for target, (fn, kind) in hooks.items():
         HookRegistry.register(target, fn, kind)
