@@ -45,6 +45,8 @@ class ServeConfig:
     port: int = 30000  # port the HTTP server binds
     mem_fraction_static: float = 0.3  # share of memory SGLang reserves for weights + KV pool (explicit: CPU needs it)
     max_total_tokens: int | None = None  # KV pool size in tokens (None: SGLang sizes it from memory)
+    dtype: str = "auto"  # SGLang --dtype of weights, activations and KV; "auto": bfloat16 on CPU, SGLang's auto on GPU
+    sleep_on_idle: bool = True  # idle scheduler blocks on its sockets instead of busy-polling a core
     sglang_args: list[str] = field(default_factory=list)  # extra arguments passed verbatim to SGLang
 
 

@@ -1,0 +1,52 @@
+"""The SGLang settings `chunkcache serve` starts both sides of the A/B comparison with."""
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from chunkcache.config import Config
+from sglang_patch import launcher
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def cpu(monkeypatch):
+    monkeypatch.setattr(launcher, "has_gpu", lambda: False)
+
+
+@pytest.mark.parametrize("chunk_reuse", [True, False])
+def test_cpu_serves_bfloat16_and_sleeps_when_idle(cpu, chunk_reuse):
+    settings = launcher.server_settings("/models/m", Config(), chunk_reuse=chunk_reuse)
+    assert settings["dtype"] == "bfloat16" and settings["sleep_on_idle"] is True
+    assert settings["device"] == "cpu" and settings["attention_backend"] == "torch_native"
+    assert (settings.get("radix_cache_backend") == launcher.BACKEND_NAME) == chunk_reuse
+
+
+def test_dtype_and_sleep_on_idle_come_from_the_config(cpu, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("serve:\n  dtype: float32\n  sleep_on_idle: false\n")
+    argv = launcher.to_argv(launcher.server_settings("/models/m", Config.load(path)))
+    assert argv[argv.index("--dtype") + 1] == "float32" and "--sleep-on-idle" not in argv
+
+
+def test_gpu_leaves_the_dtype_to_sglang(monkeypatch):
+    monkeypatch.setattr(launcher, "has_gpu", lambda: True)
+    settings = launcher.server_settings("/models/m", Config())
+    assert settings["dtype"] == "auto" and "device" not in settings
+
+
+def test_default_yaml_is_the_built_in_default():
+    assert Config.load(ROOT / "configs" / "default.yaml").to_dict() == Config().to_dict()
+
+
+def test_sglang_parses_every_setting_back(cpu):
+    """The argv `chunkcache serve` hands to sglang.launch_server means what the settings say (flag names included)."""
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    settings = launcher.server_settings("/models/m", Config())
+    args = vars(parser.parse_args(launcher.to_argv(settings)))
+    assert {key: args[key] for key in settings} == settings
