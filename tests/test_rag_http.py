@@ -98,6 +98,25 @@ def test_ingest_then_query_hits_every_chunk_and_ingest_is_idempotent(server):
 
 
 @slow
+def test_ingest_of_a_document_over_the_prefill_budget_and_of_many_documents(server):
+    """Triggers of the fill-pass crash under chunked prefill (a pass holding more tokens than SGLang planned): one
+    document longer than the chunked-prefill size (4096 here), and a burst of 300 small ones. Both are stored, and a
+    query over them hits every chunk."""
+    entries = " ".join(f"entry {i} holds the record of item {7 * i}." for i in range(300))
+    long = "Ledger of the Varn archive. " + entries  # ~4.5K tokens
+    r = ingest(server, [long])
+    assert r.status_code == 200, r.text
+    assert r.json() == {"documents": 1, "new": 1, "existing": 0}
+    many = [f"Note {i} of the Quell register: the shelf code is {1000 + 13 * i}." for i in range(300)]
+    r = ingest(server, many)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"documents": 300, "new": 300, "existing": 0}
+    query = chat(server, [many[250], many[3], many[120]])
+    report = query.json()["metadata"]["chunkcache"]
+    assert (report["chunk_hits"], report["chunk_misses"]) == (3, 0), report
+
+
+@slow
 def test_ingest_uses_the_system_message_as_the_shared_prefix(server):
     documents, system = docs("Quill"), "Answer in French."
     assert ingest(server, documents, system=system).json()["new"] == 3
