@@ -22,6 +22,11 @@ class StoreConfig:
     disk_dir: str | None = None  # directory of the disk tier; None disables it
     disk_bytes: int = 20 << 30  # byte budget of the disk tier (oldest entries removed first)
     namespace: str = "default"  # tenant namespace mixed into every chunk key unless a request names its own
+    remote_url: str | None = None  # shared Redis/Valkey tier: redis://[:password@]host:port/db, rediss:// for TLS; None: off
+    remote_timeout_s: float = 0.25  # connect and socket timeout per command: the most a down or stalled server costs
+    remote_retry_s: float = 5.0  # after a failure the remote tier is skipped (gets miss, puts dropped) this long
+    remote_max_value_bytes: int = 512 << 20  # larger entries stay local (lowered to the server's proto-max-bulk-len)
+    remote_write_queue: int = 64  # entries waiting for the background writer; a put beyond this is dropped
 
 
 @dataclass

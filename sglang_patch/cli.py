@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host")
     p.add_argument("--port", type=int)
     p.add_argument("--no-chunk-reuse", action="store_true", help="stock SGLang prefix caching (A/B baseline)")
+    p.add_argument("--remote-url", help="shared chunk store, redis://[:password@]host:port/db or rediss:// (overrides "
+                   "store.remote_url; $CHUNKCACHE_REMOTE_URL keeps a password out of the process list)")
 
     for name, summary in (("bench", "A/B benchmark against stock prefix caching: TTFT, throughput, goodput, quality"),
                           ("eval", "quality sweep of selectors x rho, plus the SpecCache analyses")):
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(args: argparse.Namespace, extra: list[str]) -> int:
-    from .launcher import prepare_environment, server_settings, to_argv
+    from .launcher import REMOTE_URL_ENV, prepare_environment, server_settings, to_argv
 
     config = Config.load(args.config)
     for key in ("model", "host", "port"):
@@ -70,6 +72,8 @@ def serve(args: argparse.Namespace, extra: list[str]) -> int:
             setattr(config.serve, key, getattr(args, key))
     settings = server_settings(resolve_model(config.serve.model), config, chunk_reuse=not args.no_chunk_reuse)
     prepare_environment(args.config)
+    if args.remote_url:
+        os.environ[REMOTE_URL_ENV] = args.remote_url
     argv = [sys.executable, "-m", "sglang.launch_server", *to_argv(settings), *config.serve.sglang_args, *extra]
     print("starting:", " ".join(argv), flush=True)
     proc = subprocess.Popen(argv)

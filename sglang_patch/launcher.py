@@ -11,6 +11,9 @@ from chunkcache.config import Config
 log = logging.getLogger(__name__)
 BACKEND_NAME = "chunkcache"  # --radix-cache-backend name registered by the plugin
 CONFIG_ENV = "CHUNKCACHE_CONFIG"  # how the scheduler process finds the --config file
+# store.remote_url from `chunkcache serve --remote-url` or the environment (keeps a password out of the YAML file);
+# it overrides the config file's
+REMOTE_URL_ENV = "CHUNKCACHE_REMOTE_URL"
 
 
 def has_gpu() -> bool:
@@ -51,7 +54,10 @@ def prepare_environment(config_path: str | Path | None) -> None:
 
 def load_server_config() -> Config:
     """The config the server was started with, as seen from any SGLang process."""
-    return Config.load(os.environ.get(CONFIG_ENV))
+    config = Config.load(os.environ.get(CONFIG_ENV))
+    if os.environ.get(REMOTE_URL_ENV):
+        config.store.remote_url = os.environ[REMOTE_URL_ENV]
+    return config
 
 
 def to_argv(settings: dict) -> list[str]:

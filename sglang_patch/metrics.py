@@ -12,6 +12,16 @@ from __future__ import annotations
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 TIERS = ("host", "disk")  # the chunk store's tiers, as `tier` label values
+# RemoteStats counters as chunkcache_remote_* series: field -> (series, help); the skip reasons share one series
+REMOTE_COUNTERS = {
+    "hits": ("chunkcache_remote_hits", "Chunk-store gets answered by the remote tier"),
+    "misses": ("chunkcache_remote_misses", "Chunk-store gets the remote tier had no entry for"),
+    "corrupt": ("chunkcache_remote_corrupt", "Remote entries that failed verification (counted misses, deleted)"),
+    "errors": ("chunkcache_remote_errors", "Remote store commands that failed (down, timed out, refused)"),
+    "outages": ("chunkcache_remote_outages", "Times the remote store went from working to failing"),
+    "bytes_written": ("chunkcache_remote_bytes_written", "Bytes of entries stored in the remote tier"),
+}
+REMOTE_SKIPS = {"skipped": "down", "oversize": "oversize", "full": "full", "dropped": "queue"}  # field -> reason
 SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -39,7 +49,14 @@ class _Metrics:
         self.evictions = Counter("chunkcache_evictions", "Chunk store evictions (all tiers)", registry=r)
         self.fallbacks = Counter("chunkcache_fallbacks", "Hinted requests computed in full, by reason", ["reason"],
                                  registry=r)
+        self.remote = {field: Counter(name, doc, registry=r) for field, (name, doc) in REMOTE_COUNTERS.items()}
+        self.remote_skipped = Counter("chunkcache_remote_skipped", "Remote gets and puts not done, by reason (down: "
+                                      "outage in progress; oversize, full: puts the server cannot take; queue: "
+                                      "writer behind)", ["reason"], registry=r)
+        self.remote_up = Gauge("chunkcache_remote_up", "1 while the remote store works, 0 during an outage",
+                               multiprocess_mode="livemin", registry=r)
         self.evictions_seen = 0  # the store counts evictions cumulatively; the counter gets the increments
+        self.remote_seen: dict[str, int] = {}  # likewise for the remote tier's counters
         for tier in TIERS:
             self.store_bytes.labels(tier).set(0)  # series visible from startup, not only after the first chunk
 
@@ -101,3 +118,12 @@ def set_store_stats(stats) -> None:
     set_store_bytes("disk", stats.disk_bytes)
     record_evictions(stats.evictions - m.evictions_seen)
     m.evictions_seen = stats.evictions
+    remote = stats.remote
+    if remote is None:
+        return
+    m.remote_up.set(int(remote.up))
+    for field in (*REMOTE_COUNTERS, *REMOTE_SKIPS):
+        n = getattr(remote, field) - m.remote_seen.get(field, 0)
+        m.remote_seen[field] = getattr(remote, field)
+        if n > 0:
+            (m.remote[field] if field in REMOTE_COUNTERS else m.remote_skipped.labels(REMOTE_SKIPS[field])).inc(n)

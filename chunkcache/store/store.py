@@ -1,4 +1,6 @@
-"""ChunkStore: host memory in front of an optional disk tier; gets promote disk hits, puts write through."""
+"""ChunkStore: host memory in front of an optional disk tier and an optional remote tier (a Redis-protocol server
+shared by every chunkcache server). Gets look in memory, then disk, then remote, and promote hits into the tiers in
+front; puts write through to every tier (to the remote one in the background, see remote.py)."""
 
 from __future__ import annotations
 
@@ -9,14 +11,16 @@ from ..config import StoreConfig
 from .disk import DiskTier
 from .entry import ChunkEntry
 from .memory import MemoryTier
+from .remote import RemoteStats, RemoteTier, key_prefix
 
 
 @dataclass(frozen=True)
 class StoreStats:
-    hits: int  # gets answered by either tier
+    hits: int  # gets answered by any tier
     misses: int
     memory_hits: int
     disk_hits: int
+    remote_hits: int
     evictions: int  # both tiers
     memory_entries: int
     memory_bytes: int
@@ -24,6 +28,7 @@ class StoreStats:
     disk_bytes: int
     corrupt: int  # disk entries dropped because they failed verification
     disk_full: int  # writes refused because the disk was full
+    remote: RemoteStats | None  # the remote tier's own counters; None without one
 
 
 class ChunkStore:
@@ -33,17 +38,23 @@ class ChunkStore:
         disk_dir: str | None = None,
         disk_bytes: int = 20 << 30,
         model_fingerprint: str | None = None,
+        remote: RemoteTier | None = None,
     ):
         """`model_fingerprint`, if given, binds the store to one model: entries of any other are refused."""
         self.memory = MemoryTier(host_bytes)
         self.disk = DiskTier(disk_dir, disk_bytes) if disk_dir else None
+        self.remote = remote
         self.model_fingerprint = model_fingerprint
         self._lock = threading.Lock()
-        self._hits = self._misses = self._memory_hits = self._disk_hits = 0
+        self._hits = self._misses = self._memory_hits = self._disk_hits = self._remote_hits = 0
 
     @classmethod
     def from_config(cls, config: StoreConfig, model_fingerprint: str | None = None) -> "ChunkStore":
-        return cls(config.host_bytes, config.disk_dir, config.disk_bytes, model_fingerprint)
+        remote = None
+        if config.remote_url:
+            remote = RemoteTier(config.remote_url, key_prefix(model_fingerprint), config.remote_timeout_s,
+                                config.remote_retry_s, config.remote_max_value_bytes, config.remote_write_queue)
+        return cls(config.host_bytes, config.disk_dir, config.disk_bytes, model_fingerprint, remote)
 
     def get(self, key: str) -> ChunkEntry | None:
         with self._lock:
@@ -53,6 +64,15 @@ class ChunkStore:
             elif self.disk is not None and (entry := self.disk.get(key)) is not None:
                 self._disk_hits += 1
                 self.memory.put(entry)
+        if entry is None and self.remote is not None:
+            # outside the lock: a network round trip (at most the remote timeout)
+            if (entry := self.remote.get(key)) is not None:
+                with self._lock:
+                    self._remote_hits += 1
+                    self.memory.put(entry)
+                    if self.disk is not None:
+                        self.disk.put(entry)
+        with self._lock:
             if entry is None:
                 self._misses += 1
                 return None
@@ -68,8 +88,12 @@ class ChunkStore:
             self.memory.put(entry)
             if self.disk is not None:
                 self.disk.put(entry)
+        if self.remote is not None:
+            self.remote.put(entry)
 
     def __contains__(self, key: str) -> bool:
+        """Local tiers only: admission asks this for every chunk of every waiting request, too often for a network
+        round trip each; a chunk only the remote tier holds is charged as compute there, and found by get."""
         with self._lock:
             return key in self.memory or (self.disk is not None and key in self.disk)
 
@@ -82,6 +106,7 @@ class ChunkStore:
                 misses=self._misses,
                 memory_hits=self._memory_hits,
                 disk_hits=self._disk_hits,
+                remote_hits=self._remote_hits,
                 evictions=self.memory.evictions + (disk.evictions if on_disk else 0),
                 memory_entries=len(self.memory),
                 memory_bytes=self.memory.bytes,
@@ -89,4 +114,5 @@ class ChunkStore:
                 disk_bytes=disk.bytes if on_disk else 0,
                 corrupt=disk.corrupt if on_disk else 0,
                 disk_full=disk.disk_full if on_disk else 0,
+                remote=self.remote.stats() if self.remote is not None else None,
             )

@@ -1,0 +1,228 @@
+"""Remote tier: entries in a Redis-protocol server (Valkey, Redis) that every chunkcache server shares.
+
+Contract:
+- One key per entry, `cc:v{FORMAT_VERSION}:{model fingerprint}:{chunk key}`, holding the disk tier's checksummed
+  encoding (`disk.encode`). The chunk key already hashes the model, the namespace, the shared prefix and the tokens,
+  so tenants and models never share an entry across servers; the fingerprint in the name lets an operator find or
+  drop one model's entries (`SCAN MATCH cc:v1:{fingerprint}:*`), and the format version keeps older encodings apart.
+- get is one GET. A value that fails verification (torn, truncated, foreign, another key's) is a miss, counted in
+  `corrupt`, and deleted so that the next put can store a good one. get never raises.
+- put never blocks and never raises: the entry is queued for one writer thread, which encodes it and stores it with
+  `SET NX` (content-addressed, so the first writer wins and a second one changes nothing). A put finding the queue
+  full is dropped (`dropped`). An encoding larger than the server accepts (`max_value_bytes`, lowered to the server's
+  `proto-max-bulk-len` when `CONFIG GET` answers) is not sent (`oversize`). A server refusing writes because it is
+  full (maxmemory with `noeviction`: OutOfMemoryError) costs only the put (`full`, logged once until a write
+  succeeds). No TTL: eviction is the server's (`maxmemory-policy allkeys-lru`).
+- A down or stalled server costs one command at most `timeout_s` (connect and each socket read or write; no
+  retries). Any other failure opens a breaker: for `retry_s` every get is a miss and every put is dropped without
+  touching the network (`skipped`), then the next command tries again. `errors` counts failed commands, `outages`
+  the outages; one WARNING when an outage starts and one INFO when it ends, whatever the request rate.
+- Thread-safe (redis-py's client keeps a connection pool; the counters are locked): the scheduler reads while the
+  writer thread writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from .disk import FORMAT_VERSION, CorruptEntry, decode, encode
+from .entry import ChunkEntry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RemoteStats:
+    server: str  # scheme://host:port/db, password left out
+    up: bool  # False while an outage is in progress
+    hits: int
+    misses: int  # the server had no value for the key
+    corrupt: int  # values that failed verification (counted misses, deleted)
+    errors: int  # commands that failed (connection refused or reset, timeout, auth, ...)
+    outages: int  # times the tier went from working to failing
+    skipped: int  # gets and puts not sent because an outage was in progress
+    writes: int  # entries stored
+    bytes_written: int
+    existing: int  # puts of a key some server had already stored
+    oversize: int  # entries larger than the server accepts, not sent
+    full: int  # writes the server refused because it was full
+    dropped: int  # puts dropped because the writer's queue was full
+    pending: int  # puts queued or being written
+
+
+def key_prefix(model_fingerprint: str | None) -> str:
+    return f"cc:v{FORMAT_VERSION}:{model_fingerprint or 'any'}:"
+
+
+def redacted(url: str) -> str:
+    u = urlsplit(url)
+    return f"{u.scheme}://{u.hostname}:{u.port or 6379}{u.path or '/0'}"
+
+
+class RemoteTier:
+    def __init__(self, url: str, prefix: str, timeout_s: float, retry_s: float, max_value_bytes: int, write_queue: int):
+        # No retries: redis-py's default (10, with backoff) turns a down server into ~2.6 s per command.
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                           retry=Retry(NoBackoff(), 0))
+        self.server = redacted(url)
+        self.prefix = prefix
+        self.retry_s = retry_s
+        self.max_value_bytes = max_value_bytes
+        self._limit_known = False  # max_value_bytes not yet lowered to the server's own limit
+        self._lock = threading.Lock()
+        self._down_until = 0.0  # time.monotonic() before which the server is not contacted
+        self._down_since: float | None = None  # start of the outage in progress
+        self._full = False
+        self._oversize_logged = False
+        self._n = dict.fromkeys(("hits", "misses", "corrupt", "errors", "outages", "skipped", "writes",
+                                 "bytes_written", "existing", "oversize", "full", "dropped", "pending"), 0)
+        self._queue: queue.Queue[ChunkEntry] = queue.Queue(maxsize=write_queue)
+        threading.Thread(target=self._write_loop, name="chunkcache-remote-writer", daemon=True).start()
+
+    def get(self, key: str) -> ChunkEntry | None:
+        if not self._available():
+            self._count("skipped")
+            return None
+        name = self.prefix + key
+        try:
+            data = self.client.get(name)
+        except redis.RedisError as e:
+            self._failed(e)
+            return None
+        self._working()
+        if data is None:
+            self._count("misses")
+            return None
+        try:
+            entry = decode(data)
+            if entry.key != key:
+                raise CorruptEntry(f"value holds key {entry.key}")
+        except CorruptEntry as e:
+            self._count("corrupt")
+            log.warning("chunkcache: dropping corrupt entry %s from remote store %s: %s", name, self.server, e)
+            try:
+                self.client.delete(name)
+            except redis.RedisError as exc:
+                self._failed(exc)
+            return None
+        self._count("hits")
+        return entry
+
+    def put(self, entry: ChunkEntry) -> None:
+        if not self._available():
+            self._count("skipped")
+            return
+        with self._lock:
+            try:
+                self._queue.put_nowait(entry)
+            except queue.Full:
+                self._n["dropped"] += 1
+                return
+            self._n["pending"] += 1
+
+    def stats(self) -> RemoteStats:
+        with self._lock:
+            return RemoteStats(server=self.server, up=self._down_since is None, **self._n)
+
+    def _write_loop(self) -> None:
+        while True:
+            entry = self._queue.get()
+            try:
+                self._write(entry)
+            except Exception:  # noqa: BLE001 - the writer must outlive any one entry (e.g. an encoding bug)
+                log.exception("chunkcache: remote put of %s failed", entry.key)
+            finally:
+                self._count("pending", -1)
+
+    def _write(self, entry: ChunkEntry) -> None:
+        if not self._available():
+            self._count("skipped")
+            return
+        data = encode(entry)
+        try:
+            if len(data) > self._value_limit():
+                self._oversize(entry.key, len(data))
+                return
+            stored = self.client.set(self.prefix + entry.key, data, nx=True)
+        except redis.OutOfMemoryError as e:
+            self._count("full")
+            if not self._full:
+                self._full = True
+                log.warning("chunkcache: remote store %s is full, puts dropped until it takes writes again: %s",
+                            self.server, e)
+            return
+        except redis.ResponseError as e:
+            if "bulk length" not in str(e):  # any other refusal is a failing server
+                self._failed(e)
+                return
+            # the server's limit is below ours and CONFIG GET did not tell (e.g. CONFIG renamed by the operator)
+            self._oversize(entry.key, len(data))
+            return
+        except redis.RedisError as e:
+            self._failed(e)
+            return
+        self._working()
+        if self._full:
+            self._full = False
+            log.info("chunkcache: remote store %s takes writes again", self.server)
+        with self._lock:
+            if stored:
+                self._n["writes"] += 1
+                self._n["bytes_written"] += len(data)
+            else:
+                self._n["existing"] += 1
+
+    def _value_limit(self) -> int:
+        """max_value_bytes, lowered once to the server's proto-max-bulk-len: a bigger value is refused, and one much
+        bigger has its connection reset only after being sent in full."""
+        if not self._limit_known:
+            try:
+                server_limit = int(self.client.config_get("proto-max-bulk-len")["proto-max-bulk-len"])
+                self.max_value_bytes = min(self.max_value_bytes, server_limit)
+            except (redis.ResponseError, KeyError):  # CONFIG disabled or renamed (managed services): keep ours
+                pass
+            self._limit_known = True
+        return self.max_value_bytes
+
+    def _oversize(self, key: str, size: int) -> None:
+        self._count("oversize")
+        if not self._oversize_logged:
+            self._oversize_logged = True
+            log.warning("chunkcache: entry %s is %d bytes, more than remote store %s accepts (%d); such entries stay "
+                        "local (chunkcache_remote_skipped{reason=\"oversize\"} counts them)", key, size, self.server,
+                        self.max_value_bytes)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._n[name] += n
+
+    def _available(self) -> bool:
+        with self._lock:
+            return time.monotonic() >= self._down_until
+
+    def _failed(self, e: Exception) -> None:
+        with self._lock:
+            self._n["errors"] += 1
+            self._down_until = time.monotonic() + self.retry_s
+            if self._down_since is not None:
+                return
+            self._down_since = time.monotonic()
+            self._n["outages"] += 1
+        log.warning("chunkcache: remote store %s unavailable (%s: %s); chunks are computed and kept locally, puts "
+                    "dropped, retrying every %.1f s", self.server, type(e).__name__, e, self.retry_s)
+
+    def _working(self) -> None:
+        with self._lock:
+            if self._down_since is None:
+                return
+            seconds, self._down_since = time.monotonic() - self._down_since, None
+        log.info("chunkcache: remote store %s is back after %.1f s", self.server, seconds)

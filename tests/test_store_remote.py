@@ -1,0 +1,234 @@
+"""The remote tier against a real Valkey server (tests/store_server.py): sharing, verification, size limits, and
+what a down, stalled, full or restarted server costs."""
+
+import logging
+import time
+
+import pytest
+import torch
+from store_server import StoreServer
+from test_store import FP, assert_same, key, make_entry
+
+from chunkcache.config import Config, StoreConfig
+from chunkcache.hashing import chunk_key, prefix_key
+from chunkcache.store import ChunkStore
+from chunkcache.store.disk import encode
+from chunkcache.store.remote import RemoteTier, key_prefix
+
+TIMEOUT = 0.2
+
+
+@pytest.fixture
+def server(tmp_path):
+    srv = StoreServer(tmp_path)
+    yield srv
+    srv.kill()
+
+
+def remote_store(url: str, fp: str = FP, retry_s: float = 60.0, **config) -> ChunkStore:
+    return ChunkStore.from_config(StoreConfig(remote_url=url, remote_timeout_s=TIMEOUT, remote_retry_s=retry_s,
+                                              **config), fp)
+
+
+def drain(store: ChunkStore, timeout: float = 10) -> None:
+    """Wait for the background writer (a put returns before its SET)."""
+    deadline = time.time() + timeout
+    while store.stats().remote.pending:
+        assert time.time() < deadline, store.stats().remote
+        time.sleep(0.005)
+
+
+def test_servers_share_entries_through_the_store(server, tmp_path):
+    a, b = remote_store(server.url), remote_store(server.url, disk_dir=str(tmp_path / "disk"))
+    e = make_entry(key(1), tokens=16, dtype=torch.bfloat16, features={"scores": torch.rand(16)})
+    a.put(e)
+    drain(a)
+    # one key per entry, named by format version, model and chunk key, holding the disk tier's encoding
+    assert server.client().keys("*") == [f"cc:v1:{FP}:{key(1)}".encode()]
+    assert server.client().get(f"cc:v1:{FP}:{key(1)}") == encode(e)
+    assert a.stats().remote.writes == 1 and a.stats().remote.bytes_written == len(encode(e))
+
+    got = b.get(key(1))
+    assert_same(got, e)
+    st = b.stats()
+    assert (st.hits, st.remote_hits, st.remote.hits, st.remote.misses) == (1, 1, 1, 0)
+    assert st.memory_entries == 1 and st.disk_entries == 1  # promoted into both tiers in front
+    assert b.get(key(1)) is got and b.stats().memory_hits == 1 and b.stats().remote.hits == 1
+
+    b.put(e)  # content-addressed: a second writer of the same key changes nothing
+    drain(b)
+    assert b.stats().remote.existing == 1 and b.stats().remote.writes == 0
+    assert b.get(key(2)) is None and b.stats().remote.misses == 1 and b.stats().misses == 1
+
+
+def test_models_and_tenants_stay_apart_across_servers(server):
+    tokens = list(range(30, 40))
+    prefix = prefix_key([1, 2, 3])
+    k_a, k_b = chunk_key(FP, "tenant-a", prefix, tokens), chunk_key(FP, "tenant-b", prefix, tokens)
+    a = remote_store(server.url)
+    a.put(make_entry(k_a, tokens=10))
+    drain(a)
+    assert remote_store(server.url).get(k_b) is None  # same document, other tenant: its own key
+    other_model = remote_store(server.url, fp="e" * 32)
+    assert other_model.get(k_a) is None and other_model.stats().remote.misses == 1
+    assert remote_store(server.url).get(k_a) is not None
+
+
+def test_corrupt_or_truncated_values_are_counted_misses_and_deleted(server):
+    good = encode(make_entry(key(1), tokens=16))
+    flipped = bytearray(good)
+    flipped[-5] ^= 0x10
+    values = {"flipped": bytes(flipped), "truncated": good[: len(good) // 2], "foreign": b"not an entry",
+              "other key": encode(make_entry(key(2), tokens=16))}
+    store = remote_store(server.url)
+    name = key_prefix(FP) + key(1)
+    for i, value in enumerate(values.values(), 1):
+        server.client().set(name, value)
+        assert store.get(key(1)) is None
+        assert store.stats().remote.corrupt == i and store.stats().misses == i
+        assert not server.client().exists(name)  # deleted, so that a good value can take its place
+    store.put(make_entry(key(1), tokens=16))
+    drain(store)
+    assert_same(remote_store(server.url).get(key(1)), make_entry(key(1), tokens=16))
+    assert store.stats().remote.errors == 0
+
+
+@pytest.mark.parametrize("config_command", ["allowed", "renamed"])
+def test_entries_larger_than_the_server_takes_stay_local(tmp_path, config_command):
+    # With CONFIG available the tier learns the server's limit and does not send; without it, the server refuses.
+    extra = ("--rename-command", "CONFIG", '""') if config_command == "renamed" else ()
+    srv = StoreServer(tmp_path, "--proto-max-bulk-len", "1mb", *extra)
+    try:
+        store = remote_store(srv.url)
+        big = make_entry(key(1), tokens=4096, layers=8)  # 2 MiB of KV
+        store.put(big)
+        store.put(make_entry(key(2), tokens=16))
+        drain(store)
+        st = store.stats().remote
+        assert (st.oversize, st.writes, st.errors, st.outages, st.up) == (1, 1, 0, 0, True)
+        assert srv.client().keys("*") == [(key_prefix(FP) + key(2)).encode()]
+        assert_same(store.get(key(1)), big)  # still served from the host tier
+    finally:
+        srv.kill()
+
+
+def test_oversize_limit_from_config(server):
+    store = remote_store(server.url, remote_max_value_bytes=4096)
+    store.put(make_entry(key(1), tokens=64))
+    drain(store)
+    assert store.stats().remote.oversize == 1 and not server.client().keys("*")
+
+
+def test_down_server_costs_one_timeout_per_outage_and_comes_back(server, caplog):
+    a = remote_store(server.url, retry_s=0.5)
+    a.put(make_entry(key(1)))
+    drain(a)
+    server.kill()
+    caplog.set_level(logging.INFO, logger="chunkcache.store.remote")
+    t = time.perf_counter()
+    assert a.get(key(9)) is None  # connection refused: at once
+    for i in range(20):
+        assert a.get(key(10 + i)) is None
+        a.put(make_entry(key(10 + i)))
+    elapsed = time.perf_counter() - t
+    drain(a)
+    assert elapsed < TIMEOUT
+    st = a.stats().remote
+    assert (st.up, st.errors, st.outages, st.skipped, st.writes) == (False, 1, 1, 40, 1)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "unavailable" in warnings[0].getMessage()
+    assert ":0@" not in warnings[0].getMessage()
+
+    server.start()  # same port, empty: a restart without persistence loses every entry
+    time.sleep(0.6)  # the retry interval
+    assert a.get(key(3)) is None
+    st = a.stats().remote
+    assert st.up and st.misses == 1 and st.outages == 1
+    assert any("is back" in r.getMessage() for r in caplog.records)
+    a.put(make_entry(key(2)))
+    drain(a)
+    assert_same(remote_store(server.url).get(key(2)), make_entry(key(2)))
+
+
+def test_stalled_server_costs_at_most_the_timeout(server):
+    writer = remote_store(server.url)
+    writer.put(make_entry(key(1)))
+    drain(writer)
+    store = remote_store(server.url, retry_s=0.3)
+    server.pause()
+    try:
+        t = time.perf_counter()
+        assert store.get(key(1)) is None
+        assert TIMEOUT * 0.9 < time.perf_counter() - t < TIMEOUT + 0.15
+        t = time.perf_counter()
+        assert store.get(key(1)) is None  # the breaker is open: no second wait
+        assert time.perf_counter() - t < 0.01
+        st = store.stats().remote
+        assert (st.errors, st.outages, st.skipped) == (1, 1, 1)
+    finally:
+        server.resume()
+    time.sleep(0.4)
+    assert_same(store.get(key(1)), make_entry(key(1)))  # the connection that timed out was dropped, not reused
+    assert store.stats().remote.up
+
+
+def test_full_server_refuses_puts_but_serves_gets(tmp_path, caplog):
+    srv = StoreServer(tmp_path, "--maxmemory", "4mb", "--maxmemory-policy", "noeviction")
+    try:
+        store = remote_store(srv.url)
+        caplog.set_level(logging.WARNING, logger="chunkcache.store.remote")
+        for i in range(12):  # ~530 KB each: the server fills up after a few
+            store.put(make_entry(key(i), tokens=1024, layers=8, seed=i))
+            drain(store)
+        st = store.stats().remote
+        assert st.full > 0 and st.writes + st.full == 12 and (st.errors, st.outages, st.up) == (0, 0, True)
+        assert sum("is full" in r.getMessage() for r in caplog.records) == 1
+        fresh = remote_store(srv.url)
+        assert_same(fresh.get(key(0)), make_entry(key(0), tokens=1024, layers=8, seed=0))
+    finally:
+        srv.kill()
+
+
+def test_evicted_entry_is_a_plain_miss(tmp_path):
+    srv = StoreServer(tmp_path, "--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru")
+    try:
+        store = remote_store(srv.url)
+        for i in range(12):
+            store.put(make_entry(key(i), tokens=1024, layers=8, seed=i))
+            drain(store)
+        fresh = remote_store(srv.url)
+        assert fresh.get(key(0)) is None and fresh.get(key(11)) is not None
+        st = fresh.stats().remote
+        assert (st.misses, st.hits, st.errors, st.corrupt) == (1, 1, 0, 0)
+        assert store.stats().remote.writes == 12
+    finally:
+        srv.kill()
+
+
+def test_password_and_wrong_password(tmp_path):
+    srv = StoreServer(tmp_path, password="s3cret")
+    try:
+        store = remote_store(srv.url)
+        store.put(make_entry(key(1)))
+        drain(store)
+        assert store.stats().remote.writes == 1 and "s3cret" not in repr(store.stats())
+        wrong = remote_store(srv.url.replace("s3cret", "nope"))
+        assert wrong.get(key(1)) is None
+        assert (wrong.stats().remote.errors, wrong.stats().remote.up) == (1, False)
+    finally:
+        srv.kill()
+
+
+def test_remote_url_from_yaml_and_environment(tmp_path, monkeypatch, server):
+    from sglang_patch import launcher
+
+    path = tmp_path / "c.yaml"
+    path.write_text(f"store:\n  remote_url: {server.url}\n  remote_timeout_s: 0.1\n")
+    config = Config.load(path)
+    assert (config.store.remote_url, config.store.remote_timeout_s) == (server.url, 0.1)
+    assert Config().store.remote_url is None and ChunkStore.from_config(Config().store).remote is None
+    monkeypatch.setenv(launcher.CONFIG_ENV, str(path))
+    monkeypatch.setenv(launcher.REMOTE_URL_ENV, "redis://127.0.0.1:1/0")
+    assert launcher.load_server_config().store.remote_url == "redis://127.0.0.1:1/0"
+    tier = ChunkStore.from_config(config.store, FP).remote
+    assert isinstance(tier, RemoteTier) and tier.prefix == f"cc:v1:{FP}:" and tier.server == server.url
