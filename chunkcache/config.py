@@ -1,4 +1,8 @@
-"""Typed configuration, loaded from configs/*.yaml. Every knob has a default and a doc line (the field comment)."""
+"""Typed configuration, loaded from configs/*.yaml. Every knob has a default and a doc line (the field comment).
+
+A value of the wrong type or out of range is refused when the file is loaded (ValueError naming the key and the
+reason), so a server never starts on a config that would make it fall back on every request.
+"""
 
 from __future__ import annotations
 
@@ -28,6 +32,11 @@ class StoreConfig:
     remote_max_value_bytes: int = 512 << 20  # larger entries stay local (lowered to the server's proto-max-bulk-len)
     remote_write_queue: int = 64  # entries waiting for the background writer; a put beyond this is dropped
 
+    def check(self) -> None:
+        _at_least(self, "host_bytes", 0)
+        _at_least(self, "disk_bytes", 1)
+        _non_empty(self, "disk_dir", "namespace")
+
 
 @dataclass
 class DraftConfig:
@@ -35,12 +44,30 @@ class DraftConfig:
     layers: int | None = None  # layers of the draft to run (None = all; for "self", default a third of the target)
     dtype: str = "float32"  # dtype the draft runs in
 
+    def check(self) -> None:
+        _non_empty(self, "model")
+        _at_least(self, "layers", 1)
+        _one_of(self, "dtype", ("float32", "float16", "bfloat16"))
+
 
 @dataclass
 class SelectConfig:
     selector: str = "prophet"  # default selector: full, none, epic, cacheblend, prophet, spec or clip
     ratio: float = 0.15  # recompute budget rho over reused context tokens, in [0, 1]
     options: dict[str, Any] = field(default_factory=dict)  # per-selector keyword options, keyed by selector name
+
+    def check(self) -> None:
+        from .select import REGISTRY  # here, not at module level: the selectors import torch and transformers
+
+        known = sorted(REGISTRY.selectors)
+        _one_of(self, "selector", known)
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ConfigError("ratio", f"must be in [0, 1], got {self.ratio}")
+        for name, opts in self.options.items():
+            if name not in known:
+                raise ConfigError("options", f"{name!r} is not a selector; known: {', '.join(known)}")
+            if not isinstance(opts, dict):
+                raise ConfigError(f"options:{name}", f"must be a mapping of keyword options, got {opts!r}")
 
 
 @dataclass
@@ -54,6 +81,27 @@ class ServeConfig:
     sleep_on_idle: bool = True  # idle scheduler blocks on its sockets instead of busy-polling a core
     sglang_args: list[str] = field(default_factory=list)  # extra arguments passed verbatim to SGLang
 
+    def check(self) -> None:
+        _non_empty(self, "model", "host")
+        if not 1 <= self.port <= 65535:
+            raise ConfigError("port", f"must be in [1, 65535], got {self.port}")
+        if not 0.0 < self.mem_fraction_static <= 1.0:
+            raise ConfigError("mem_fraction_static", f"must be in (0, 1], got {self.mem_fraction_static}")
+        _at_least(self, "max_total_tokens", 1)
+        _one_of(self, "dtype", ("auto", "bfloat16", "float16", "half", "float32", "float"))  # SGLang's --dtype
+
+
+@dataclass
+class LimitsConfig:
+    max_spans: int = 64  # chunks per request (hint spans, chat documents); more is an HTTP 400
+    ingest_in_flight: int = 4  # documents of one /chunkcache/ingest call in the scheduler at once; the rest queue
+    ingest_max_documents: int = 1024  # documents per /chunkcache/ingest call; more is an HTTP 400 (send batches)
+
+    def check(self) -> None:
+        _at_least(self, "max_spans", 1)
+        _at_least(self, "ingest_in_flight", 1)
+        _at_least(self, "ingest_max_documents", 1)
+
 
 @dataclass
 class Config:
@@ -61,6 +109,7 @@ class Config:
     select: SelectConfig = field(default_factory=SelectConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> "Config":
@@ -69,13 +118,27 @@ class Config:
         raw = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
-        return _build(cls, raw, str(path))
+        errors: list[ConfigError] = []
+        config = _build(cls, raw, str(path), errors)
+        if errors:  # every bad value at once, not one per start-up attempt
+            raise ValueError("; ".join(map(str, errors))) if len(errors) > 1 else errors[0]
+        return config
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
+class ConfigError(ValueError):
+    """A config value of the wrong type or out of range; the message names the key (`file:section:key`)."""
+
+    def __init__(self, key: str, reason: str):
+        super().__init__(f"{key}: {reason}")
+        self.key, self.reason = key, reason
+
+
+def _build(cls: type, raw: dict[str, Any], where: str, errors: list[ConfigError]) -> Any:
+    """`cls` from `raw`; a value of the wrong type is appended to `errors` (and its default kept, so that the rest
+    is still checked), as is the first value `check()` refuses."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = set(raw) - set(fields)
     if unknown:
@@ -86,7 +149,64 @@ def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
         if sub is not None and dataclasses.is_dataclass(sub):
             if not isinstance(value, dict):
                 raise ValueError(f"{where}: '{name}' must be a mapping")
-            kwargs[name] = _build(sub, value, f"{where}:{name}")
+            kwargs[name] = _build(sub, value, f"{where}:{name}", errors)
+            continue
+        try:
+            kwargs[name] = _typed(value, fields[name].type, f"{where}:{name}")
+        except ConfigError as exc:
+            errors.append(exc)
+    obj = cls(**kwargs)
+    check = getattr(obj, "check", None)
+    if check is not None:
+        try:
+            check()
+        except ConfigError as exc:
+            errors.append(ConfigError(f"{where}:{exc.key}", exc.reason))
+    return obj
+
+
+# field annotations (strings, with `from __future__ import annotations`) -> the Python types a YAML value may have;
+# an annotation not listed here is not type-checked
+_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,),
+                                       "None": (type(None),), "Any": (object,)}
+
+
+def _typed(value: Any, annotation: Any, key: str) -> Any:
+    """`value` checked against a field annotation such as "int | None", "list[str]" or "dict[str, Any]"; an int
+    given for a float field becomes a float."""
+    if not isinstance(annotation, str):
+        return value
+    allowed: list[type] = []
+    for part in (p.strip() for p in annotation.split("|")):
+        base = part.split("[", 1)[0]
+        if base in ("list", "dict"):
+            allowed.append(list if base == "list" else dict)
+        elif base in _TYPES:
+            allowed.extend(_TYPES[base])
         else:
-            kwargs[name] = value
-    return cls(**kwargs)
+            return value
+    # YAML's true/false are bools, and bool is an int subclass: only a bool field takes them
+    if (isinstance(value, bool) and bool not in allowed) or not isinstance(value, tuple(allowed)):
+        raise ConfigError(key, f"must be {annotation.replace(' | None', ' or null')}, got {value!r} "
+                               f"({type(value).__name__})")
+    if annotation.startswith("list[str]") and isinstance(value, list) and not all(isinstance(v, str) for v in value):
+        raise ConfigError(key, f"must be a list of strings, got {value!r}")
+    return float(value) if annotation == "float" else value
+
+
+def _at_least(obj: Any, name: str, low: int) -> None:
+    value = getattr(obj, name)
+    if value is not None and value < low:
+        raise ConfigError(name, f"must be at least {low}, got {value}")
+
+
+def _non_empty(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and not value.strip():
+            raise ConfigError(name, "must be a non-empty string")
+
+
+def _one_of(obj: Any, name: str, allowed) -> None:
+    if getattr(obj, name) not in allowed:
+        raise ConfigError(name, f"{getattr(obj, name)!r} is not one of {', '.join(allowed)}")
