@@ -48,11 +48,16 @@ def prefix_key(token_ids: TokenIds) -> str:
     return _digest(KEY_VERSION, b"prefix", _token_bytes(token_ids))
 
 
-def chunk_key(model_fingerprint: str, namespace: str, prefix: str, token_ids: TokenIds) -> str:
-    """Store key of one chunk: its KV depends on the model, the tenant, the prefix it follows and its tokens."""
-    return _digest(
-        KEY_VERSION, b"chunk", model_fingerprint.encode(), namespace.encode(), prefix.encode(), _token_bytes(token_ids)
-    )
+def chunk_key(model_fingerprint: str, namespace: str, prefix: str, token_ids: TokenIds,
+              cache_salt: str | None = None) -> str:
+    """Store key of one chunk: its KV depends on the model, the tenant, the prefix it follows and its tokens.
+    `cache_salt` is SGLang's per-request isolation salt: requests with different salts never share a chunk, as they
+    never share a radix prefix. Unsalted keys are unchanged by it (the salt is an extra field only when given)."""
+    fields = [KEY_VERSION, b"chunk", model_fingerprint.encode(), namespace.encode(), prefix.encode(),
+              _token_bytes(token_ids)]
+    if cache_salt:
+        fields += [b"salt", cache_salt.encode()]
+    return _digest(*fields)
 
 
 def model_fingerprint(model_dir: str | os.PathLike) -> str:

@@ -6,7 +6,8 @@
 
 `token_spans` (end exclusive) index the prompt's tokens and go with `input_ids` requests; a `text` request sends
 `char_spans` instead, which the server maps to token spans with the tokenizer's offsets before the scheduler sees
-them. Optional payload keys: `namespace` (str), `selector` (a registered selector name), `ratio` (float in [0, 1]).
+them. Optional payload keys: `namespace` (str of at most MAX_NAMESPACE_CHARS), `selector` (a registered selector
+name), `ratio` (float in [0, 1]). The server bounds the number of spans (config `limits.max_spans`).
 A request without a chunkcache action is not ours: it must be served exactly like stock SGLang.
 
 Pure Python: the envelope may be a plain dict (JSON) or SGLang's typed struct (read by attribute), so this module
@@ -23,6 +24,10 @@ from .select import REGISTRY
 
 ACTION_TYPE = "chunkcache.chunks"
 ACTION_VERSION = "1"
+PROTOCOL_VERSION = "1"  # of SGLang's kv_hints envelope: the only one whose semantics this contract knows
+# A namespace is hashed into chunk keys and names the request's radix partition: it identifies a tenant, it is not
+# a place for data, so it is bounded (a megabyte namespace would be copied into every radix key of the request).
+MAX_NAMESPACE_CHARS = 256
 OPTIONAL_KEYS = ("namespace", "selector", "ratio")
 
 
@@ -78,6 +83,10 @@ def find_payload(kv_hints: Any) -> dict | None:
     if len(ours) > 1:
         ids = ", ".join(repr(_get(a, "action_id")) for a in ours)
         raise HintError(f"{len(ours)} {ACTION_TYPE} actions (action_id {ids}); send one per request")
+    protocol = _get(kv_hints, "protocol_version")
+    if protocol != PROTOCOL_VERSION:
+        raise HintError(f"kv_hints protocol_version {protocol!r} is not supported with a {ACTION_TYPE} action "
+                        f"(supported: {PROTOCOL_VERSION!r})")
     action = ours[0]
     version = _get(action, "action_version")
     if version != ACTION_VERSION:
@@ -88,10 +97,10 @@ def find_payload(kv_hints: Any) -> dict | None:
     return payload
 
 
-def parse(payload: dict, prompt_len: int) -> ChunkHint:
-    """Validate a token-span payload against a prompt of `prompt_len` tokens."""
+def parse(payload: dict, prompt_len: int, max_spans: int | None = None) -> ChunkHint:
+    """Validate a token-span payload against a prompt of `prompt_len` tokens (and at most `max_spans` spans)."""
     _check_keys(payload, "token_spans")
-    spans = _check_spans(payload["token_spans"], "token_spans", prompt_len, "prompt tokens")
+    spans = _check_spans(payload["token_spans"], "token_spans", prompt_len, "prompt tokens", max_spans)
     last = prompt_len - 1
     for i, (start, end) in enumerate(spans):
         if end > last:
@@ -105,6 +114,8 @@ def parse_options(payload: dict) -> tuple[str | None, str | None, float | None]:
     namespace, selector, ratio = (payload.get(k) for k in OPTIONAL_KEYS)
     if namespace is not None and (not isinstance(namespace, str) or not namespace):
         raise HintError(f"namespace must be a non-empty string, got {namespace!r}")
+    if namespace is not None and len(namespace) > MAX_NAMESPACE_CHARS:
+        raise HintError(f"namespace is {len(namespace)} characters; at most {MAX_NAMESPACE_CHARS}")
     if selector is not None:
         if not isinstance(selector, str):
             raise HintError(f"selector must be a string, got {selector!r}")
@@ -119,20 +130,22 @@ def parse_options(payload: dict) -> tuple[str | None, str | None, float | None]:
     return namespace, selector, ratio
 
 
-def char_spans_to_token_payload(payload: dict, offsets: Sequence[Sequence[int]], text_len: int) -> dict:
+def char_spans_to_token_payload(payload: dict, offsets: Sequence[Sequence[int]], text_len: int,
+                                max_spans: int | None = None) -> dict:
     """A `char_spans` payload (text request) rewritten with the `token_spans` it covers; other keys kept."""
     _check_keys(payload, "char_spans")
     rest = {k: v for k, v in payload.items() if k != "char_spans"}
-    return {**rest, "token_spans": char_to_token_spans(payload["char_spans"], offsets, text_len)}
+    return {**rest, "token_spans": char_to_token_spans(payload["char_spans"], offsets, text_len, max_spans)}
 
 
-def char_to_token_spans(char_spans: Any, offsets: Sequence[Sequence[int]], text_len: int) -> list[tuple[int, int]]:
+def char_to_token_spans(char_spans: Any, offsets: Sequence[Sequence[int]], text_len: int,
+                        max_spans: int | None = None) -> list[tuple[int, int]]:
     """Map character spans of a text to the token spans covering them.
 
     `offsets[i]` is token i's (start, end) character range (a fast tokenizer's offset mapping). A chunk's span must
     start and end on token boundaries. Zero-width tokens (BOS and other specials report (0, 0)) belong to no chunk.
     """
-    spans = _check_spans(char_spans, "char_spans", text_len, "characters")
+    spans = _check_spans(char_spans, "char_spans", text_len, "characters", max_spans)
     first: list[int | None] = [None] * len(spans)
     last: list[int] = [0] * len(spans)
     j = 0
@@ -178,15 +191,18 @@ def _check_keys(payload: dict, spans_key: str) -> None:
         raise HintError(f"payload has no {spans_key!r}")
 
 
-def _check_spans(spans: Any, name: str, limit: int, unit: str) -> list[tuple[int, int]]:
-    """Spans as int pairs, sorted, disjoint, non-empty and within [0, limit]."""
+def _check_spans(spans: Any, name: str, limit: int, unit: str, max_spans: int | None = None) -> list[tuple[int, int]]:
+    """Spans as int pairs, at most `max_spans` of them, sorted, disjoint, non-empty and within [0, limit]."""
     if not isinstance(spans, (list, tuple)) or not spans:
-        raise HintError(f"{name} must be a non-empty list of [start, end] pairs, got {spans!r}")
+        raise HintError(f"{name} must be a non-empty list of [start, end] pairs, got {_short(spans)}")
+    if max_spans is not None and len(spans) > max_spans:  # checked first: what it bounds is the work per span
+        raise HintError(f"{name} has {len(spans)} spans; at most {max_spans} per request (server limits.max_spans): "
+                        f"merge adjacent chunks or send fewer")
     out: list[tuple[int, int]] = []
     for i, span in enumerate(spans):
         if (not isinstance(span, (list, tuple)) or len(span) != 2
                 or any(isinstance(x, bool) or not isinstance(x, int) for x in span)):
-            raise HintError(f"{name}[{i}] must be a pair of integers [start, end], got {span!r}")
+            raise HintError(f"{name}[{i}] must be a pair of integers [start, end], got {_short(span)}")
         start, end = span
         where = f"{name}[{i}] = [{start}, {end}]"
         if start < 0:
@@ -200,3 +216,9 @@ def _check_spans(spans: Any, name: str, limit: int, unit: str) -> list[tuple[int
                             f"spans must be sorted and must not overlap")
         out.append((start, end))
     return out
+
+
+def _short(value: Any) -> str:
+    """repr of a client's value for an error message, cut short: a message must not echo a megabyte back."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."

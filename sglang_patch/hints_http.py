@@ -4,7 +4,9 @@ Every generate request from /generate or `Engine.generate` (the only entry point
 or batched, becomes a `TokenizedGenerateReqInput` in `TokenizerManager._create_tokenized_object`, which is handed the
 request, its text and the token ids SGLang computed. An AFTER hook there validates the chunkcache action and replaces it with its
 canonical token-span form, so the scheduler only ever sees validated `token_spans`. A HintError is a ValueError,
-which /generate answers with HTTP 400 and the message; `Engine.generate` raises it to the caller.
+which /generate answers with HTTP 400 and the message; `Engine.generate` raises it to the caller. The same hook
+refuses an `extra_key` in the radix partition reserved for hinted requests (request_hint.radix_partition) on every
+request, hinted or not, OpenAI routes included (they build their requests through the same method).
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import msgspec
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from chunkcache.hints import ACTION_TYPE, HintError, char_spans_to_token_payload, find_payload, parse
+
+from .launcher import server_limits
+from .request_hint import RESERVED_EXTRA_KEY
 
 TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._create_tokenized_object"
 
@@ -23,16 +28,21 @@ def register() -> None:
 
 def check_request(tokenized, manager, obj, input_text, input_ids, *args, **kwargs) -> None:
     """Validate `tokenized.kv_hints` against the prompt and rewrite its chunkcache payload to token spans."""
+    extra_key = getattr(tokenized, "extra_key", None)
+    if isinstance(extra_key, str) and extra_key.startswith(RESERVED_EXTRA_KEY):
+        raise ValueError(f"extra_key: values starting with {RESERVED_EXTRA_KEY!r} are reserved for the radix "
+                         "partition of chunk-reuse requests")
     envelope = getattr(tokenized, "kv_hints", None)  # embedding requests have no kv_hints
     payload = find_payload(envelope)
     if payload is None:
         return
     if input_ids is None:
         raise HintError("chunks need a prompt of token ids: send text or input_ids, not input_embeds")
+    max_spans = server_limits().max_spans
     if obj.input_ids is None and obj.input_embeds is None:  # SGLang tokenized `text` itself
         offsets = text_offsets(manager.tokenizer, input_text, input_ids)
-        payload = char_spans_to_token_payload(payload, offsets, len(input_text))
-    hint = parse(payload, len(input_ids))
+        payload = char_spans_to_token_payload(payload, offsets, len(input_text), max_spans)
+    hint = parse(payload, len(input_ids), max_spans)
     tokenized.kv_hints = with_payload(envelope, hint.to_payload())
 
 

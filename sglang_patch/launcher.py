@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
 
-from chunkcache.config import Config
+from chunkcache.config import Config, LimitsConfig
 
 log = logging.getLogger(__name__)
 BACKEND_NAME = "chunkcache"  # --radix-cache-backend name registered by the plugin
@@ -58,6 +59,12 @@ def load_server_config() -> Config:
     if os.environ.get(REMOTE_URL_ENV):
         config.store.remote_url = os.environ[REMOTE_URL_ENV]
     return config
+
+
+@functools.cache
+def server_limits() -> LimitsConfig:
+    """The server's request limits, read once per process (the HTTP routes check every request against them)."""
+    return load_server_config().limits
 
 
 def to_argv(settings: dict) -> list[str]:

@@ -47,6 +47,10 @@ class _Metrics:
         self.store_bytes = Gauge("chunkcache_store_bytes", "Bytes held by the chunk store, by tier", ["tier"],
                                  multiprocess_mode="livesum", registry=r)
         self.evictions = Counter("chunkcache_evictions", "Chunk store evictions (all tiers)", registry=r)
+        self.corrupt = Counter("chunkcache_store_corrupt", "Disk entries dropped on read: unreadable, failing "
+                               "verification or not fitting the model (each a counted miss)", registry=r)
+        self.disk_full = Counter("chunkcache_store_disk_full", "Disk-tier writes refused because the disk was full",
+                                 registry=r)
         self.fallbacks = Counter("chunkcache_fallbacks", "Hinted requests computed in full, by reason", ["reason"],
                                  registry=r)
         self.remote = {field: Counter(name, doc, registry=r) for field, (name, doc) in REMOTE_COUNTERS.items()}
@@ -56,6 +60,7 @@ class _Metrics:
         self.remote_up = Gauge("chunkcache_remote_up", "1 while the remote store works, 0 during an outage",
                                multiprocess_mode="livemin", registry=r)
         self.evictions_seen = 0  # the store counts evictions cumulatively; the counter gets the increments
+        self.corrupt_seen = self.disk_full_seen = 0  # likewise
         self.remote_seen: dict[str, int] = {}  # likewise for the remote tier's counters
         for tier in TIERS:
             self.store_bytes.labels(tier).set(0)  # series visible from startup, not only after the first chunk
@@ -110,7 +115,8 @@ def record_evictions(n: int = 1) -> None:
 
 
 def set_store_stats(stats) -> None:
-    """Store gauges and evictions from a `chunkcache.store.StoreStats` snapshot."""
+    """Store gauges, evictions, dropped entries and refused disk writes from a `chunkcache.store.StoreStats`
+    snapshot."""
     m = _metrics
     if m is None:
         return
@@ -118,6 +124,10 @@ def set_store_stats(stats) -> None:
     set_store_bytes("disk", stats.disk_bytes)
     record_evictions(stats.evictions - m.evictions_seen)
     m.evictions_seen = stats.evictions
+    m.corrupt.inc(max(0, stats.corrupt - m.corrupt_seen))
+    m.corrupt_seen = stats.corrupt
+    m.disk_full.inc(max(0, stats.disk_full - m.disk_full_seen))
+    m.disk_full_seen = stats.disk_full
     remote = stats.remote
     if remote is None:
         return

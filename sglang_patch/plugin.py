@@ -8,6 +8,8 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from chunkcache.hints import find_payload
 
+from .request_hint import radix_partition
+
 log = logging.getLogger(__name__)
 
 
@@ -46,10 +48,10 @@ def _report_state(result, controller, *args, **kwargs):
 
 def _namespace_blended(result, req, *args, **kwargs):
     """A request with chunks gets KV that is approximate past its first chunk: give it its own radix namespace, so
-    that no request without chunks can ever match it as an exact prefix."""
+    that no request without chunks can ever match it as an exact prefix (request_hint.radix_partition)."""
     payload = find_payload(getattr(req, "kv_hints", None))
     if payload is not None:
-        req.extra_key = f"chunkcache:{payload.get('namespace') or ''}:{req.extra_key or ''}"
+        req.extra_key = radix_partition(payload.get("namespace"), req.extra_key)
 
 
 def _attach_reqs(result, cls, batch, *args, **kwargs):

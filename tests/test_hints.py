@@ -6,6 +6,7 @@ import pytest
 
 from chunkcache.hints import (
     ACTION_TYPE,
+    MAX_NAMESPACE_CHARS,
     ChunkHint,
     HintError,
     char_spans_to_token_payload,
@@ -41,8 +42,8 @@ def test_payload_found_among_other_actions():
 def test_payload_found_on_typed_envelope():
     """SGLang hands the scheduler a msgspec struct, read by attribute."""
     p = {"token_spans": [[0, 2]]}
-    typed = SimpleNamespace(actions=[SimpleNamespace(action_id="a", action_type=ACTION_TYPE, action_version="1",
-                                                     payload=p)])
+    typed = SimpleNamespace(protocol_version="1", actions=[
+        SimpleNamespace(action_id="a", action_type=ACTION_TYPE, action_version="1", payload=p)])
     assert find_payload(typed) is p
 
 
@@ -191,3 +192,26 @@ def test_text_request_payload_rejected(payload, message):
     with pytest.raises(HintError) as e:
         char_spans_to_token_payload(payload, OFFSETS, TEXT_LEN)
     assert message in str(e.value)
+
+
+def test_unknown_protocol_version_is_refused():
+    """Issue 13, defect 7: an envelope with protocol_version "99" was accepted silently."""
+    env = {**envelope(action({"token_spans": [[0, 1]]})), "protocol_version": "99"}
+    with pytest.raises(HintError, match="protocol_version '99' is not supported"):
+        find_payload(env)
+
+
+def test_namespace_length_is_bounded():
+    """Issue 13, defect 7: a 1 MB namespace was accepted and became the radix key."""
+    assert parse({"token_spans": [[0, 1]], "namespace": "n" * MAX_NAMESPACE_CHARS}, 4).namespace
+    with pytest.raises(HintError, match=f"namespace is 1000000 characters; at most {MAX_NAMESPACE_CHARS}"):
+        parse({"token_spans": [[0, 1]], "namespace": "n" * 1_000_000}, 4)
+
+
+def test_span_count_is_bounded_before_the_spans_are_read():
+    spans = [[i, i + 1] for i in range(400)]
+    with pytest.raises(HintError, match="token_spans has 400 spans; at most 64"):
+        parse({"token_spans": spans}, 1000, max_spans=64)
+    with pytest.raises(HintError, match="char_spans has 400 spans; at most 8"):
+        char_spans_to_token_payload({"char_spans": spans}, [(i, i + 1) for i in range(500)], 500, max_spans=8)
+    assert len(parse({"token_spans": spans}, 1000).token_spans) == 400  # the bound is the server's, not the contract's

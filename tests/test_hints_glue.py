@@ -9,7 +9,7 @@ from sglang.srt.managers.kv_hints import decode_kv_hints_envelope
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
 from chunkcache.hints import ACTION_TYPE, HintError
-from sglang_patch import hints_http, meta_info, metrics
+from sglang_patch import hints_http, meta_info, metrics, request_hint
 
 
 def envelope(payload, other=True):
@@ -44,6 +44,42 @@ def check(kv_hints, obj, text=None, ids=Tokenizer.ids):
 
 
 # --- hints_http -----------------------------------------------------------------------------------------------------
+
+def test_reserved_extra_key_is_refused_on_any_request():
+    """Issue 13, defect 3: a plain request could name a hinted request's radix partition ("chunkcache::") and read
+    its approximate KV. The partition now starts with a reserved prefix no request may send."""
+    forged = request_hint.radix_partition("tenant-a", None)
+    for kv_hints in (None, envelope({"token_spans": [[0, 2]]})):
+        tokenized = SimpleNamespace(kv_hints=kv_hints, extra_key=forged)
+        with pytest.raises(ValueError, match="extra_key: values starting with .* are reserved"):
+            hints_http.check_request(tokenized, MANAGER, IDS_REQ, None, Tokenizer.ids)
+    plain = SimpleNamespace(kv_hints=None, extra_key="chunkcache::")  # the old partition's syntax is just a string
+    hints_http.check_request(plain, MANAGER, IDS_REQ, None, Tokenizer.ids)
+
+
+def test_radix_partition_is_unambiguous():
+    """Namespace "x:y" and namespace "x" with extra_key "y:" shared a partition under f"chunkcache:{ns}:{key}"."""
+    parts = {request_hint.radix_partition(ns, key) for ns, key in [
+        ("x:y", None), ("x", "y:"), ("x", "y"), ("x\x1f1", None), ("x", "\x1f1"), (None, None), ("", "x")]}
+    assert len(parts) == 7
+    assert request_hint.radix_partition("kb", "user").endswith("user")  # SGLang reads a LoRA id from the end
+
+
+def test_too_many_spans_is_a_hint_error():
+    """Issue 13, defect 1: 400 one-token spans were accepted and stalled the scheduler."""
+    ids = list(range(200))
+    spans = [[i, i + 1] for i in range(1, 100)]
+    with pytest.raises(HintError, match=r"token_spans has 99 spans; at most 64 per request \(server limits.max_spans\)"):
+        check(envelope({"token_spans": spans}), IDS_REQ, ids=ids)
+    assert check(envelope({"token_spans": spans[:64]}), IDS_REQ, ids=ids) is not None
+
+
+def test_aborted_request_is_not_a_bad_hint():
+    """Issue 13, defect 7: SGLang replaces the prompt of a request it refuses (longer than the KV pool) by one token;
+    its hint then looked malformed and counted a bad_hint fallback."""
+    req = SimpleNamespace(kv_hints=envelope({"token_spans": [[0, 2]]}), origin_input_ids=[0], to_finish="abort")
+    assert request_hint.of(None, req) is None
+
 
 def test_request_without_our_action_is_untouched():
     assert check(None, IDS_REQ) is None
@@ -148,6 +184,21 @@ def registry():
     metrics.start(False)
 
 
+def stats(**fields):
+    """A StoreStats snapshot: the given fields, the others zero (no remote tier)."""
+    return SimpleNamespace(**{"memory_bytes": 0, "disk_bytes": 0, "evictions": 0, "corrupt": 0, "disk_full": 0,
+                              "remote": None, **fields})
+
+
+def test_dropped_entries_and_disk_full_are_series(registry):
+    """Issue 13, defect 7: /metrics had no series for corrupt entries or disk-full refusals."""
+    value = registry.get_sample_value
+    assert value("chunkcache_store_corrupt_total") == 0 and value("chunkcache_store_disk_full_total") == 0
+    metrics.set_store_stats(stats(corrupt=2, disk_full=1))
+    metrics.set_store_stats(stats(corrupt=3, disk_full=1))
+    assert value("chunkcache_store_corrupt_total") == 3 and value("chunkcache_store_disk_full_total") == 1
+
+
 def test_request_counters(registry):
     metrics.record_request(INFO)
     metrics.record_request({**INFO, "chunk_hits": 0, "chunk_misses": 3, "selector": "spec"})
@@ -164,8 +215,8 @@ def test_request_counters(registry):
 def test_store_and_fallback_metrics(registry):
     value = registry.get_sample_value
     assert value("chunkcache_store_bytes", {"tier": "host"}) == 0
-    metrics.set_store_stats(SimpleNamespace(memory_bytes=100, disk_bytes=5, evictions=3))
-    metrics.set_store_stats(SimpleNamespace(memory_bytes=80, disk_bytes=7, evictions=5))
+    metrics.set_store_stats(stats(memory_bytes=100, disk_bytes=5, evictions=3))
+    metrics.set_store_stats(stats(memory_bytes=80, disk_bytes=7, evictions=5))
     assert value("chunkcache_store_bytes", {"tier": "host"}) == 80
     assert value("chunkcache_store_bytes", {"tier": "disk"}) == 7
     assert value("chunkcache_evictions_total") == 5  # cumulative snapshots, counted once
@@ -180,4 +231,4 @@ def test_metrics_off_is_a_no_op():
     metrics.start(False)
     metrics.record_request(INFO)
     metrics.record_fallback("x")
-    metrics.set_store_stats(SimpleNamespace(memory_bytes=1, disk_bytes=1, evictions=1))
+    metrics.set_store_stats(stats(memory_bytes=1, disk_bytes=1, evictions=1))
