@@ -4,7 +4,8 @@ and the body of POST /chunkcache/ingest.
     {"documents": ["...", "..."], "selector": "prophet", "ratio": 0.15, "namespace": "kb1"}
 
 Each document becomes one chunk (see prompt.build). Pure Python: validated here, so both routes answer a malformed
-body with the same HTTP 400 message.
+body with the same HTTP 400 message. Ingest also takes `cache_salt` (SGLang's per-tenant isolation salt; chat
+requests carry theirs in the OpenAI body): chunks stored under a salt are found only by requests with that salt.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 from .hints import HintError, parse_options
 
 CHAT_KEYS = ("documents", "selector", "ratio", "namespace")
-INGEST_KEYS = ("documents", "system", "namespace")
+INGEST_KEYS = ("documents", "system", "namespace", "cache_salt")
 
 
 class DocumentsError(ValueError):
@@ -29,6 +30,7 @@ class Documents:
     selector: str | None = None
     ratio: float | None = None
     system: str | None = None
+    cache_salt: str | None = None
 
     def hint_options(self) -> dict[str, Any]:
         """The chunk hint's optional keys (prompt.RagPrompt.kv_hints), None values left out."""
@@ -36,8 +38,10 @@ class Documents:
         return {k: v for k, v in options.items() if v is not None}
 
 
-def parse(body: Any, *, where: str, allowed: tuple[str, ...]) -> Documents:
-    """Validate a documents body; `where` names it in errors (e.g. "chunkcache" for the chat extra body)."""
+def parse(body: Any, *, where: str, allowed: tuple[str, ...], max_documents: int | None = None,
+          limit: str = "") -> Documents:
+    """Validate a documents body; `where` names it in errors (e.g. "chunkcache" for the chat extra body). More than
+    `max_documents` documents is an error naming `limit`, the config key that sets it."""
     if not isinstance(body, dict):
         raise DocumentsError(f'{where} must be an object like {{"documents": ["..."]}}, got {_kind(body)}')
     unknown = sorted(set(body) - set(allowed))
@@ -47,17 +51,22 @@ def parse(body: Any, *, where: str, allowed: tuple[str, ...]) -> Documents:
     docs = body.get("documents")
     if not isinstance(docs, list) or not docs:
         raise DocumentsError(f"{where}.documents must be a non-empty list of strings, got {_kind(docs)}")
+    if max_documents is not None and len(docs) > max_documents:
+        raise DocumentsError(f"{where}.documents has {len(docs)} documents; at most {max_documents} per request "
+                             f"(server {limit})")
     for i, doc in enumerate(docs):
         if not isinstance(doc, str) or not doc.strip():
             raise DocumentsError(f"{where}.documents[{i}] must be a non-empty string, got {_kind(doc)}")
-    system = body.get("system")
+    system, salt = body.get("system"), body.get("cache_salt")
     if system is not None and (not isinstance(system, str) or not system.strip()):
         raise DocumentsError(f"{where}.system must be a non-empty string, got {_kind(system)}")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise DocumentsError(f"{where}.cache_salt must be a non-empty string, got {_kind(salt)}")
     try:
         namespace, selector, ratio = parse_options(body)
     except HintError as exc:
         raise DocumentsError(f"{where}: {str(exc).removeprefix('chunkcache hint: ')}") from None
-    return Documents(tuple(docs), namespace, selector, ratio, system)
+    return Documents(tuple(docs), namespace, selector, ratio, system, salt)
 
 
 def _kind(value: Any) -> str:

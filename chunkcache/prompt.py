@@ -17,7 +17,9 @@ from .hints import envelope
 
 DEFAULT_SYSTEM = "You are a helpful assistant. Answer the question using the documents."
 DEFAULT_INSTRUCTION = "Documents:\n\n"
-_SLOT = "\x00CHUNKCACHE_DOCUMENTS\x00"
+# Placeholder for the documents while the template renders. It starts with \x00 and ends with \x01, each found
+# nowhere else in it, so two occurrences can never overlap: one not inside the client's text is the inserted one.
+_SLOT = "\x00CHUNKCACHE_DOCUMENTS\x01"
 
 
 @dataclass(frozen=True)
@@ -40,10 +42,15 @@ def build(tokenizer, documents: Sequence[str], question: str, *, system: str | N
     """The chat-template prompt `system` + user(`instruction` + documents + `question`) + assistant header."""
     if not documents:
         raise ValueError("a RAG prompt needs at least one document")
+    # the placeholder must occur once in the rendered text: a client's text that contains it gets another one
+    slot, n = _SLOT, 0
+    while any(slot in part for part in (system or "", instruction, question)):
+        n += 1
+        slot = f"{_SLOT[:-1]}_{n}\x01"
     messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": f"{instruction}{_SLOT}{question}"}]
+        {"role": "user", "content": f"{instruction}{slot}{question}"}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    head, tail = text.split(_SLOT)
+    head, tail = text.split(slot)
     ids = tokenizer.encode(head, add_special_tokens=False)
     spans = []
     for doc in documents:

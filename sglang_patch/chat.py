@@ -3,11 +3,13 @@
     {"messages": [{"role": "system", "content": "..."}, {"role": "user", "content": "the question"}],
      "chunkcache": {"documents": ["...", "..."], "selector": "prophet", "ratio": 0.15}}
 
-The request schema drops unknown fields, so the `chunkcache` object is read from the raw JSON body. Three hooks on
+The request schema drops unknown fields, so the `chunkcache` object is read from the raw JSON body (or from
+`chat_template_kwargs.chunkcache`, which passes SGLang's router: see `routed`). Three hooks on
 OpenAIServingChat:
-  * around `handle_request`: validate, build the prompt with chunkcache.prompt.build (the model's chat template,
-    system = the request's system message or prompt.DEFAULT_SYSTEM) and hand it to SGLang as the request's
-    `input_ids` (SGLang then skips its own templating); a malformed body is a 400 with the reason;
+  * around `handle_request`: validate, build the prompt with chunkcache.prompt.build off the event loop
+    (prompt_worker; the model's chat template, system = the request's system message or prompt.DEFAULT_SYSTEM)
+    and hand it to SGLang as the request's `input_ids` (SGLang then skips its own templating); a malformed body,
+    or more documents than `limits.max_spans`, is a 400 with the reason;
   * after `_convert_to_internal_request` (run in a worker thread, so the hint travels on the request's state):
     put the chunk hint on the GenerateReqInput;
   * after `_build_chat_response`: the response's `metadata["chunkcache"]` is the request's chunk report (what
@@ -21,7 +23,10 @@ from typing import Any
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from chunkcache.documents import CHAT_KEYS, parse
-from chunkcache.prompt import DEFAULT_SYSTEM, build
+from chunkcache.prompt import DEFAULT_SYSTEM
+
+from .launcher import server_limits
+from .prompt_worker import build_prompt
 
 KEY = "chunkcache"
 _CHAT = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat"
@@ -34,18 +39,32 @@ def register() -> None:
 
 
 async def handle_request(original, serving, request, raw_request=None):
-    body = await raw_request.json() if raw_request is not None else None
+    body = routed(await raw_request.json()) if raw_request is not None else None
     if not isinstance(body, dict) or KEY not in body:
         return await original(serving, request, raw_request)
     try:
-        docs = parse(body[KEY], where=KEY, allowed=CHAT_KEYS)
+        # each document is one chunk: bounded like the spans of a hint
+        docs = parse(body[KEY], where=KEY, allowed=CHAT_KEYS, max_documents=server_limits().max_spans,
+                     limit="limits.max_spans")
         system, question = conversation(request)
-        prompt = build(serving.tokenizer_manager.tokenizer, docs.documents, question, system=system or DEFAULT_SYSTEM)
+        prompt = await build_prompt(serving.tokenizer_manager.tokenizer, docs.documents, question,
+                                    system or DEFAULT_SYSTEM)
     except ValueError as exc:
         return serving.create_error_response(str(exc))
     request.input_ids = prompt.input_ids
     raw_request.state.chunkcache_hints = prompt.kv_hints(**docs.hint_options())
     return await original(serving, request, raw_request)
+
+
+def routed(body: Any) -> Any:
+    """The body with a `chunkcache` object sent inside `chat_template_kwargs` moved to the top level. SGLang's router
+    (sglang-router 0.3.2) re-serialises requests into its own schema, dropping unknown fields (`chunkcache` here,
+    `kv_hints` on /generate); `chat_template_kwargs` is the one field it forwards as arbitrary JSON."""
+    if isinstance(body, dict) and KEY not in body and isinstance(body.get("chat_template_kwargs"), dict) \
+            and KEY in body["chat_template_kwargs"]:
+        kwargs = dict(body["chat_template_kwargs"])
+        return {**body, KEY: kwargs.pop(KEY), "chat_template_kwargs": kwargs}
+    return body
 
 
 def conversation(request) -> tuple[str | None, str]:

@@ -4,7 +4,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from chunkcache.hints import find_payload, parse
-from chunkcache.prompt import build
+from chunkcache.prompt import _SLOT, build
 
 DOCS = ["Paris is the capital of France.", "Bern is the capital of Switzerland.", "Rome is in Italy; 2,000 years."]
 
@@ -43,3 +43,16 @@ def test_hint_is_valid_and_carries_options(tok):
         p.kv_hints(colour="red")
     with pytest.raises(ValueError, match="at least one document"):
         build(tok, [], "Where?")
+
+
+@pytest.mark.parametrize("question", [_SLOT, f"before {_SLOT} after {_SLOT}", f"{_SLOT[:-1]}_1\x01 and {_SLOT}"])
+def test_question_holding_the_placeholder_is_plain_text(tok, question):
+    """Issue 13, defect 7: a chat question containing the internal placeholder was a 400 "too many values to
+    unpack"; it is the client's text like any other."""
+    p = build(tok, DOCS, question, system="Be brief.")
+    expected = tok.apply_chat_template(
+        [{"role": "system", "content": "Be brief."},
+         {"role": "user", "content": "Documents:\n\n" + "".join(d + "\n\n" for d in DOCS) + question}],
+        tokenize=False, add_generation_prompt=True)
+    assert tok.decode(p.input_ids) == expected
+    assert p.token_spans == build(tok, DOCS, "Where is Bern?", system="Be brief.").token_spans
