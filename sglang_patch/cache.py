@@ -21,7 +21,7 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from chunkcache.hashing import model_fingerprint
 from chunkcache.rope import RopeSpec
 from chunkcache.select import REGISTRY, Selector
-from chunkcache.store import ChunkStore
+from chunkcache.store import ChunkStore, EntryLayout
 
 from . import metrics
 from .launcher import BACKEND_NAME, load_server_config
@@ -39,7 +39,10 @@ class ChunkRadixCache(UnifiedRadixCache):
         self.token_to_kv_pool = params.token_to_kv_pool_allocator.get_kvcache()
         self.rope = RopeSpec.from_config(model_config.hf_config)
         self.fingerprint = model_fingerprint(model_path)
-        self.store = ChunkStore.from_config(self.config.store, self.fingerprint)
+        # disk entries are checked against this model's KV layout when read (a misfit is dropped, not used)
+        _, kv_heads, head_dim = self.token_to_kv_pool.get_key_buffer(0).shape
+        layout = EntryLayout(self.fingerprint, self.token_to_kv_pool.layer_num, kv_heads, head_dim)
+        self.store = ChunkStore.from_config(self.config.store, self.fingerprint, layout)
         self.model_path = model_path
         # tokens one prefill forward may compute: the scheduler's resolved chunked-prefill size (set by
         # admission.adopt_budget once the scheduler has it); None: unbounded
@@ -84,6 +87,7 @@ class ChunkRadixCache(UnifiedRadixCache):
         """The request is computed in full instead of blended: said in the log, a metric and its meta_info."""
         log.warning("chunkcache: request %s computed in full (%s): %s", getattr(req, "rid", "?"), reason, detail)
         metrics.record_fallback(reason)
+        metrics.set_store_stats(self.store.stats())  # e.g. an entry dropped while planning it
         _add_round(req, {"fallback": reason, "detail": detail})
 
     def record(self, req, info: dict) -> None:

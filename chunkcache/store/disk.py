@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import struct
 import time
 import uuid
@@ -25,7 +26,7 @@ import msgpack
 import torch
 import xxhash
 
-from .entry import ChunkEntry
+from .entry import ChunkEntry, EntryLayout
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +117,10 @@ def _checksum(header: dict, payload: bytes | memoryview) -> str:
 class DiskTier:
     """Not locked itself (`ChunkStore` serialises a process's access); safe across processes by construction."""
 
-    def __init__(self, root: str | os.PathLike, budget_bytes: int):
+    def __init__(self, root: str | os.PathLike, budget_bytes: int, layout: EntryLayout | None = None):
+        """`layout`, if given: entries that do not fit it are dropped on read like corrupt ones."""
         self.root = Path(root)
+        self.layout = layout
         self.root.mkdir(parents=True, exist_ok=True)
         self.budget_bytes = budget_bytes
         self.sizes: OrderedDict[str, int] = OrderedDict()  # oldest use first; files other processes add join on read
@@ -137,26 +140,40 @@ class DiskTier:
         return len(self.sizes)
 
     def get(self, key: str) -> ChunkEntry | None:
+        """The entry, or None: absent, or dropped because it cannot be read (a directory in its place, EACCES, EIO),
+        fails verification or does not fit `layout` - a counted miss either way, never an exception, so one bad
+        file cannot fail every request that uses its chunk."""
         path = self.path(key)
         try:
             with open(path, "rb") as f:
                 data = bytearray(os.fstat(f.fileno()).st_size)
                 f.readinto(data)
-        except FileNotFoundError:
-            self._forget(key)
-            return None
-        try:
             entry = decode(data)
             if entry.key != key:
                 raise CorruptEntry(f"file holds key {entry.key}")
-        except CorruptEntry as e:
+            if self.layout is not None:
+                self.layout.check(entry)
+        except FileNotFoundError:
+            self._forget(key)
+            return None
+        except (OSError, ValueError) as e:  # CorruptEntry, FingerprintMismatch and a layout misfit are ValueErrors
             self.corrupt += 1
-            log.warning("dropping corrupt chunk-store entry %s: %s", path, e)
-            path.unlink(missing_ok=True)
+            log.warning("dropping corrupt or unusable chunk-store entry %s: %s: %s", path, type(e).__name__, e)
+            self._drop(path)
             self._forget(key)
             return None
         self._touch(key, len(data))
         return entry
+
+    def _drop(self, path: Path) -> None:
+        """Remove what is at an entry's path; if even that fails, the next read counts it again (logged)."""
+        try:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+        except OSError as e:
+            log.error("cannot remove unusable chunk-store entry %s: %s", path, e)
 
     def put(self, entry: ChunkEntry) -> bool:
         """Write an entry; False if it was not stored (bigger than the budget, or the disk is full)."""

@@ -16,6 +16,25 @@ class FingerprintMismatch(ValueError):
     """A cached entry was computed by a different model than the one asking for it."""
 
 
+@dataclass(frozen=True)
+class EntryLayout:
+    """What the serving model's KV looks like. An entry read from outside the process (a disk file) that decodes
+    cleanly can still be another model's or a forged one; it must fit before it is used."""
+
+    model_fingerprint: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def check(self, entry: "ChunkEntry") -> None:
+        """ValueError saying what does not fit."""
+        entry.check_model(self.model_fingerprint)
+        want = (self.num_layers, self.num_kv_heads, self.head_dim)
+        got = (entry.num_layers, entry.num_kv_heads, entry.head_dim)
+        if got != want:
+            raise ValueError(f"KV of [layers, kv heads, head_dim] = {list(got)}, the model has {list(want)}")
+
+
 @dataclass
 class ChunkEntry:
     key: str  # store key (hashing.chunk_key)

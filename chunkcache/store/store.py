@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ..config import StoreConfig
 from .disk import DiskTier
-from .entry import ChunkEntry
+from .entry import ChunkEntry, EntryLayout
 from .memory import MemoryTier
 from .remote import RemoteStats, RemoteTier, key_prefix
 
@@ -39,22 +39,25 @@ class ChunkStore:
         disk_bytes: int = 20 << 30,
         model_fingerprint: str | None = None,
         remote: RemoteTier | None = None,
+        layout: EntryLayout | None = None,
     ):
-        """`model_fingerprint`, if given, binds the store to one model: entries of any other are refused."""
+        """`model_fingerprint`, if given, binds the store to one model: entries of any other are refused. `layout`,
+        if given, is the model's KV layout: a disk entry that does not fit it is dropped on read (DiskTier)."""
         self.memory = MemoryTier(host_bytes)
-        self.disk = DiskTier(disk_dir, disk_bytes) if disk_dir else None
+        self.disk = DiskTier(disk_dir, disk_bytes, layout) if disk_dir else None
         self.remote = remote
         self.model_fingerprint = model_fingerprint
         self._lock = threading.Lock()
         self._hits = self._misses = self._memory_hits = self._disk_hits = self._remote_hits = 0
 
     @classmethod
-    def from_config(cls, config: StoreConfig, model_fingerprint: str | None = None) -> "ChunkStore":
+    def from_config(cls, config: StoreConfig, model_fingerprint: str | None = None,
+                    layout: EntryLayout | None = None) -> "ChunkStore":
         remote = None
         if config.remote_url:
             remote = RemoteTier(config.remote_url, key_prefix(model_fingerprint), config.remote_timeout_s,
                                 config.remote_retry_s, config.remote_max_value_bytes, config.remote_write_queue)
-        return cls(config.host_bytes, config.disk_dir, config.disk_bytes, model_fingerprint, remote)
+        return cls(config.host_bytes, config.disk_dir, config.disk_bytes, model_fingerprint, remote, layout)
 
     def get(self, key: str) -> ChunkEntry | None:
         with self._lock:
