@@ -1,0 +1,54 @@
+"""benchmarks/gpu_blend.py runs on GPU machines that CI never sees, so its correctness self-check runs here on the
+CPU at a tiny shape, in float32 (tight tolerances): every attention variant that exists here matches the float32
+reference on the selected rows, FlashInfer's are skipped with a reason when it is absent, and the blended whole
+prefill (re-rotated KV copy + sparse pass) reproduces the full prefill's logits. A blend that forgets to move the
+cached keys must fail the check, or the check proves nothing."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglang_patch import paged_attention
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_blend.py"
+TINY = ["--device", "cpu", "--dtype", "float32", "--shape", "tiny", "--sizes", "512", "--rhos", "0.15", "--chunk",
+        "64", "--model-sizes", "512", "--layers", "2", "--repeats", "1", "--model-repeats", "1"]
+
+
+@pytest.fixture
+def gpu_blend(monkeypatch):
+    spec = importlib.util.spec_from_file_location("gpu_blend", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_blend", module)  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_self_check_on_cpu(gpu_blend, tmp_path):
+    out = tmp_path / "rows.json"
+    assert gpu_blend.main(TINY + ["--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    attention = {r["variant"]: r for r in rows["attention"]}
+    assert set(attention) == set(gpu_blend.VARIANTS)
+    for name, row in attention.items():
+        if name.startswith("flashinfer") and not paged_attention.available(torch.device("cpu")):
+            assert "flashinfer" in row["skipped"]
+        else:
+            assert row["ok"] and row["max_err"] < 1e-4, row
+    measured = [r for r in rows["model"] if "skipped" not in r]
+    assert {r["attention"] for r in measured} == {"flex_mask", "torch_blocks"}
+    assert all(r["ok"] and r["err"] < 1e-4 for r in measured), measured
+
+
+def test_a_blend_that_does_not_move_the_keys_fails(gpu_blend, monkeypatch):
+    rerotate = gpu_blend.rerotate
+
+    def unmoved(k, delta, spec, positions=None):  # copy_chunks' move (to a later place) is skipped
+        return k if delta > 0 else rerotate(k, delta, spec, positions)
+    monkeypatch.setattr(gpu_blend, "rerotate", unmoved)
+    args = TINY + ["--sizes", "0", "--model-attention", "torch_blocks"]
+    assert gpu_blend.main(args) == 1
