@@ -11,7 +11,7 @@ from test_store import FP, assert_same, key, make_entry
 
 from chunkcache.config import Config, StoreConfig
 from chunkcache.hashing import chunk_key, prefix_key
-from chunkcache.store import ChunkStore
+from chunkcache.store import ChunkStore, EntryLayout
 from chunkcache.store.disk import encode
 from chunkcache.store.remote import RemoteTier, key_prefix
 
@@ -91,6 +91,18 @@ def test_corrupt_or_truncated_values_are_counted_misses_and_deleted(server):
     drain(store)
     assert_same(remote_store(server.url).get(key(1)), make_entry(key(1), tokens=16))
     assert store.stats().remote.errors == 0
+
+
+def test_values_that_do_not_fit_the_model_are_counted_misses(server):
+    layout = EntryLayout(FP, num_layers=2, num_kv_heads=2, head_dim=4)
+    store = ChunkStore.from_config(StoreConfig(remote_url=server.url, remote_timeout_s=TIMEOUT), FP, layout)
+    name = key_prefix(FP) + key(1)
+    # checksummed and named right, but another model's KV, or another layout: written by anyone with server access
+    for i, forged in enumerate([make_entry(key(1), fp="e" * 32), make_entry(key(1), layers=3)], 1):
+        server.client().set(name, encode(forged))
+        assert store.get(key(1)) is None and store.stats().remote.corrupt == i and not server.client().exists(name)
+    server.client().set(name, encode(make_entry(key(1))))
+    assert_same(store.get(key(1)), make_entry(key(1)))
 
 
 @pytest.mark.parametrize("config_command", ["allowed", "renamed"])

@@ -5,8 +5,10 @@ Contract:
   encoding (`disk.encode`). The chunk key already hashes the model, the namespace, the shared prefix and the tokens,
   so tenants and models never share an entry across servers; the fingerprint in the name lets an operator find or
   drop one model's entries (`SCAN MATCH cc:v1:{fingerprint}:*`), and the format version keeps older encodings apart.
-- get is one GET. A value that fails verification (torn, truncated, foreign, another key's) is a miss, counted in
-  `corrupt`, and deleted so that the next put can store a good one. get never raises.
+- get is one GET. A value that fails verification (torn, truncated, foreign, another key's) or does not fit the
+  serving model (`layout`: fingerprint, layers, KV heads, head_dim; anyone who can write to the server can put a
+  value there) is a miss, counted in `corrupt`, and deleted so that the next put can store a good one. get never
+  raises.
 - put never blocks and never raises: the entry is queued for one writer thread, which encodes it and stores it with
   `SET NX` (content-addressed, so the first writer wins and a second one changes nothing). A put finding the queue
   full is dropped (`dropped`). An encoding larger than the server accepts (`max_value_bytes`, lowered to the server's
@@ -35,7 +37,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from .disk import FORMAT_VERSION, CorruptEntry, decode, encode
-from .entry import ChunkEntry
+from .entry import ChunkEntry, EntryLayout
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +71,14 @@ def redacted(url: str) -> str:
 
 
 class RemoteTier:
-    def __init__(self, url: str, prefix: str, timeout_s: float, retry_s: float, max_value_bytes: int, write_queue: int):
+    def __init__(self, url: str, prefix: str, timeout_s: float, retry_s: float, max_value_bytes: int, write_queue: int,
+                 layout: EntryLayout | None = None):
         # No retries: redis-py's default (10, with backoff) turns a down server into ~2.6 s per command.
         self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                            retry=Retry(NoBackoff(), 0))
         self.server = redacted(url)
         self.prefix = prefix
+        self.layout = layout
         self.retry_s = retry_s
         self.max_value_bytes = max_value_bytes
         self._limit_known = False  # max_value_bytes not yet lowered to the server's own limit
@@ -106,9 +110,12 @@ class RemoteTier:
             entry = decode(data)
             if entry.key != key:
                 raise CorruptEntry(f"value holds key {entry.key}")
-        except CorruptEntry as e:
+            if self.layout is not None:
+                self.layout.check(entry)
+        except ValueError as e:  # CorruptEntry, FingerprintMismatch and a layout misfit are ValueErrors
             self._count("corrupt")
-            log.warning("chunkcache: dropping corrupt entry %s from remote store %s: %s", name, self.server, e)
+            log.warning("chunkcache: dropping corrupt or unusable entry %s from remote store %s: %s: %s", name,
+                        self.server, type(e).__name__, e)
             try:
                 self.client.delete(name)
             except redis.RedisError as exc:

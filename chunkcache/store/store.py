@@ -42,7 +42,7 @@ class ChunkStore:
         layout: EntryLayout | None = None,
     ):
         """`model_fingerprint`, if given, binds the store to one model: entries of any other are refused. `layout`,
-        if given, is the model's KV layout: a disk entry that does not fit it is dropped on read (DiskTier)."""
+        if given, is the model's KV layout: a disk or remote entry that does not fit it is dropped on read."""
         self.memory = MemoryTier(host_bytes)
         self.disk = DiskTier(disk_dir, disk_bytes, layout) if disk_dir else None
         self.remote = remote
@@ -56,7 +56,7 @@ class ChunkStore:
         remote = None
         if config.remote_url:
             remote = RemoteTier(config.remote_url, key_prefix(model_fingerprint), config.remote_timeout_s,
-                                config.remote_retry_s, config.remote_max_value_bytes, config.remote_write_queue)
+                                config.remote_retry_s, config.remote_max_value_bytes, config.remote_write_queue, layout)
         return cls(config.host_bytes, config.disk_dir, config.disk_bytes, model_fingerprint, remote, layout)
 
     def get(self, key: str) -> ChunkEntry | None:
