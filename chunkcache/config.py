@@ -26,7 +26,7 @@ class StoreConfig:
     disk_dir: str | None = None  # directory of the disk tier; None disables it
     disk_bytes: int = 20 << 30  # byte budget of the disk tier (oldest entries removed first)
     namespace: str = "default"  # tenant namespace mixed into every chunk key unless a request names its own
-    remote_url: str | None = None  # shared Redis/Valkey tier: redis://[:password@]host:port/db, rediss:// for TLS; None: off
+    remote_url: str | None = None  # Redis/Valkey tier shared by servers: redis://[:pw@]host:port/db, rediss://; None: off
     remote_timeout_s: float = 0.25  # connect and socket timeout per command: the most a down or stalled server costs
     remote_retry_s: float = 5.0  # after a failure the remote tier is skipped (gets miss, puts dropped) this long
     remote_max_value_bytes: int = 512 << 20  # larger entries stay local (lowered to the server's proto-max-bulk-len)
@@ -36,6 +36,14 @@ class StoreConfig:
         _at_least(self, "host_bytes", 0)
         _at_least(self, "disk_bytes", 1)
         _non_empty(self, "disk_dir", "namespace")
+        if self.remote_url is not None and not self.remote_url.startswith(("redis://", "rediss://")):
+            shown = self.remote_url.split("@")[-1]  # never a password
+            raise ConfigError("remote_url", f"must be a redis:// or rediss:// URL, got ...{shown!r}")
+        if not 0.0 < self.remote_timeout_s <= 60.0:  # 0 would make redis-py's sockets non-blocking
+            raise ConfigError("remote_timeout_s", f"must be in (0, 60], got {self.remote_timeout_s}")
+        _at_least(self, "remote_retry_s", 0)
+        _at_least(self, "remote_max_value_bytes", 1)
+        _at_least(self, "remote_write_queue", 1)
 
 
 @dataclass

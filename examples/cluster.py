@@ -34,10 +34,13 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"the shared store, redis://[:password@]host:port/db or rediss:// (default: ${REMOTE_URL_ENV})")
     p.add_argument("--workers", type=int, default=2, help="chunkcache servers (default: %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="address of the router and the servers (default: %(default)s)")
-    p.add_argument("--port", type=int, default=30000, help="router port; servers take the next ones (default: %(default)s)")
-    p.add_argument("--policy", default="cache_aware", help="router policy: cache_aware, round_robin, power_of_two, random")
+    p.add_argument("--port", type=int, default=30000,
+                   help="router port; servers take the next ones (default: %(default)s)")
+    p.add_argument("--policy", default="cache_aware",
+                   help="router policy: cache_aware (default), round_robin, power_of_two, random")
     p.add_argument("--config", help="chunkcache YAML config for every server")
-    p.add_argument("--log-dir", default="cluster-logs", help="one log per server and the router's (default: %(default)s)")
+    p.add_argument("--log-dir", default="cluster-logs",
+                   help="one log per server and the router's (default: %(default)s)")
     p.add_argument("--startup-timeout", type=float, default=900, help="seconds to wait for each process")
     args, serve_args = p.parse_known_args(argv)  # the rest goes to every `chunkcache serve`
     if not args.remote_url:

@@ -42,8 +42,10 @@ class Cluster:
         self.router = f"http://127.0.0.1:{self.port}"
         self.workers = [f"http://127.0.0.1:{self.port + 1 + i}" for i in range(2)]
         config = tmp / "cluster.yaml"
-        # a small KV pool: two servers share the 2-core CI box; a short retry so the restart test is quick
-        config.write_text("serve:\n  max_total_tokens: 8192\nstore:\n  remote_timeout_s: 0.25\n  remote_retry_s: 1.0\n")
+        # a small KV pool: two servers share the 2-core CI box, where a busy core can also hold up a read of the
+        # store for longer than the default timeout (the hit test would see a miss); a killed store is refused at
+        # once whatever the timeout. A short retry so that the restart test is quick.
+        config.write_text("serve:\n  max_total_tokens: 8192\nstore:\n  remote_timeout_s: 2.0\n  remote_retry_s: 1.0\n")
         self.log_dir = tmp / "logs"
         self.proc = subprocess.Popen(
             [sys.executable, str(ROOT / "examples" / "cluster.py"), "--remote-url", store.url, "--workers", "2",

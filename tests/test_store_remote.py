@@ -244,3 +244,38 @@ def test_remote_url_from_yaml_and_environment(tmp_path, monkeypatch, server):
     assert launcher.load_server_config().store.remote_url == "redis://127.0.0.1:1/0"
     tier = ChunkStore.from_config(config.store, FP).remote
     assert isinstance(tier, RemoteTier) and tier.prefix == f"cc:v1:{FP}:" and tier.server == server.url
+
+
+def test_remote_config_is_checked_at_load(tmp_path):
+    from chunkcache.config import ConfigError
+
+    path = tmp_path / "c.yaml"
+    for bad, key in [("remote_url: http://:pw@host:1/0", "remote_url"), ("remote_timeout_s: 0", "remote_timeout_s"),
+                     ("remote_write_queue: 0", "remote_write_queue"), ("remote_retry_s: -1", "remote_retry_s")]:
+        path.write_text(f"store:\n  {bad}\n")
+        with pytest.raises(ConfigError, match=key) as err:
+            Config.load(path)
+        assert "pw" not in str(err.value)
+
+
+def test_remote_counters_reach_prometheus(server):
+    from prometheus_client import CollectorRegistry
+
+    from sglang_patch import metrics
+
+    registry = CollectorRegistry()
+    metrics.start(True, registry)
+    try:
+        store = remote_store(server.url, remote_max_value_bytes=1 << 16)
+        store.put(make_entry(key(1)))
+        store.put(make_entry(key(2), tokens=4096))  # oversize
+        drain(store)
+        store.get(key(3))
+        metrics.set_store_stats(store.stats())
+        metrics.set_store_stats(store.stats())  # a second snapshot adds nothing: counters get increments
+        value = registry.get_sample_value
+        assert value("chunkcache_remote_bytes_written_total") == store.stats().remote.bytes_written > 0
+        assert value("chunkcache_remote_misses_total") == 1 and value("chunkcache_remote_up") == 1
+        assert value("chunkcache_remote_skipped_total", {"reason": "oversize"}) == 1
+    finally:
+        metrics.start(False)
