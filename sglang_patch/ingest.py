@@ -122,7 +122,10 @@ async def _store(manager, doc: str, docs: Documents, extra_key: str, request: Re
     obj = GenerateReqInput(input_ids=prompt.input_ids, sampling_params={"max_new_tokens": 1, "temperature": 0},
                            kv_hints=prompt.kv_hints(selector="none", namespace=docs.namespace), extra_key=extra_key,
                            cache_salt=docs.cache_salt)
-    out = await manager.generate_request(obj, request).__anext__()
+    try:
+        out = await manager.generate_request(obj, request).__anext__()
+    except ValueError as exc:  # SGLang refused the prompt (e.g. over the context length): say which document
+        raise ValueError(f"ingest.documents[{docs.documents.index(doc)}]: {exc}") from None
     return out["meta_info"].get("chunkcache")
 
 
