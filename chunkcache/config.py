@@ -87,6 +87,9 @@ class ServeConfig:
     max_total_tokens: int | None = None  # KV pool size in tokens (None: SGLang sizes it from memory)
     dtype: str = "auto"  # SGLang --dtype of weights, activations and KV; "auto": bfloat16 on CPU, SGLang's auto on GPU
     sleep_on_idle: bool = True  # idle scheduler blocks on its sockets instead of busy-polling a core
+    # SGLang attention backend on CPU, both sides of an A/B: "chunkcache_torch" is torch_native with its decode step
+    # planned once per batch and attended in float32 (sglang_patch/decode_attention.py); "torch_native" is SGLang's own
+    cpu_attention: str = "chunkcache_torch"
     sglang_args: list[str] = field(default_factory=list)  # extra arguments passed verbatim to SGLang
 
     def check(self) -> None:
@@ -97,6 +100,7 @@ class ServeConfig:
             raise ConfigError("mem_fraction_static", f"must be in (0, 1], got {self.mem_fraction_static}")
         _at_least(self, "max_total_tokens", 1)
         _one_of(self, "dtype", ("auto", "bfloat16", "float16", "half", "float32", "float"))  # SGLang's --dtype
+        _one_of(self, "cpu_attention", ("chunkcache_torch", "torch_native"))
 
 
 @dataclass

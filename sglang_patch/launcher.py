@@ -36,7 +36,7 @@ def server_settings(model_path: str | Path, config: Config, *, chunk_reuse: bool
     if not has_gpu():
         # SGLang's CPU engine without AMX or a CPU sgl_kernel build: torch-native attention, no CUDA graphs, and an
         # explicit memory fraction (the automatic one comes out negative on CPU and SGLang refuses to start).
-        settings.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
+        settings.update(device="cpu", attention_backend=s.cpu_attention, disable_cuda_graph=True,
                         disable_overlap_schedule=True)
         if s.dtype == "auto":
             # SGLang's "auto" is the checkpoint's dtype, float16 for a float32 one. On the 2-core AVX512-BF16 dev host

@@ -16,10 +16,11 @@ log = logging.getLogger(__name__)
 def register() -> None:
     from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
 
-    from . import admission, cache
+    from . import admission, cache, decode_attention
 
     if cache.BACKEND_NAME not in registered_radix_cache_backends():
         register_radix_cache_backend(cache.BACKEND_NAME, cache.factory)
+    decode_attention.register()
     hooks = {
         "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state":
             (_report_state, HookType.AFTER),

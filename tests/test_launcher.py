@@ -20,7 +20,7 @@ def cpu(monkeypatch):
 def test_cpu_serves_bfloat16_and_sleeps_when_idle(cpu, chunk_reuse):
     settings = launcher.server_settings("/models/m", Config(), chunk_reuse=chunk_reuse)
     assert settings["dtype"] == "bfloat16" and settings["sleep_on_idle"] is True
-    assert settings["device"] == "cpu" and settings["attention_backend"] == "torch_native"
+    assert settings["device"] == "cpu" and settings["attention_backend"] == "chunkcache_torch"
     assert (settings.get("radix_cache_backend") == launcher.BACKEND_NAME) == chunk_reuse
 
 
@@ -43,10 +43,21 @@ def test_default_yaml_is_the_built_in_default():
 
 def test_sglang_parses_every_setting_back(cpu):
     """The argv `chunkcache serve` hands to sglang.launch_server means what the settings say (flag names included)."""
+    from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import ServerArgs
 
+    load_plugins()  # as sglang.launch_server does before parsing: the plugin registers its attention backend
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     settings = launcher.server_settings("/models/m", Config())
     args = vars(parser.parse_args(launcher.to_argv(settings)))
     assert {key: args[key] for key in settings} == settings
+
+
+def test_cpu_attention_backend_comes_from_the_config(cpu, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("serve:\n  cpu_attention: torch_native\n")
+    assert launcher.server_settings("/models/m", Config.load(path))["attention_backend"] == "torch_native"
+    path.write_text("serve:\n  cpu_attention: flashinfer\n")
+    with pytest.raises(ValueError, match="cpu_attention"):
+        Config.load(path)
