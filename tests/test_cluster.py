@@ -50,7 +50,7 @@ class Cluster:
         self.proc = subprocess.Popen(
             [sys.executable, str(ROOT / "examples" / "cluster.py"), "--remote-url", store.url, "--workers", "2",
              "--port", str(self.port), "--policy", "round_robin", "--config", str(config), "--log-dir",
-             str(self.log_dir), "--enable-metrics"],
+             str(self.log_dir), "--enable-metrics", "--skip-server-warmup"],  # the rest goes to `chunkcache serve`
             stdout=open(tmp / "cluster.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + 600
         while f"router {self.router}" not in (tmp / "cluster.log").read_text():  # the script's "ready" line
