@@ -143,9 +143,20 @@ def plan(cache, forward_batch, reqs) -> list[Work]:
         work.spans = [(max(s, exact), e) for (s, e), _ in kept]
         work.offsets = [max(s, exact) - s for (s, _), _ in kept]
         work.keys = [key for _, key in kept]
-        work.entries = [cache.store.get(key) for _, key in kept]
+        work.entries = [_holding(cache.store.get(key), work.ids[s:e], key) for (s, e), key in kept]
         work.hits = sum(e is not None for e in work.entries)
     return works
+
+
+def _holding(entry: ChunkEntry | None, ids: torch.Tensor, key: str) -> ChunkEntry | None:
+    """`entry` if it holds exactly these tokens, else a miss: a value under the right key with other tokens (a
+    forged or foreign shared-tier value with a valid checksum) must never be copied into a request. The chunk is
+    then computed, and its put replaces the bad value in every tier."""
+    if entry is None or torch.equal(entry.token_ids.to(ids.device), ids):
+        return entry
+    log.warning("chunkcache: store entry %s holds %d other tokens than its chunk's %d; computing the chunk",
+                key, entry.num_tokens, len(ids))
+    return None
 
 
 def report(cache, w: Work, recomputed: int, select_s: float, stages: dict, batch: dict, blend_s: float = 0.0) -> None:

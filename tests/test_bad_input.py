@@ -254,6 +254,25 @@ def test_damaged_store_file_is_a_counted_miss(healthy, damage):
     assert path.is_file() and decode(path.read_bytes()).k.shape[-1] == 64
 
 
+def test_entry_holding_other_tokens_is_a_miss_and_replaced(healthy):
+    """A valid-checksum entry under a chunk's key but holding other tokens (a forged or foreign shared-tier value)
+    is never copied into a request: the chunk is computed, and its put replaces the entry."""
+    doc = "The swapped ledger holds the code 5151."
+    before = set(healthy.store.glob("*/*.kv"))
+    r = requests.post(healthy.url + "/chunkcache/ingest", json={"documents": [doc]}, timeout=300)
+    assert r.json()["new"] == 1, r.text
+    (path,) = set(healthy.store.glob("*/*.kv")) - before
+    entry = decode(path.read_bytes())
+    tokens = entry.token_ids.clone()
+    entry.token_ids = tokens.flip(0)
+    path.write_bytes(encode(entry))
+    r = requests.post(healthy.url + "/v1/chat/completions", timeout=300, json={
+        "messages": CHAT_QUESTION, "max_tokens": 4, "chunkcache": {"documents": [doc], "selector": "none"}})
+    info = r.json()["metadata"]["chunkcache"]
+    assert info["chunk_misses"] == 1 and "fallback" not in info, info
+    assert decode(path.read_bytes()).token_ids.tolist() == tokens.tolist()
+
+
 # --- the CLI --------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("lines, args, message", [

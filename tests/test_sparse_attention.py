@@ -27,3 +27,21 @@ def test_blocks_over_ordered_and_unordered_keys_match_dense_attention():
     record = torch.zeros(n)
     attend(q, keys, values, q_pos, ordered, 0.2, record)
     assert torch.allclose(record.sum(), torch.tensor(1.0), atol=1e-4)  # mean attention over queries and heads
+
+
+def test_bfloat16_split_blocks_are_as_accurate_as_one_masked_call():
+    """On CPU a block attends to the keys before its first row without a mask and to the rest with one, merged by
+    log-sum-exp: in bf16 that must stay as close to float64 as a single masked SDPA call."""
+    torch.manual_seed(1)
+    m, n = 2 * QUERY_BLOCK + 7, 2000
+    q_pos = torch.cat([torch.randperm(n - 20)[: m - 20].sort().values, torch.arange(n - 20, n)])  # + a query tail
+    q, keys, values = (torch.randn(r, h, 64) for r, h in ((m, 9), (n, 3), (n, 3)))
+    ordered = torch.arange(n)
+    want = dense(q.double(), keys.double(), values.double(), q_pos, ordered, 0.125)
+    bf = [t.bfloat16() for t in (q, keys, values)]
+    split = attend(*bf, q_pos, ordered, 0.125).double()
+    one_call = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        bf[0][i: i + 1].transpose(0, 1), bf[1][: p + 1].transpose(0, 1), bf[2][: p + 1].transpose(0, 1), scale=0.125,
+        enable_gqa=True).transpose(0, 1) for i, p in enumerate(q_pos.tolist())]).double()
+    split_err, one_err = (split - want).abs().max().item(), (one_call - want).abs().max().item()
+    assert split_err <= 1.5 * one_err + 1e-3, (split_err, one_err)
