@@ -12,7 +12,9 @@ Contract:
 - put never blocks and never raises: the entry is queued for one writer thread, which encodes it and stores it with
   `SET NX` (content-addressed, so the first writer wins and a second one changes nothing). A put finding the queue
   full is dropped (`dropped`). An encoding larger than the server accepts (`max_value_bytes`, lowered to the server's
-  `proto-max-bulk-len` when `CONFIG GET` answers) is not sent (`oversize`). A server refusing writes because it is
+  `proto-max-bulk-len` when `CONFIG GET` answers) is not sent (`oversize`); where CONFIG is renamed away, a value
+  over the server's limit is refused by the server, as `oversize` when its reply arrives or, when it resets the
+  connection mid-send, as an outage. A server refusing writes because it is
   full (maxmemory with `noeviction`: OutOfMemoryError) costs only the put (`full`, logged once until a write
   succeeds). No TTL: eviction is the server's (`maxmemory-policy allkeys-lru`).
 - A down or stalled server costs one command at most `timeout_s` (connect and each socket read or write; no
@@ -171,7 +173,8 @@ class RemoteTier:
             if "bulk length" not in str(e):  # any other refusal is a failing server
                 self._failed(e)
                 return
-            # the server's limit is below ours and CONFIG GET did not tell (e.g. CONFIG renamed by the operator)
+            # the server's limit is below ours and CONFIG GET did not tell (e.g. CONFIG renamed by the operator);
+            # when the server resets the connection before its reply is read, the RedisError branch below counts it
             self._oversize(entry.key, len(data))
             return
         except redis.RedisError as e:
