@@ -19,7 +19,7 @@ TIMEOUT = 0.2
 
 
 @pytest.fixture
-def server(tmp_path):
+def valkey(tmp_path):
     srv = StoreServer(tmp_path)
     yield srv
     srv.kill()
@@ -38,14 +38,14 @@ def drain(store: ChunkStore, timeout: float = 10) -> None:
         time.sleep(0.005)
 
 
-def test_servers_share_entries_through_the_store(server, tmp_path):
-    a, b = remote_store(server.url), remote_store(server.url, disk_dir=str(tmp_path / "disk"))
+def test_servers_share_entries_through_the_store(valkey, tmp_path):
+    a, b = remote_store(valkey.url), remote_store(valkey.url, disk_dir=str(tmp_path / "disk"))
     e = make_entry(key(1), tokens=16, dtype=torch.bfloat16, features={"scores": torch.rand(16)})
     a.put(e)
     drain(a)
     # one key per entry, named by format version, model and chunk key, holding the disk tier's encoding
-    assert server.client().keys("*") == [f"cc:v1:{FP}:{key(1)}".encode()]
-    assert server.client().get(f"cc:v1:{FP}:{key(1)}") == encode(e)
+    assert valkey.client().keys("*") == [f"cc:v1:{FP}:{key(1)}".encode()]
+    assert valkey.client().get(f"cc:v1:{FP}:{key(1)}") == encode(e)
     assert a.stats().remote.writes == 1 and a.stats().remote.bytes_written == len(encode(e))
 
     got = b.get(key(1))
@@ -61,47 +61,47 @@ def test_servers_share_entries_through_the_store(server, tmp_path):
     assert b.get(key(2)) is None and b.stats().remote.misses == 1 and b.stats().misses == 1
 
 
-def test_models_and_tenants_stay_apart_across_servers(server):
+def test_models_and_tenants_stay_apart_across_servers(valkey):
     tokens = list(range(30, 40))
     prefix = prefix_key([1, 2, 3])
     k_a, k_b = chunk_key(FP, "tenant-a", prefix, tokens), chunk_key(FP, "tenant-b", prefix, tokens)
-    a = remote_store(server.url)
+    a = remote_store(valkey.url)
     a.put(make_entry(k_a, tokens=10))
     drain(a)
-    assert remote_store(server.url).get(k_b) is None  # same document, other tenant: its own key
-    other_model = remote_store(server.url, fp="e" * 32)
+    assert remote_store(valkey.url).get(k_b) is None  # same document, other tenant: its own key
+    other_model = remote_store(valkey.url, fp="e" * 32)
     assert other_model.get(k_a) is None and other_model.stats().remote.misses == 1
-    assert remote_store(server.url).get(k_a) is not None
+    assert remote_store(valkey.url).get(k_a) is not None
 
 
-def test_corrupt_or_truncated_values_are_counted_misses_and_deleted(server):
+def test_corrupt_or_truncated_values_are_counted_misses_and_deleted(valkey):
     good = encode(make_entry(key(1), tokens=16))
     flipped = bytearray(good)
     flipped[-5] ^= 0x10
     values = {"flipped": bytes(flipped), "truncated": good[: len(good) // 2], "foreign": b"not an entry",
               "other key": encode(make_entry(key(2), tokens=16))}
-    store = remote_store(server.url)
+    store = remote_store(valkey.url)
     name = key_prefix(FP) + key(1)
     for i, value in enumerate(values.values(), 1):
-        server.client().set(name, value)
+        valkey.client().set(name, value)
         assert store.get(key(1)) is None
         assert store.stats().remote.corrupt == i and store.stats().misses == i
-        assert not server.client().exists(name)  # deleted, so that a good value can take its place
+        assert not valkey.client().exists(name)  # deleted, so that a good value can take its place
     store.put(make_entry(key(1), tokens=16))
     drain(store)
-    assert_same(remote_store(server.url).get(key(1)), make_entry(key(1), tokens=16))
+    assert_same(remote_store(valkey.url).get(key(1)), make_entry(key(1), tokens=16))
     assert store.stats().remote.errors == 0
 
 
-def test_values_that_do_not_fit_the_model_are_counted_misses(server):
+def test_values_that_do_not_fit_the_model_are_counted_misses(valkey):
     layout = EntryLayout(FP, num_layers=2, num_kv_heads=2, head_dim=4)
-    store = ChunkStore.from_config(StoreConfig(remote_url=server.url, remote_timeout_s=TIMEOUT), FP, layout)
+    store = ChunkStore.from_config(StoreConfig(remote_url=valkey.url, remote_timeout_s=TIMEOUT), FP, layout)
     name = key_prefix(FP) + key(1)
     # checksummed and named right, but another model's KV, or another layout: written by anyone with server access
     for i, forged in enumerate([make_entry(key(1), fp="e" * 32), make_entry(key(1), layers=3)], 1):
-        server.client().set(name, encode(forged))
-        assert store.get(key(1)) is None and store.stats().remote.corrupt == i and not server.client().exists(name)
-    server.client().set(name, encode(make_entry(key(1))))
+        valkey.client().set(name, encode(forged))
+        assert store.get(key(1)) is None and store.stats().remote.corrupt == i and not valkey.client().exists(name)
+    valkey.client().set(name, encode(make_entry(key(1))))
     assert_same(store.get(key(1)), make_entry(key(1)))
 
 
@@ -142,18 +142,18 @@ def test_without_config_an_oversize_put_costs_no_request(tmp_path):
         srv.kill()
 
 
-def test_oversize_limit_from_config(server):
-    store = remote_store(server.url, remote_max_value_bytes=4096)
+def test_oversize_limit_from_config(valkey):
+    store = remote_store(valkey.url, remote_max_value_bytes=4096)
     store.put(make_entry(key(1), tokens=64))
     drain(store)
-    assert store.stats().remote.oversize == 1 and not server.client().keys("*")
+    assert store.stats().remote.oversize == 1 and not valkey.client().keys("*")
 
 
-def test_down_server_costs_one_timeout_per_outage_and_comes_back(server, caplog):
-    a = remote_store(server.url, retry_s=0.5)
+def test_down_server_costs_one_timeout_per_outage_and_comes_back(valkey, caplog):
+    a = remote_store(valkey.url, retry_s=0.5)
     a.put(make_entry(key(1)))
     drain(a)
-    server.kill()
+    valkey.kill()
     caplog.set_level(logging.INFO, logger="chunkcache.store.remote")
     t = time.perf_counter()
     assert a.get(key(9)) is None  # connection refused: at once
@@ -169,7 +169,7 @@ def test_down_server_costs_one_timeout_per_outage_and_comes_back(server, caplog)
     assert len(warnings) == 1 and "unavailable" in warnings[0].getMessage()
     assert ":0@" not in warnings[0].getMessage()
 
-    server.start()  # same port, empty: a restart without persistence loses every entry
+    valkey.start()  # same port, empty: a restart without persistence loses every entry
     time.sleep(0.6)  # the retry interval
     assert a.get(key(3)) is None
     st = a.stats().remote
@@ -177,15 +177,15 @@ def test_down_server_costs_one_timeout_per_outage_and_comes_back(server, caplog)
     assert any("is back" in r.getMessage() for r in caplog.records)
     a.put(make_entry(key(2)))
     drain(a)
-    assert_same(remote_store(server.url).get(key(2)), make_entry(key(2)))
+    assert_same(remote_store(valkey.url).get(key(2)), make_entry(key(2)))
 
 
-def test_stalled_server_costs_at_most_the_timeout(server):
-    writer = remote_store(server.url)
+def test_stalled_server_costs_at_most_the_timeout(valkey):
+    writer = remote_store(valkey.url)
     writer.put(make_entry(key(1)))
     drain(writer)
-    store = remote_store(server.url, retry_s=0.3)
-    server.pause()
+    store = remote_store(valkey.url, retry_s=0.3)
+    valkey.pause()
     try:
         t = time.perf_counter()
         assert store.get(key(1)) is None
@@ -196,7 +196,7 @@ def test_stalled_server_costs_at_most_the_timeout(server):
         st = store.stats().remote
         assert (st.errors, st.outages, st.skipped) == (1, 1, 1)
     finally:
-        server.resume()
+        valkey.resume()
     time.sleep(0.4)
     assert_same(store.get(key(1)), make_entry(key(1)))  # the connection that timed out was dropped, not reused
     assert store.stats().remote.up
@@ -249,19 +249,19 @@ def test_password_and_wrong_password(tmp_path):
         srv.kill()
 
 
-def test_remote_url_from_yaml_and_environment(tmp_path, monkeypatch, server):
+def test_remote_url_from_yaml_and_environment(tmp_path, monkeypatch, valkey):
     from sglang_patch import launcher
 
     path = tmp_path / "c.yaml"
-    path.write_text(f"store:\n  remote_url: {server.url}\n  remote_timeout_s: 0.1\n")
+    path.write_text(f"store:\n  remote_url: {valkey.url}\n  remote_timeout_s: 0.1\n")
     config = Config.load(path)
-    assert (config.store.remote_url, config.store.remote_timeout_s) == (server.url, 0.1)
+    assert (config.store.remote_url, config.store.remote_timeout_s) == (valkey.url, 0.1)
     assert Config().store.remote_url is None and ChunkStore.from_config(Config().store).remote is None
     monkeypatch.setenv(launcher.CONFIG_ENV, str(path))
     monkeypatch.setenv(launcher.REMOTE_URL_ENV, "redis://127.0.0.1:1/0")
     assert launcher.load_server_config().store.remote_url == "redis://127.0.0.1:1/0"
     tier = ChunkStore.from_config(config.store, FP).remote
-    assert isinstance(tier, RemoteTier) and tier.prefix == f"cc:v1:{FP}:" and tier.server == server.url
+    assert isinstance(tier, RemoteTier) and tier.prefix == f"cc:v1:{FP}:" and tier.server == valkey.url
 
 
 def test_remote_config_is_checked_at_load(tmp_path):
@@ -276,7 +276,7 @@ def test_remote_config_is_checked_at_load(tmp_path):
         assert "pw" not in str(err.value)
 
 
-def test_remote_counters_reach_prometheus(server):
+def test_remote_counters_reach_prometheus(valkey):
     from prometheus_client import CollectorRegistry
 
     from sglang_patch import metrics
@@ -284,7 +284,7 @@ def test_remote_counters_reach_prometheus(server):
     registry = CollectorRegistry()
     metrics.start(True, registry)
     try:
-        store = remote_store(server.url, remote_max_value_bytes=1 << 16)
+        store = remote_store(valkey.url, remote_max_value_bytes=1 << 16)
         store.put(make_entry(key(1)))
         store.put(make_entry(key(2), tokens=4096))  # oversize
         drain(store)
