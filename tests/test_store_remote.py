@@ -55,9 +55,13 @@ def test_servers_share_entries_through_the_store(valkey, tmp_path):
     assert st.memory_entries == 1 and st.disk_entries == 1  # promoted into both tiers in front
     assert b.get(key(1)) is got and b.stats().memory_hits == 1 and b.stats().remote.hits == 1
 
-    b.put(e)  # content-addressed: a second writer of the same key changes nothing
+    # a put replaces what the key holds: the blend puts a chunk whose stored entry held other tokens (a forged value
+    # under the right key), and the store must not keep serving that one to every other server
+    forged = make_entry(key(1), tokens=16, dtype=torch.bfloat16, seed=5)
+    valkey.client().set(key_prefix(FP) + key(1), encode(forged))
+    b.put(e)
     drain(b)
-    assert b.stats().remote.existing == 1 and b.stats().remote.writes == 0
+    assert valkey.client().get(key_prefix(FP) + key(1)) == encode(e) and b.stats().remote.writes == 1
     assert b.get(key(2)) is None and b.stats().remote.misses == 1 and b.stats().misses == 1
 
 

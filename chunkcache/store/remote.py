@@ -10,8 +10,10 @@ Contract:
   value there) is a miss, counted in `corrupt`, and deleted so that the next put can store a good one. get never
   raises.
 - put never blocks and never raises: the entry is queued for one writer thread, which encodes it and stores it with
-  `SET NX` (content-addressed, so the first writer wins and a second one changes nothing). A put finding the queue
-  full is dropped (`dropped`). An encoding larger than the server accepts (`max_value_bytes`, lowered to the server's
+  a plain SET. A put follows a miss in every tier, so it either fills an absent key or replaces a value its caller
+  found unusable (the blend drops an entry holding other tokens than its chunk, and its put must replace it here
+  too); two servers racing on a new chunk write the same bytes. A put finding the queue full is dropped
+  (`dropped`). An encoding larger than the server accepts (`max_value_bytes`, lowered to the server's
   `proto-max-bulk-len` when `CONFIG GET` answers) is not sent (`oversize`); where CONFIG is renamed away, a value
   over the server's limit is refused by the server, as `oversize` when its reply arrives or, when it resets the
   connection mid-send, as an outage. A server refusing writes because it is
@@ -56,7 +58,6 @@ class RemoteStats:
     skipped: int  # gets and puts not sent because an outage was in progress
     writes: int  # entries stored
     bytes_written: int
-    existing: int  # puts of a key some server had already stored
     oversize: int  # entries larger than the server accepts, not sent
     full: int  # writes the server refused because it was full
     dropped: int  # puts dropped because the writer's queue was full
@@ -90,7 +91,7 @@ class RemoteTier:
         self._full = False
         self._oversize_logged = False
         self._n = dict.fromkeys(("hits", "misses", "corrupt", "errors", "outages", "skipped", "writes",
-                                 "bytes_written", "existing", "oversize", "full", "dropped", "pending"), 0)
+                                 "bytes_written", "oversize", "full", "dropped", "pending"), 0)
         self._queue: queue.Queue[ChunkEntry] = queue.Queue(maxsize=write_queue)
         threading.Thread(target=self._write_loop, name="chunkcache-remote-writer", daemon=True).start()
 
@@ -161,7 +162,7 @@ class RemoteTier:
             if len(data) > self._value_limit():
                 self._oversize(entry.key, len(data))
                 return
-            stored = self.client.set(self.prefix + entry.key, data, nx=True)
+            self.client.set(self.prefix + entry.key, data)
         except redis.OutOfMemoryError as e:
             self._count("full")
             if not self._full:
@@ -185,11 +186,8 @@ class RemoteTier:
             self._full = False
             log.info("chunkcache: remote store %s takes writes again", self.server)
         with self._lock:
-            if stored:
-                self._n["writes"] += 1
-                self._n["bytes_written"] += len(data)
-            else:
-                self._n["existing"] += 1
+            self._n["writes"] += 1
+            self._n["bytes_written"] += len(data)
 
     def _value_limit(self) -> int:
         """max_value_bytes, lowered once to the server's proto-max-bulk-len: a bigger value is refused, and one much
