@@ -116,12 +116,37 @@ class LimitsConfig:
 
 
 @dataclass
+class SpeCacheConfig:
+    enabled: bool = False  # SpeCache decode (issue 17): low-bit KV in the pool, full KV on the host, top-k prefetch
+    bits: int = 1  # bits per quantised K/V element: 1 (SpeCache's midpoint levels), 2 or 4 (KIVI)
+    group: int = 32  # K: per channel over groups of this many tokens; V: per token over groups of this many channels
+    residual: int = 64  # the most recent tokens kept in full precision (at least this many, fewer than residual+group)
+    topk: int = 64  # full-precision KV pairs prefetched per layer per KV head, picked by the speculative token
+
+    def check(self) -> None:
+        if self.enabled:  # refused rather than ignored: a server must not look as if it ran SpeCache
+            raise ConfigError("enabled", "the server's SpeCache decode path is not built yet (issue 17); "
+                                         "benchmarks/specache.py runs the algorithm on the reference model")
+        if self.bits not in (1, 2, 4):
+            raise ConfigError("bits", f"must be 1, 2 or 4, got {self.bits}")
+        _at_least(self, "group", 1)
+        _at_least(self, "residual", 0)
+        _at_least(self, "topk", 0)
+
+
+@dataclass
+class DecodeConfig:
+    specache: SpeCacheConfig = field(default_factory=SpeCacheConfig)
+
+
+@dataclass
 class Config:
     serve: ServeConfig = field(default_factory=ServeConfig)
     select: SelectConfig = field(default_factory=SelectConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> "Config":
