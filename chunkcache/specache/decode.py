@@ -107,12 +107,15 @@ class SpeCacheDecoder:
     @torch.inference_mode()
     def generate(self, pre: Prefill, max_new_tokens: int, probe: bool = False) -> SpeCacheRun:
         n = len(pre.tokens)
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         if n + max_new_tokens + 1 > self.max_len:  # the last step's speculative row sits one past the output
             raise ValueError(f"{n} prompt + {max_new_tokens} new tokens exceed the model's context of {self.max_len}")
         weights = next(self.model.parameters())
         caches = []
         for k, v in pre.kv:
-            cache = LayerCache(self.cfg, self.n_kv_heads, self.head_dim, n + max_new_tokens, weights.dtype, weights.device)
+            cache = LayerCache(self.cfg, self.n_kv_heads, self.head_dim, n + max_new_tokens, weights.dtype,
+                               weights.device)
             cache.append(k, v)
             caches.append(cache)
         run = SpeCacheRun(tokens=[int(pre.logits.argmax())], logits=pre.logits[None])

@@ -38,8 +38,10 @@ class LayerCache:
         self.view_k, self.view_v = torch.empty(capacity, H, D, **full), torch.empty(capacity, H, D, **full)
         self.codes_k = torch.empty(capacity, H, D * b // 8, dtype=torch.uint8, device=device)
         self.codes_v = torch.empty(capacity, H, D * b // 8, dtype=torch.uint8, device=device)
-        self.k_scale, self.k_zero = torch.empty(capacity // g, H, D, **params), torch.empty(capacity // g, H, D, **params)
-        self.v_scale, self.v_zero = torch.empty(capacity, H, D // g, **params), torch.empty(capacity, H, D // g, **params)
+        self.k_scale = torch.empty(capacity // g, H, D, **params)
+        self.k_zero = torch.empty_like(self.k_scale)
+        self.v_scale = torch.empty(capacity, H, D // g, **params)
+        self.v_zero = torch.empty_like(self.v_scale)
         self.n = 0
         self.quantised = 0
         self.prefetched = torch.empty(H, 0, dtype=torch.long, device=device)
@@ -78,7 +80,8 @@ class LayerCache:
         self.codes_k[lo:hi], self.k_scale[lo // g : hi // g], self.k_zero[lo // g : hi // g] = ck, ks, kz
         self.codes_v[lo:hi], self.v_scale[lo:hi], self.v_zero[lo:hi] = cv, vs, vz
         dtype = self.view_k.dtype
-        self.view_k[lo:hi] = quant.dequantize_keys(ck, ks.repeat_interleave(g, 0), kz.repeat_interleave(g, 0), b).to(dtype)
+        k = quant.dequantize_keys(ck, ks.repeat_interleave(g, 0), kz.repeat_interleave(g, 0), b)
+        self.view_k[lo:hi] = k.to(dtype)
         self.view_v[lo:hi] = quant.dequantize_values(cv, vs, vz, b).to(dtype)
         self.quantised = hi
 
@@ -98,14 +101,14 @@ class LayerCache:
         self.view_k[idx, heads] = self.full_k[idx, heads]
         self.view_v[idx, heads] = self.full_v[idx, heads]
         self.prefetched = idx
-        fetched = sum(len(set(new.tolist()) - set(was.tolist())) for new, was in zip(idx, old)) if old.numel() \
-            else idx.numel()
-        return fetched * self.head_dim * 2 * FULL_BYTES
+        resident = int((idx[:, :, None] == old[:, None, :]).any(-1).sum())
+        return (idx.numel() - resident) * self.head_dim * 2 * FULL_BYTES
 
     def _restore_lowbit(self, idx: torch.Tensor) -> None:
         b, g = self.cfg.bits, self.cfg.group
         heads = self._heads.expand_as(idx)
-        k = quant.dequantize_keys(self.codes_k[idx, heads], self.k_scale[idx // g, heads], self.k_zero[idx // g, heads], b)
+        grp = idx // g
+        k = quant.dequantize_keys(self.codes_k[idx, heads], self.k_scale[grp, heads], self.k_zero[grp, heads], b)
         v = quant.dequantize_values(self.codes_v[idx, heads], self.v_scale[idx, heads], self.v_zero[idx, heads], b)
         self.view_k[idx, heads], self.view_v[idx, heads] = k.to(self.view_k.dtype), v.to(self.view_v.dtype)
 
@@ -119,14 +122,16 @@ class LayerCache:
         """What the device pool holds for this layer: codes and parameters of the quantised tokens, the residual,
         and the prefetch buffer (allocated for `topk` pairs per KV head, whether or not filled)."""
         H, D = self.n_kv_heads, self.head_dim
-        return lowbit_bytes(self.cfg, H, D, self.quantised) + (self.n - self.quantised + self.cfg.topk) * full_bytes(H, D)
+        held = self.n - self.quantised + self.cfg.topk
+        return lowbit_bytes(self.cfg, H, D, self.quantised) + held * full_bytes(H, D)
 
     def attention_read_bytes(self) -> int:
         """What one decode step's attention reads from the device pool: the low-bit copy, the residual and the
         filled prefetch rows (each head's own, so counted per head)."""
         H, D = self.n_kv_heads, self.head_dim
         prefetched_rows = self.prefetched.numel() * D * 2 * FULL_BYTES
-        return lowbit_bytes(self.cfg, H, D, self.quantised) + (self.n - self.quantised) * full_bytes(H, D) + prefetched_rows
+        residual = (self.n - self.quantised) * full_bytes(H, D)
+        return lowbit_bytes(self.cfg, H, D, self.quantised) + residual + prefetched_rows
 
 
 def full_bytes(n_kv_heads: int, head_dim: int) -> int:
