@@ -118,7 +118,7 @@ def report(rows: dict[str, list[dict]], configs: dict[str, SpeCacheConfig], conf
         stale = [h for r in rs for h in r["stale_hits"]]
         spec = sum(r["spec_match"][0] for r in rs) / max(1, sum(r["spec_match"][1] for r in rs))
         print(f"{label:<12}{lowbit:>12.3f}{pool:>10.3f}{_mib(read):>11}{sum(read) / max(1, sum(read16)):>8.3f}"
-              f"{_mib(fetch):>12}{_mean(hits):>7.3f}{_mean(stale):>7.3f}{spec:>7.3f}"
+              f"{_mib(fetch):>12}{_share(hits):>7}{_share(stale):>7}{spec:>7.3f}"
               f"{sum(r['identical'] for r in rs):>8}/{n:<2}{_mean([r['prefix_share'] for r in rs]):>8.3f}"
               f"{sum(r['agree'] for r in rs):>5}/{n:<2}{sum(r['correct'] for r in rs):>6}/{n:<2}")
     print("\nlow-bit/16b: codes + float16 params per token; pool/16b: the whole device pool at the end of decoding "
@@ -131,6 +131,10 @@ def report(rows: dict[str, list[dict]], configs: dict[str, SpeCacheConfig], conf
 
 def _mib(values: list[int]) -> str:
     return f"{_mean(values) / 2**20:.2f}" if values else "-"
+
+
+def _share(values: list[float]) -> str:
+    return f"{statistics.mean(values):.3f}" if values else "-"  # topk 0 chooses nothing
 
 
 def _mean(values) -> float:

@@ -50,7 +50,7 @@ class SpeCacheRun(Generation):
     guesses: list[int] = field(default_factory=list)  # guesses[i]: the speculative token guessing tokens[i + 1]
     read_bytes: list[int] = field(default_factory=list)  # per decode step, all layers: device pool read by attention
     fetch_bytes: list[int] = field(default_factory=list)  # per decode step, all layers: host -> device prefetch
-    hits: list[float] = field(default_factory=list)  # probe: per step, mean over layers and KV heads
+    hits: list[float] = field(default_factory=list)  # probe: per step with a choice, mean over layers and KV heads
     stale_hits: list[float] = field(default_factory=list)  # probe: the same for x_{t-1}'s top-k
     device_bytes: int = 0  # the device pool at the end, all layers
     full_bytes: int = 0  # 16-bit KV of the same tokens, all layers
@@ -158,8 +158,9 @@ class SpeCacheDecoder:
             k = k * cos + rotate_half(k) * sin
             if append and stale is not None:
                 oracle = self._exact_topk(cache, q, k, v, attn.scaling)
-                hits.append(_overlap(cache.prefetched, oracle))
-                stale_hits.append(_overlap(stale[l], oracle))
+                if oracle.numel():  # nothing low-bit yet, or topk 0: there is no choice to score
+                    hits.append(_overlap(cache.prefetched, oracle))
+                    stale_hits.append(_overlap(stale[l], oracle))
             read += cache.attention_read_bytes()
             out, probs = speculative_attention(q, k, v, *cache.view(), attn.scaling)
             if append:
@@ -172,7 +173,7 @@ class SpeCacheDecoder:
         if append:
             run.read_bytes.append(read)
             run.fetch_bytes.append(fetched)
-            if stale is not None:
+            if hits:
                 run.hits.append(sum(hits) / len(hits))
                 run.stale_hits.append(sum(stale_hits) / len(stale_hits))
         return self.model.lm_head(inner.norm(h))[0].float()
@@ -184,10 +185,7 @@ class SpeCacheDecoder:
 
 
 def _overlap(picked: torch.Tensor, exact: torch.Tensor) -> float:
-    """Share of the exact top-k [H, k] found in `picked` [H, k'], averaged over heads (1.0 when there is nothing
-    to pick)."""
-    if exact.numel() == 0:
-        return 1.0
+    """Share of the exact top-k [H, k] found in `picked` [H, k'], averaged over heads."""
     found = (exact[:, :, None] == picked[:, None, :]).any(-1).float().mean(-1)
     return float(found.mean())
 
