@@ -19,7 +19,7 @@ HQ, HK, D = 6, 2, 32
 LENS = [1, 7, 300, 1000]  # one row that sees only its own token; rows of very different lengths
 
 
-def setup(dtype):
+def pools(dtype):
     torch.manual_seed(0)
     kv = MHATokenToKVPool(size=4096, page_size=1, dtype=dtype, head_num=HK, head_dim=D, layer_num=1, device="cpu",
                           enable_memory_saver=False)
@@ -63,29 +63,29 @@ def reference(runner, batch, layer, q):
 
 
 def test_float32_decode_equals_sglangs_torch_native_decode():
-    setup_args = setup(torch.float32)
-    ours = decode(DecodeAttention, *setup_args)
-    stock = decode(TorchNativeAttnBackend, *setup_args)
+    case = pools(torch.float32)
+    ours = decode(DecodeAttention, *case)
+    stock = decode(TorchNativeAttnBackend, *case)
     torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ours.double(), reference(*setup_args[:4]), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ours.double(), reference(*case[:4]), rtol=1e-4, atol=1e-4)
 
 
 def test_bfloat16_decode_is_at_least_as_close_to_float64_as_sglangs():
-    setup_args = setup(torch.bfloat16)
-    ours = decode(DecodeAttention, *setup_args)
-    stock = decode(TorchNativeAttnBackend, *setup_args)
-    ref = reference(*setup_args[:4])
+    case = pools(torch.bfloat16)
+    ours = decode(DecodeAttention, *case)
+    stock = decode(TorchNativeAttnBackend, *case)
+    ref = reference(*case[:4])
     assert ours.dtype == torch.bfloat16
     ours_err = (ours.double() - ref).abs().max().item()
     stock_err = (stock.double() - ref).abs().max().item()
     assert ours_err <= max(stock_err, 1e-2), (ours_err, stock_err)  # one bf16 rounding of the output at most
     # the step's own K/V were written to the pool before attending (row 0 sees only its own token)
-    torch.testing.assert_close(ours[0].view(HK, HQ // HK, D), setup_args[5][0][:, None].expand(HK, HQ // HK, D))
+    torch.testing.assert_close(ours[0].view(HK, HQ // HK, D), case[5][0][:, None].expand(HK, HQ // HK, D))
 
 
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.MIXED])
 def test_prefill_batches_are_not_planned_as_decode(mode):
-    runner, batch, *_ = setup(torch.float32)
+    runner, batch, *_ = pools(torch.float32)
     batch.forward_mode = mode
     backend = DecodeAttention(runner)
     backend.init_forward_metadata(batch)
