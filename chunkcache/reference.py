@@ -200,6 +200,20 @@ class ReferenceBlender:
             out.append(token)
         return out
 
+    @torch.inference_mode()
+    def teacher_forced_logits(self, result: BlendResult, continuation: Sequence[int]) -> torch.Tensor:
+        """[T, vocab] float32 logits for a given continuation of T tokens: row t predicts `continuation[t]` from the
+        prompt and `continuation[:t]` (row 0 is `result.logits`); one HF forward over a copy of the result's cache,
+        so a blended prompt is scored on another run's greedy tokens (the result is unchanged)."""
+        from transformers import DynamicCache
+
+        rows = [result.logits[None]]
+        if len(continuation) > 1:
+            cache = DynamicCache([(k, v) for k, v, *_ in result.past_key_values], config=self.config)
+            ids = torch.tensor([list(continuation[:-1])], device=self.device)
+            rows.append(self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0].float())
+        return torch.cat(rows)[: len(continuation)]
+
     def draft(self, model: str | None = None, layers: int | None = None, dtype: str = "float32") -> Draft:
         """The draft model for draft-guided selectors, loaded once ("self", the default: this model's first
         `layers` layers, a third of them by default)."""
