@@ -67,7 +67,7 @@ class SelectConfig:
     def check(self) -> None:
         from .select import REGISTRY  # here, not at module level: the selectors import torch and transformers
 
-        known = sorted(REGISTRY.selectors)
+        known = REGISTRY.names()
         _one_of(self, "selector", known)
         if not 0.0 <= self.ratio <= 1.0:
             raise ConfigError("ratio", f"must be in [0, 1], got {self.ratio}")

@@ -119,8 +119,8 @@ def parse_options(payload: dict) -> tuple[str | None, str | None, float | None]:
     if selector is not None:
         if not isinstance(selector, str):
             raise HintError(f"selector must be a string, got {selector!r}")
-        if selector not in REGISTRY.selectors:  # looked up now, so selectors registered later are accepted
-            raise HintError(f"selector {selector!r} is not registered; known: {', '.join(sorted(REGISTRY.selectors))}")
+        if selector not in REGISTRY:  # looked up now, so selectors registered later are accepted
+            raise HintError(f"selector {selector!r} is not registered; known: {', '.join(REGISTRY.names())}")
     if ratio is not None:
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio):
             raise HintError(f"ratio must be a number in [0, 1], got {ratio!r}")

@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from chunkcache.models import tiny_model
 from chunkcache.reference import ReferenceBlender
-from chunkcache.select.base import top_k_context
+from chunkcache.select.budget import rank
 
 
 def _rotate_half(x):
@@ -56,6 +56,6 @@ def test_prophet_matches_naive_attention(arch):
     res = blender.blend(prefix, chunks, query, selector="prophet", ratio=0.25)
     ctx = res.layout.context_mask()
     torch.testing.assert_close(res.scores[ctx], naive[: ctx.numel()][ctx].float(), rtol=1e-4, atol=1e-5)
-    picked = top_k_context(res.layout, naive[: ctx.numel()], res.layout.budget(0.25))
+    picked = rank(naive[: ctx.numel()], ctx)[: res.layout.budget(0.25)]
     expected = (res.layout.forced_mask() | torch.zeros_like(ctx).index_fill(0, picked, True)).nonzero().flatten()
     assert torch.equal(res.recomputed, expected)

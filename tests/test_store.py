@@ -64,8 +64,70 @@ def test_memory_lru_eviction_order_and_budget():
 
 def test_memory_entry_larger_than_budget_is_not_kept():
     store = ChunkStore(host_bytes=100)
-    store.put(make_entry(key(0)))
+    assert store.put(make_entry(key(0))) is False
     assert key(0) not in store and store.stats().memory_bytes == 0
+
+
+def test_put_says_whether_a_local_tier_kept_the_entry(tmp_path):
+    e = make_entry(key(0))
+    assert ChunkStore(host_bytes=1 << 20).put(e) is True
+    assert ChunkStore(host_bytes=100, disk_dir=str(tmp_path / "a")).put(e) is True  # memory refused, the disk kept it
+    refused = ChunkStore(host_bytes=100, disk_dir=str(tmp_path / "b"), disk_bytes=100)
+    assert refused.put(e) is False and key(0) not in refused and refused.get(key(0)) is None
+
+
+def charged_as_held(store: ChunkStore) -> bool:
+    """The host budget's invariant: memory is charged exactly what its entries hold, features included."""
+    return store.stats().memory_bytes == sum(e.nbytes for e in store.memory.entries.values())
+
+
+def test_add_features_charges_the_host_budget_and_writes_through_to_disk(tmp_path):
+    store = ChunkStore(host_bytes=1 << 20, disk_dir=str(tmp_path))
+    store.put(make_entry(key(1)))
+    before = store.stats().memory_bytes
+    scores = torch.rand(8)
+    assert store.add_features(key(1), {"spec:imp": scores}) is True
+    assert store.stats().memory_bytes == before + scores.nbytes and charged_as_held(store)
+    reopened = ChunkStore(host_bytes=1 << 20, disk_dir=str(tmp_path))  # another process, or after a restart
+    assert torch.equal(reopened.get(key(1)).features["spec:imp"], scores)
+    assert_same(reopened.get(key(1)), store.get(key(1)))
+
+
+def test_features_a_selector_wrote_in_place_are_charged_when_added(tmp_path):
+    """The engines hand a selector the stored entry's own feature dict (Features.chunk_features), then add what grew."""
+    store = ChunkStore(host_bytes=1 << 20, disk_dir=str(tmp_path))
+    store.put(make_entry(key(1)))
+    entry = store.get(key(1))
+    before = store.stats().memory_bytes
+    entry.features["clip:kv"] = torch.randn(2, 1, 4, 8, 2)
+    assert store.stats().memory_bytes == before  # written, not yet added
+    assert store.add_features(key(1), {"clip:kv": entry.features["clip:kv"]}) is True
+    assert store.stats().memory_bytes == before + entry.features["clip:kv"].nbytes and charged_as_held(store)
+    assert "clip:kv" in ChunkStore(host_bytes=1 << 20, disk_dir=str(tmp_path)).get(key(1)).features
+
+
+def test_a_grown_entry_evicts_the_oldest_and_is_dropped_once_alone_over_budget():
+    size = make_entry(key(0)).nbytes
+    store = ChunkStore(host_bytes=2 * size)
+    store.put(make_entry(key(0)))
+    store.put(make_entry(key(1)))
+    assert store.add_features(key(1), {"f": torch.zeros(1)}) is True
+    assert key(0) not in store and key(1) in store and store.stats().evictions == 1 and charged_as_held(store)
+    assert store.add_features(key(1), {"g": torch.zeros(size // 2)}) is False  # 4 bytes each: now over alone
+    assert key(1) not in store and store.stats().memory_bytes == 0
+
+
+def test_add_features_reaches_an_entry_only_the_disk_holds(tmp_path):
+    store = ChunkStore(host_bytes=0, disk_dir=str(tmp_path))
+    store.put(make_entry(key(2)))
+    assert store.add_features(key(2), {"f": torch.ones(3)}) is True
+    assert torch.equal(ChunkStore(host_bytes=0, disk_dir=str(tmp_path)).get(key(2)).features["f"], torch.ones(3))
+
+
+def test_add_features_to_an_entry_no_local_tier_holds_is_refused():
+    store = ChunkStore(host_bytes=1 << 20)
+    assert store.add_features(key(5), {"f": torch.zeros(1)}) is False
+    assert key(5) not in store and store.stats().memory_bytes == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -157,7 +219,7 @@ def test_full_disk_is_logged_counted_and_leaves_no_file(tmp_path, monkeypatch, c
 
     monkeypatch.setattr("builtins.open", fake_open)
     with caplog.at_level(logging.ERROR, logger="chunkcache.store.disk"):
-        store.put(make_entry(key(9)))
+        assert store.put(make_entry(key(9))) is True  # memory kept it
     monkeypatch.undo()
     assert "full" in caplog.text
     st = store.stats()

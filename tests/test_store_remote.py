@@ -65,6 +65,18 @@ def test_servers_share_entries_through_the_store(valkey, tmp_path):
     assert b.get(key(2)) is None and b.stats().remote.misses == 1 and b.stats().misses == 1
 
 
+def test_added_features_reach_other_servers_and_a_put_sends_the_entry_as_it_was(valkey):
+    a, b = remote_store(valkey.url), remote_store(valkey.url)
+    e = make_entry(key(1), tokens=16)
+    a.put(e)
+    e.features["spec:imp"] = torch.rand(16)  # a selector writing into the entry while the writer may be encoding it
+    drain(a)
+    assert valkey.client().get(key_prefix(FP) + key(1)) == encode(make_entry(key(1), tokens=16))
+    assert a.add_features(key(1), {"spec:imp": e.features["spec:imp"]}) is True
+    drain(a)
+    assert torch.equal(b.get(key(1)).features["spec:imp"], e.features["spec:imp"])
+
+
 def test_models_and_tenants_stay_apart_across_servers(valkey):
     tokens = list(range(30, 40))
     prefix = prefix_key([1, 2, 3])

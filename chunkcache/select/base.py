@@ -10,7 +10,7 @@ computed right after the same shared prefix).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
@@ -58,7 +58,6 @@ class Layout:
 class Selection:
     indices: torch.Tensor  # [M] int64, sorted target-token indices to recompute (forced tokens included)
     scores: torch.Tensor | None = None  # [N] float, the selector's per-token importance (None if it has none)
-    seconds: float = 0.0  # wall time spent selecting, feature extraction included
 
 
 class Features(Protocol):
@@ -112,37 +111,44 @@ def needs(selector: Selector) -> tuple[tuple[str, tuple], ...]:
     return tuple(getattr(selector, "needs", ()))
 
 
-def finish(layout: Layout, picked: torch.Tensor, scores: torch.Tensor | None, seconds: float) -> Selection:
+def finish(layout: Layout, picked: torch.Tensor, scores: torch.Tensor | None) -> Selection:
     """Union the picked context tokens with the forced ones and return them sorted."""
     mask = layout.forced_mask()
     if picked.numel():
         mask[picked.long()] = True
-    return Selection(indices=mask.nonzero().flatten(), scores=scores, seconds=seconds)
+    return Selection(indices=mask.nonzero().flatten(), scores=scores)
 
 
-def top_k_context(layout: Layout, scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k highest-scoring context tokens; ties broken by lower index (deterministic)."""
-    ctx = layout.context_mask().nonzero().flatten()
-    if k <= 0 or ctx.numel() == 0:
-        return ctx[:0]
-    s = scores[ctx].double()
-    # stable sort on -score keeps the earlier index first among equal scores
-    order = torch.sort(-s, stable=True).indices[:k]
-    return ctx[order]
-
-
-@dataclass
 class Registry:
-    selectors: dict[str, type] = field(default_factory=dict)
+    """Selector classes by their `name`. A name is registered once: a second class under it is refused, since
+    which selector a config or a request hint means must not depend on which module was imported last."""
+
+    def __init__(self) -> None:
+        self._classes: dict[str, type] = {}
 
     def register(self, cls: type) -> type:
-        self.selectors[cls.name] = cls
+        """Class decorator; ValueError for a blank or already registered name."""
+        name = getattr(cls, "name", None)
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"selector class {cls.__qualname__} needs a non-empty string `name`, has {name!r}")
+        if name in self._classes:
+            taken = self._classes[name]
+            raise ValueError(f"selector {name!r} is already registered by {taken.__module__}.{taken.__qualname__}; "
+                             f"{cls.__module__}.{cls.__qualname__} needs another name")
+        self._classes[name] = cls
         return cls
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._classes
+
+    def names(self) -> list[str]:
+        """Every registered name, sorted."""
+        return sorted(self._classes)
+
     def create(self, name: str, **options: Any) -> Selector:
-        if name not in self.selectors:
-            raise ValueError(f"unknown selector {name!r}; known: {', '.join(sorted(self.selectors))}")
-        return self.selectors[name](**options)
+        if name not in self._classes:
+            raise ValueError(f"unknown selector {name!r}; known: {', '.join(self.names())}")
+        return self._classes[name](**options)
 
 
 REGISTRY = Registry()

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from ..align import close_units
+from ..align import close_units, unit_ids
 from .base import Layout
 
 
@@ -57,8 +57,10 @@ def fit(
 
 
 def rank(scores: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
-    """Eligible positions, best score first; ties go to the lower index (deterministic)."""
+    """Eligible positions, best score first; ties go to the lower index (deterministic). Every selector's top-k is
+    a prefix of this one ranking, so equal scores are broken the same way everywhere."""
     idx = eligible.nonzero().flatten()
+    # a stable sort on -score keeps the earlier index first among equal scores
     return idx[torch.sort(-scores[idx].double(), stable=True).indices]
 
 
@@ -79,10 +81,7 @@ def top_k_whole(layout: Layout, scores: torch.Tensor, k: int, units: torch.Tenso
 
 def top_k(layout: Layout, scores: torch.Tensor, ratio: float, features, whole_units: bool) -> torch.Tensor:
     """The score-ranked selectors' pick: the budget's best context tokens, closed over whole units if asked."""
-    from ..align import unit_ids
-    from .base import top_k_context
-
     k = layout.budget(ratio)
     if whole_units:
         return top_k_whole(layout, scores, k, unit_ids(*features.prompt_text()))
-    return top_k_context(layout, scores, k)
+    return rank(scores, layout.context_mask())[:k]

@@ -3,7 +3,6 @@ check layer (||dV|| at layer 1 by default)."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -28,7 +27,6 @@ class CacheBlendSelector:
         return (("kv_deviation", (self.layer, self.which)),)
 
     def select(self, layout: Layout, ratio: float, features: Features) -> Selection:
-        t0 = time.perf_counter()
         scores = features.kv_deviation(self.layer, self.which)
         picked = top_k(layout, scores, ratio, features, self.whole_units)
-        return finish(layout, picked, scores, time.perf_counter() - t0)
+        return finish(layout, picked, scores)

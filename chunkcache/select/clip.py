@@ -9,7 +9,6 @@ is run through the auxiliary model once. Budget: exactly K target context tokens
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -49,7 +48,6 @@ class ClipSelector:
     whole_units: bool = True  # close the target selection over whole numbers / words
 
     def select(self, layout: Layout, ratio: float, features: Features) -> Selection:
-        t0 = time.perf_counter()
         draft = self.draft if isinstance(self.draft, Draft) else features.draft(self.draft, self.layers)
         prefix = draft_view(draft, layout, features, (0, layout.prefix_len)) if layout.prefix_len else None
         query = draft_view(draft, layout, features, layout.query_span)
@@ -67,8 +65,7 @@ class ClipSelector:
         windows = window_ids([v.n for v in views], self.window)
         units = unit_ids(*features.prompt_text()) if self.whole_units else None
         picked = self.pick(layout, ratio, chunks.align, att, chunks.candidates, windows, units)
-        return finish(layout, picked.nonzero().flatten(), chunks.align.project_scores(att).float(),
-                      time.perf_counter() - t0)
+        return finish(layout, picked.nonzero().flatten(), chunks.align.project_scores(att).float())
 
     def pick(self, layout: Layout, ratio: float, align: Alignment, att: torch.Tensor, candidates: torch.Tensor,
              windows: torch.Tensor, units: torch.Tensor | None) -> torch.Tensor:

@@ -4,7 +4,6 @@ tokens that matter for the answer; per-layer attention averaged over query token
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -20,7 +19,6 @@ class ProphetSelector:
     whole_units: bool = False  # keep numbers / words whole (off: the paper's plain top-K)
 
     def select(self, layout: Layout, ratio: float, features: Features) -> Selection:
-        t0 = time.perf_counter()
         scores = features.query_attention()
         picked = top_k(layout, scores, ratio, features, self.whole_units)
-        return finish(layout, picked, scores, time.perf_counter() - t0)
+        return finish(layout, picked, scores)

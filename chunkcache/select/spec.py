@@ -11,7 +11,6 @@ states that have not seen the other chunks.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -65,7 +64,6 @@ class SpecSelector:
     per_chunk: bool = False  # score each chunk once after the shared prefix (stored) instead of the whole prompt
 
     def select(self, layout: Layout, ratio: float, features: Features) -> Selection:
-        t0 = time.perf_counter()
         draft = self.draft if isinstance(self.draft, Draft) else features.draft(self.draft, self.layers)
         if self.per_chunk:
             view, imp = self._stored_importance(draft, layout, features)
@@ -75,7 +73,7 @@ class SpecSelector:
         units = unit_ids(*features.prompt_text()) if self.whole_units else None
         picked = self.pick(layout, ratio, view, imp, units)
         scores = view.align.project_scores(imp).float()
-        return finish(layout, picked.nonzero().flatten(), scores, time.perf_counter() - t0)
+        return finish(layout, picked.nonzero().flatten(), scores)
 
     def pick(self, layout: Layout, ratio: float, view: DraftView, imp: torch.Tensor,
              units: torch.Tensor | None) -> torch.Tensor:

@@ -14,7 +14,7 @@ class Full:
     name: ClassVar[str] = "full"
 
     def select(self, layout: Layout, ratio: float, features: Features) -> Selection:
-        return finish(layout, layout.context_mask().nonzero().flatten(), None, 0.0)
+        return finish(layout, layout.context_mask().nonzero().flatten(), None)
 
 
 @REGISTRY.register
@@ -22,4 +22,4 @@ class NoRecompute:
     name: ClassVar[str] = "none"
 
     def select(self, layout: Layout, ratio: float, features: Features) -> Selection:
-        return finish(layout, torch.empty(0, dtype=torch.long), None, 0.0)
+        return finish(layout, torch.empty(0, dtype=torch.long), None)

@@ -14,7 +14,8 @@ class MemoryTier:
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
         self.entries: OrderedDict[str, ChunkEntry] = OrderedDict()  # oldest use first
-        self.sizes: dict[str, int] = {}  # bytes charged at insertion (features may be added to an entry later)
+        # bytes charged at the last put: features written into an entry since then are not counted until it is put again
+        self.sizes: dict[str, int] = {}
         self.bytes = 0
         self.evictions = 0
 

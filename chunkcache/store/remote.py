@@ -9,10 +9,13 @@ Contract:
   serving model (`layout`: fingerprint, layers, KV heads, head_dim; anyone who can write to the server can put a
   value there) is a miss, counted in `corrupt`, and deleted so that the next put can store a good one. get never
   raises.
-- put never blocks and never raises: the entry is queued for one writer thread, which encodes it and stores it with
-  a plain SET. A put follows a miss in every tier, so it either fills an absent key or replaces a value its caller
+- put never blocks and never raises: the entry as it is at the put (its feature dict copied: a selector may add
+  features to it while the writer encodes) is queued for one writer thread, which encodes it and stores it with a
+  plain SET. A put follows a miss in every tier, so it either fills an absent key or replaces a value its caller
   found unusable (the blend drops an entry holding other tokens than its chunk, and its put must replace it here
-  too); two servers racing on a new chunk write the same bytes. A put finding the queue full is dropped
+  too); two servers racing on a new chunk write the same bytes. The one other put is of the same entry grown by
+  selector features (ChunkStore.add_features): servers adding different features race, the last write wins, and a
+  feature it lacks is recomputed by the next server that asks for it. A put finding the queue full is dropped
   (`dropped`). An encoding larger than the server accepts (`max_value_bytes`, lowered to the server's
   `proto-max-bulk-len` when `CONFIG GET` answers) is not sent (`oversize`); where CONFIG is renamed away, a value
   over the server's limit is refused by the server, as `oversize` when its reply arrives or, when it resets the
@@ -33,7 +36,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
 
 import redis
@@ -133,7 +136,7 @@ class RemoteTier:
             return
         with self._lock:
             try:
-                self._queue.put_nowait(entry)
+                self._queue.put_nowait(replace(entry, features=dict(entry.features)))
             except queue.Full:
                 self._n["dropped"] += 1
                 return

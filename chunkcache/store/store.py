@@ -1,11 +1,25 @@
 """ChunkStore: host memory in front of an optional disk tier and an optional remote tier (a Redis-protocol server
-shared by every chunkcache server). Gets look in memory, then disk, then remote, and promote hits into the tiers in
-front; puts write through to every tier (to the remote one in the background, see remote.py)."""
+shared by every chunkcache server).
+
+Contract:
+- get looks in memory, then disk, then remote, and promotes a hit into the tiers in front.
+- put writes through to every tier (to the remote one in the background, see remote.py) and says whether a local
+  tier kept the entry. False: memory refused it (alone over the host budget) and so did the disk (over its budget,
+  full) or there is none; a later get finds it only on the remote tier, if at all, and the caller's copy may be the
+  only one.
+- Memory holds `host_bytes` at most, every entry charged its `nbytes` as of its last put or add_features. A selector
+  keeps per-chunk features by writing into an entry's `features` (Features.chunk_features); the engine then calls
+  add_features, which charges them and writes the grown entry through to disk and remote. Features written but not
+  yet added are neither charged nor seen by another process.
+- A store bound to a model raises FingerprintMismatch for another model's entry, on put and on get.
+"""
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+
+import torch
 
 from ..config import StoreConfig
 from .disk import DiskTier
@@ -84,15 +98,38 @@ class ChunkStore:
             entry.check_model(self.model_fingerprint)
         return entry
 
-    def put(self, entry: ChunkEntry) -> None:
+    def put(self, entry: ChunkEntry) -> bool:
+        """Write through to every tier; False if no local tier kept the entry (see the contract above)."""
         if self.model_fingerprint is not None:
             entry.check_model(self.model_fingerprint)
         with self._lock:
-            self.memory.put(entry)
-            if self.disk is not None:
-                self.disk.put(entry)
+            kept = self._put_local(entry)
         if self.remote is not None:
             self.remote.put(entry)
+        return kept
+
+    def add_features(self, key: str, features: dict[str, torch.Tensor]) -> bool:
+        """Add `features` (replacing any of the same name) to the entry stored under `key`, the one in memory else
+        the disk's, and put the grown entry again: charged to the host budget (evicting older entries, or dropping
+        this one if it no longer fits alone), rewritten on disk, re-sent to the remote tier. False if no local tier
+        holds `key` any more (the features are lost and recomputed when next asked for) or none kept the grown
+        entry."""
+        with self._lock:
+            entry = self.memory.get(key)
+            if entry is None and self.disk is not None:
+                entry = self.disk.get(key)
+            if entry is None:
+                return False
+            entry.features.update(features)
+            kept = self._put_local(entry)
+        if self.remote is not None:
+            self.remote.put(entry)
+        return kept
+
+    def _put_local(self, entry: ChunkEntry) -> bool:
+        in_memory = self.memory.put(entry)
+        on_disk = self.disk is not None and self.disk.put(entry)
+        return in_memory or on_disk
 
     def __contains__(self, key: str) -> bool:
         """Local tiers only: admission asks this for every chunk of every waiting request, too often for a network
