@@ -14,29 +14,28 @@ difference from `full_prefill` (the unmodified HF forward) comes from the blendi
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from . import select as selectors
-from .align import decode_with_offsets
+from .blend import pipeline
+from .blend.attention import attend_blocks, plan_blocks
+from .blend.features import Models
+from .blend.plan import Placement, RequestPlan, plan_request
 from .draft import Draft
 from .draft import load as load_draft
 from .hashing import chunk_key, model_fingerprint, prefix_key
 from .rope import RopeSpec, rerotate, rotate_half
-from .select.base import Features, Layout, Selector
+from .select.base import Layout, Selector
 from .store import ChunkEntry, ChunkStore
 
 SUPPORTED_MODELS = ("llama", "qwen2")
 # padded tokens per batch when computing missing chunks; bounds the batch's KV buffer
 CHUNK_BATCH_TOKENS = 8192
-# attention scores materialised at once (query rows x keys x heads); bounds memory on long prompts
-ATTENTION_TILE_ELEMENTS = 1 << 24
 
 TokenIds = Sequence[int] | torch.Tensor
 
@@ -75,8 +74,8 @@ class ReferenceBlender:
         self.n_kv_heads = config.num_key_value_heads
         self.head_dim = self.rope.head_dim
         self.max_len = config.max_position_embeddings
-        self._tokenizer = None
-        self._drafts: dict[tuple[str, int | None], Draft] = {}
+        self.models = Models(model_dir, lambda name, layers: load_draft(name, layers, "float32", self.device,
+                                                                         target=self.model))
 
     @classmethod
     def from_pretrained(
@@ -126,60 +125,31 @@ class ReferenceBlender:
         **selector_options,
     ) -> BlendResult:
         t_start = time.perf_counter()
-        timings: dict[str, float] = {}
         layout = self._layout(prefix_ids, chunks_ids, query_ids)
         if isinstance(selector, str):
             selector = selectors.create(selector, **selector_options)
         elif selector_options:
             raise ValueError("selector options go to the selector's constructor; pass a name, not an instance")
-        ids = layout.token_ids.to(self.device)
-        P, N = layout.prefix_len, layout.n
-        k_buf, v_buf = self._kv_buffers(1, N)
-
-        with _timed(timings, "prefix"):
-            if P:
-                self._forward(ids[None, :P], torch.arange(P, device=self.device), k_buf[:, :, :P], v_buf[:, :, :P])
-        with _timed(timings, "lookup"):
-            pkey = prefix_key(layout.token_ids[:P])
-            chunks = [layout.token_ids[s:e] for s, e in layout.chunk_spans]
-            keys = [chunk_key(self.fingerprint, self.namespace, pkey, c) for c in chunks]
-            entries = {key: self._load(key, c) for key, c in zip(keys, chunks)}
-            n_missed = sum(entries[key] is None for key in keys)
-        with _timed(timings, "compute_chunks"):
-            missing = {key: c for key, c in zip(keys, chunks) if entries[key] is None}
-            computed = self._compute_chunks(missing, k_buf, v_buf, P)
-        with _timed(timings, "store"):
-            for entry in computed:
-                self.store.put(entry)
-                entries[entry.key] = entry
-        with _timed(timings, "assemble"):
-            for key, (s, e) in zip(keys, layout.chunk_spans):
-                entry = entries[key]
-                cached_at = torch.arange(entry.start_pos, entry.start_pos + e - s)
-                k_buf[:, 0, s:e] = rerotate(entry.k.to(self.device, self.dtype), s - entry.start_pos, self.rope, cached_at)
-                v_buf[:, 0, s:e] = entry.v.to(self.device, self.dtype)
-        with _timed(timings, "select"):
-            features = _RequestFeatures(self, layout, k_buf, v_buf, [entries[k] for k in keys])
-            selection = selector.select(layout, ratio, features)
-            for entry in features.grown_entries():  # persist selector features (the disk tier copies on put)
-                self.store.put(entry)
-        recomputed = self._recompute_set(layout, selection.indices)
-        with _timed(timings, "recompute"):
-            sel = recomputed.to(self.device)
-            h = self._forward(ids[None, sel], sel, k_buf, v_buf)
-            logits = self._logits(h[:, -1])
-        n_ctx_recomputed = int(layout.context_mask()[recomputed].sum())
-        timings["total"] = time.perf_counter() - t_start
+        P = layout.prefix_len
+        pkey = prefix_key(layout.token_ids[:P])
+        keys = [chunk_key(self.fingerprint, self.namespace, pkey, layout.token_ids[s:e]) for s, e in layout.chunk_spans]
+        plan = plan_request(layout.token_ids, layout.chunk_spans, keys, matched=0, selector=selector.name,
+                            ratio=ratio, shared_prefix_len=P)
+        engine = _Engine(self, plan)
+        run = pipeline.run(engine, self.store, [plan], lambda _: selector)
+        done, t = run.requests[0], run.seconds
         return BlendResult(
-            logits=logits,
-            recomputed=recomputed,
-            reused_tokens=int(layout.context_mask().sum()) - n_ctx_recomputed,
-            past_key_values=self._cache(k_buf, v_buf),
+            logits=run.output,
+            recomputed=done.recomputed,
+            reused_tokens=done.reused_tokens,
+            past_key_values=self._cache(engine.k_buf, engine.v_buf),
             layout=layout,
-            timings=timings,
-            chunk_hits=len(keys) - n_missed,
-            chunk_misses=n_missed,
-            scores=selection.scores,
+            timings={"prefix": engine.prefix_s, "lookup": t["lookup"], "compute_chunks": t["fill"] - engine.prefix_s,
+                     "store": t["learn"], "assemble": t["copy"], "select": t["features"] + t["select"],
+                     "recompute": t["recompute"], "total": time.perf_counter() - t_start},
+            chunk_hits=done.hits,
+            chunk_misses=len(plan.chunks) - done.hits,
+            scores=done.scores,
         )
 
     @torch.inference_mode()
@@ -214,21 +184,14 @@ class ReferenceBlender:
             rows.append(self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0].float())
         return torch.cat(rows)[: len(continuation)]
 
-    def draft(self, model: str | None = None, layers: int | None = None, dtype: str = "float32") -> Draft:
+    def draft(self, model: str | None = None, layers: int | None = None) -> Draft:
         """The draft model for draft-guided selectors, loaded once ("self", the default: this model's first
         `layers` layers, a third of them by default)."""
-        model = model or "self"
-        if (model, layers) not in self._drafts:
-            self._drafts[model, layers] = load_draft(model, layers, dtype, self.device, target=self.model)
-        return self._drafts[model, layers]
+        return self.models.draft(model, layers)
 
     @property
     def tokenizer(self):
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        return self._tokenizer
+        return self.models.tokenizer
 
     # ---- request assembly -------------------------------------------------------------------------------------
 
@@ -252,16 +215,6 @@ class ReferenceBlender:
             pos += c.numel()
         return Layout(token_ids=token_ids, prefix_len=prefix.numel(), chunk_spans=tuple(spans),
                       query_span=(pos, token_ids.numel()))
-
-    def _load(self, key: str, token_ids: torch.Tensor) -> ChunkEntry | None:
-        entry = self.store.get(key)
-        if entry is None:
-            return None
-        entry.check_model(self.fingerprint)
-        expected = (self.n_layers, token_ids.numel(), self.n_kv_heads, self.head_dim)
-        if tuple(entry.k.shape) != expected or not torch.equal(entry.token_ids.cpu(), token_ids):
-            raise ValueError(f"store entry {key} does not match its chunk: KV {tuple(entry.k.shape)}, expected {expected}")
-        return entry
 
     def _compute_chunks(self, chunks: dict[str, torch.Tensor], k_buf: torch.Tensor, v_buf: torch.Tensor,
                         prefix_len: int) -> list[ChunkEntry]:
@@ -293,15 +246,6 @@ class ReferenceBlender:
             for b, (key, c) in enumerate(batch)
         ]
 
-    @staticmethod
-    def _recompute_set(layout: Layout, picked: torch.Tensor) -> torch.Tensor:
-        picked = picked.long().cpu()
-        if picked.numel() and (int(picked.min()) < 0 or int(picked.max()) >= layout.n):
-            raise ValueError(f"selector picked indices outside the prompt [0, {layout.n})")
-        mask = layout.forced_mask()
-        mask[picked] = True
-        return mask.nonzero().flatten()
-
     def _kv_buffers(self, batch: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (self.n_layers, batch, n, self.n_kv_heads, self.head_dim)
         return (torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -316,12 +260,12 @@ class ReferenceBlender:
     # ---- the layer loop ---------------------------------------------------------------------------------------
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                 n_layers: int | None = None, probe_rows: torch.Tensor | None = None):
-        """Run tokens `ids` [B, M] at positions `pos` [M] through the first `n_layers` layers.
+                 n_layers: int | None = None, record_from: int | None = None):
+        """Run tokens `ids` [B, M] at positions `pos` [M] (ascending) through the first `n_layers` layers.
 
         Their K/V are written into slot `pos` of `k_buf`/`v_buf` [L, B, N, H_kv, D] before each layer's attention;
-        each attends to slots <= its own position. Returns the hidden states [B, M, hidden]; with `probe_rows`
-        (indices into M, batch of 1) also the softmax attention of those rows to every slot, averaged over rows
+        each attends to slots <= its own position. Returns the hidden states [B, M, hidden]; with `record_from`
+        (batch of 1) also the softmax attention of rows [record_from, M) to every slot, averaged over those rows
         and heads, summed over layers ([N] float32).
         """
         inner = self.model.model
@@ -329,7 +273,11 @@ class ReferenceBlender:
         h = inner.embed_tokens(ids)
         cos, sin = inner.rotary_emb(h, pos[None])
         cos, sin = cos[:, :, None], sin[:, :, None]  # [1, M, 1, D] broadcasts over heads
-        attn_sum = torch.zeros(k_buf.shape[2], dtype=torch.float32, device=self.device) if probe_rows is not None else None
+        slots = torch.arange(k_buf.shape[2], device=self.device)
+        split = M if record_from is None else record_from
+        blocks = plan_blocks(pos[:split], slots, False)
+        recorded = plan_blocks(pos[split:], slots, True)
+        record = torch.zeros(k_buf.shape[2], dtype=torch.float32, device=self.device)
         for l, layer in enumerate(inner.layers[: n_layers or self.n_layers]):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
@@ -340,108 +288,77 @@ class ReferenceBlender:
             k = k * cos + rotate_half(k) * sin
             k_buf[l][:, pos] = k
             v_buf[l][:, pos] = v
-            if probe_rows is None:
-                o = _attention(q, k_buf[l], v_buf[l], pos, attn.scaling)
-            else:
-                o, probs = _attention_with_probs(q, k_buf[l], v_buf[l], pos, attn.scaling)
-                attn_sum += probs[0][:, probe_rows].float().mean(dim=(0, 1))
+            o = torch.empty_like(q)
+            for b in range(B):
+                o[b, :split] = attend_blocks(q[b, :split], k_buf[l, b], v_buf[l, b], blocks, attn.scaling)
+                if split < M:
+                    o[b, split:] = attend_blocks(q[b, split:], k_buf[l, b], v_buf[l, b], recorded, attn.scaling,
+                                                 record)
             h = h + attn.o_proj(o.reshape(B, M, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return h if probe_rows is None else (h, attn_sum)
+        return h if record_from is None else (h, record)
 
     def _logits(self, h_last: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.model.model.norm(h_last))[0].float()
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, M, Hq, D] at positions `pos` (ascending); k, v [B, N, Hkv, D] with slot = position.
+class _Engine:
+    """The blend pipeline's engine for one request on the blender's HF modules: the request's KV lives in one buffer
+    per layer whose slot is the token's position."""
 
-    Query rows are processed in tiles, each against only the slots up to its last position: memory stays bounded
-    and a full causal prefill does half the work of a dense one.
-    """
-    B, M, Hq, D = q.shape
-    Hkv = k.shape[2]
-    rows = max(1, ATTENTION_TILE_ELEMENTS // max(1, Hq * (int(pos[-1]) + 1)))
-    out = torch.empty_like(q)
-    for r in range(0, M, rows):
-        p = pos[r : r + rows]
-        n = int(p[-1]) + 1
-        mask = torch.arange(n, device=q.device)[None, :] <= p[:, None]
-        out[:, r : r + rows] = F.scaled_dot_product_attention(
-            q[:, r : r + rows].transpose(1, 2), k[:, :n].transpose(1, 2), v[:, :n].transpose(1, 2),
-            attn_mask=mask, scale=scale, enable_gqa=Hq != Hkv,
-        ).transpose(1, 2)
-    return out
-
-
-def _attention_with_probs(q, k, v, pos, scale) -> tuple[torch.Tensor, torch.Tensor]:
-    """Like `_attention` in one tile, also returning the probabilities [B, Hq, M, N] (N = all slots)."""
-    B, M, Hq, D = q.shape
-    groups = Hq // k.shape[2]
-    kk = k.transpose(1, 2).repeat_interleave(groups, dim=1)
-    vv = v.transpose(1, 2).repeat_interleave(groups, dim=1)
-    scores = (q.transpose(1, 2) @ kk.transpose(2, 3)).float() * scale
-    mask = torch.arange(k.shape[1], device=q.device)[None, :] <= pos[:, None]
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-    return (probs.to(vv.dtype) @ vv).transpose(1, 2), probs
-
-
-class _RequestFeatures(Features):
-    """What selectors may ask of one request; each method computes on first call only."""
-
-    def __init__(self, blender: ReferenceBlender, layout: Layout, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                 entries: list[ChunkEntry]):
-        self.blender, self.layout, self.k_buf, self.v_buf = blender, layout, k_buf, v_buf
-        self.entries = entries
-        self._feature_counts = [len(e.features) for e in entries]
+    def __init__(self, blender: ReferenceBlender, plan: RequestPlan):
+        self.blender, self.plan = blender, plan
+        self.fingerprint, self.models, self.n_layers = blender.fingerprint, blender.models, blender.n_layers
+        self.entry_shape = (blender.n_layers, blender.n_kv_heads, blender.head_dim)
+        self.ids = plan.token_ids.to(blender.device)
+        self.k_buf, self.v_buf = blender._kv_buffers(1, plan.n)
+        self.prefix_s = 0.0  # the fill's exact prefix, reported apart from the chunks it computes
         self._fresh: tuple[torch.Tensor, torch.Tensor] | None = None  # all-token KV of the first layers
-        self._query_attention: torch.Tensor | None = None
-        self._text: tuple[str, list[tuple[int, int]]] | None = None
 
-    def kv_deviation(self, layer: int, which: str) -> torch.Tensor:
-        if which not in ("k", "v"):
-            raise ValueError(f"which must be 'k' or 'v', got {which!r}")
-        if not 0 <= layer < self.blender.n_layers:
-            raise ValueError(f"layer {layer} outside [0, {self.blender.n_layers})")
+    def fill(self, chunks: list[tuple[int, Placement]]) -> list[ChunkEntry]:
+        b, P = self.blender, self.plan.start
+        t0 = time.perf_counter()
+        if P:
+            b._forward(self.ids[None, :P], torch.arange(P, device=b.device), self.k_buf[:, :, :P], self.v_buf[:, :, :P])
+        self.prefix_s = time.perf_counter() - t0
+        return b._compute_chunks({c.key: self.plan.chunk_ids(c) for _, c in chunks}, self.k_buf, self.v_buf,
+                                 self.plan.shared_prefix_len)
+
+    def copy(self, entries: list[list[ChunkEntry]]) -> None:
+        b = self.blender
+        for c, entry in zip(self.plan.chunks, entries[0]):
+            (s, e), start = c.span, c.chunk[0]
+            cached_at = torch.arange(entry.start_pos + c.head, entry.start_pos + entry.num_tokens)
+            self.k_buf[:, 0, s:e] = rerotate(entry.k[:, c.head:].to(b.device, b.dtype), start - entry.start_pos,
+                                             b.rope, cached_at)
+            self.v_buf[:, 0, s:e] = entry.v[:, c.head:].to(b.device, b.dtype)
+
+    def kv_deviation(self, requests: Sequence[int], layer: int, which: str) -> list[torch.Tensor]:
+        b, layout = self.blender, self.plan.layout()
         if self._fresh is None or self._fresh[0].shape[0] <= layer:
-            b, n = self.blender, self.layout.n
-            k, v = b._kv_buffers(1, n)
+            k, v = b._kv_buffers(1, layout.n)
             k, v = k[: layer + 1], v[: layer + 1]
-            b._forward(self.layout.token_ids[None].to(b.device), torch.arange(n, device=b.device), k, v, layer + 1)
+            b._forward(self.ids[None], torch.arange(layout.n, device=b.device), k, v, layer + 1)
             self._fresh = (k, v)
         fresh = self._fresh[0 if which == "k" else 1][layer, 0]
         reused = (self.k_buf if which == "k" else self.v_buf)[layer, 0]
         dev = (fresh.float() - reused.float()).flatten(1).norm(dim=1).cpu()
-        return dev * self.layout.context_mask()
+        return [dev * layout.context_mask() for _ in requests]
 
-    def query_attention(self) -> torch.Tensor:
+    def query_attention(self, requests: Sequence[int]) -> list[torch.Tensor]:
         # The query tokens' K/V written into the buffers here are rewritten by the final recompute before any
         # token reads them (the query is always recomputed), so the pass leaves no trace in the result.
-        if self._query_attention is None:
-            b, layout = self.blender, self.layout
-            forced = layout.forced_mask().nonzero().flatten()
-            q0, q1 = layout.query_span
-            rows = ((forced >= q0) & (forced < q1)).nonzero().flatten().to(b.device)
-            sel = forced.to(b.device)
-            _, attn = b._forward(layout.token_ids[None, forced].to(b.device), sel, self.k_buf, self.v_buf, probe_rows=rows)
-            self._query_attention = attn.cpu()
-        return self._query_attention
+        b, layout = self.blender, self.plan.layout()
+        forced = layout.forced_mask().nonzero().flatten()
+        first_query_row = int((forced < layout.query_span[0]).sum())
+        sel = forced.to(b.device)
+        _, attn = b._forward(self.ids[None, sel], sel, self.k_buf, self.v_buf, record_from=first_query_row)
+        return [attn.cpu() for _ in requests]
 
-    def prompt_text(self) -> tuple[str, list[tuple[int, int]]]:
-        if self._text is None:
-            self._text = decode_with_offsets(self.blender.tokenizer, self.layout.token_ids.tolist())
-        return self._text
-
-    def draft(self, model: str | None, layers: int | None) -> Draft:
-        return self.blender.draft(model, layers)
-
-    def chunk_features(self, index: int) -> dict[str, torch.Tensor]:
-        return self.entries[index].features
-
-    def grown_entries(self) -> list[ChunkEntry]:
-        """Distinct entries a selector added features to during this request."""
-        grown = {id(e): e for e, n in zip(self.entries, self._feature_counts) if len(e.features) != n}
-        return list(grown.values())
+    def recompute(self, tokens: list[torch.Tensor]) -> torch.Tensor:
+        sel = tokens[0].to(self.blender.device)
+        h = self.blender._forward(self.ids[None, sel], sel, self.k_buf, self.v_buf)
+        return self.blender._logits(h[:, -1])
 
 
 def _as_ids(ids: TokenIds, what: str) -> torch.Tensor:
@@ -449,12 +366,3 @@ def _as_ids(ids: TokenIds, what: str) -> torch.Tensor:
     if t.dim() != 1:
         raise ValueError(f"{what} token ids must be 1-D, got shape {tuple(t.shape)}")
     return t
-
-
-@contextlib.contextmanager
-def _timed(timings: dict[str, float], stage: str):
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        timings[stage] = timings.get(stage, 0.0) + time.perf_counter() - t0

@@ -209,10 +209,12 @@ def learn(cache, works: list[Work], standalone) -> None:
     computed = {}
     for key, w, j, seg in standalone:
         s, e = w.whole[j]
-        entry = ChunkEntry(key=key, token_ids=w.ids[s:e].clone(), k=torch.stack([k for k, _ in seg.scratch]).cpu(),
-                           v=torch.stack([v for _, v in seg.scratch]).cpu(), start_pos=w.hint.shared,
+        entry = ChunkEntry(key=key, token_ids=w.ids[s:e].clone(), k=torch.stack([k for k, _ in seg.kept_kv]).cpu(),
+                           v=torch.stack([v for _, v in seg.kept_kv]).cpu(), start_pos=w.hint.shared,
                            model_fingerprint=cache.fingerprint)
-        cache.store.put(entry)
+        if not cache.store.put(entry):
+            log.warning("chunkcache: the chunk store kept no copy of chunk %s (%d bytes); every request that uses it "
+                        "computes it again", key, entry.nbytes)
         computed[key] = entry
     for w in works:
         w.entries = [computed.get(key, entry) for key, entry in zip(w.keys, w.entries)]
@@ -266,10 +268,10 @@ def query_attention(runner: "Runner", works: list[Work]) -> list[torch.Tensor]:
     segments = []
     for w in works:
         seg = p.add(w, torch.arange(w.hint.query, len(w.ids)), ctx=len(w.ids))
-        seg.record = torch.zeros(len(w.ids), dtype=torch.float32, device=w.row.device)
+        seg.attention_sum = torch.zeros(len(w.ids), dtype=torch.float32, device=w.row.device)
         segments.append(seg)
     runner.run(p)
-    return [seg.record.cpu() for seg in segments]
+    return [seg.attention_sum.cpu() for seg in segments]
 
 
 def kv_deviation(cache, runner: "Runner", works: list[Work], layer: int, which: str) -> list[torch.Tensor]:
@@ -286,7 +288,7 @@ def kv_deviation(cache, runner: "Runner", works: list[Work], layer: int, which: 
     buf = pool.get_key_buffer(layer) if which == "k" else pool.get_value_buffer(layer)
     out = []
     for w, seg in zip(works, segments):
-        fresh = seg.scratch[layer][0 if which == "k" else 1]
+        fresh = seg.kept_kv[layer][0 if which == "k" else 1]
         reused = buf[w.row[w.start:].to(buf.device)]
         dev = torch.zeros(len(w.ids))
         dev[w.start:] = (fresh.float() - reused.float()).flatten(1).norm(dim=1).cpu()
@@ -336,7 +338,12 @@ def _layout(w: Work) -> Layout:
 
 
 def _select(cache, runner: "Runner", w: Work) -> torch.Tensor:
+    entries = {e.key: e for e in w.entries}
+    had = {key: set(e.features) for key, e in entries.items()}
     selection = cache.selector(w.hint.selector).select(_layout(w), w.hint.ratio, _Features(cache, runner, w))
+    for key, e in entries.items():
+        if e.features.keys() != had[key]:  # a selector kept per-chunk features in it: charge and persist them
+            cache.store.add_features(key, {name: e.features[name] for name in e.features.keys() - had[key]})
     return selection.indices.cpu()
 
 
@@ -362,8 +369,8 @@ class Pass:
 
     def add_aside(self, ids: torch.Tensor, q_pos: torch.Tensor, ctx_slots: torch.Tensor) -> Segment:
         """Tokens at positions `q_pos` attending to `ctx_slots` and to each other; their K/V are kept in the
-        segment's scratch, never written to the pool."""
-        seg = Segment(slice(self.n, self.n + len(ids)), q_pos.to(ctx_slots.device), ctx_slots, write=False)
+        segment's kept_kv, never written to the pool."""
+        seg = Segment(slice(self.n, self.n + len(ids)), q_pos.to(ctx_slots.device), ctx_slots, to_pool=False)
         return self._append(seg, ids, q_pos, torch.zeros(len(ids), dtype=torch.long))
 
     def _append(self, seg: Segment, ids, pos, loc) -> Segment:
@@ -387,7 +394,7 @@ class Runner:
     def run(self, p: Pass, logits: bool = False, layers: int | None = None):
         """One forward over `p`. With `logits`, `p` holds one segment per request of the batch, each ending with
         that request's last prompt token, and the logits output is returned; otherwise only the KV side effects
-        (pool writes, segment scratch and records) matter. `layers` stops the forward after that many layers."""
+        (pool writes, segment kept_kv and attention sums) matter. `layers` stops the forward after that many layers."""
         from sglang.srt.model_executor.forward_context import forward_context, get_forward_context, has_forward_context
 
         src = self.forward_batch

@@ -5,7 +5,7 @@ arbitrary positions) against its KV row read in place from the pool (page size 1
 `key position <= query position`. A custom mask is needed because FlashInfer's causal mask is bottom-right
 aligned: it is exact only for a contiguous run of queries at the end of the KV list. This is the layout SGLang's
 EAGLE target-verify uses; FA2 is the only FlashInfer backend with custom masks. Segments that keep their KV aside
-(standalone chunks) or record attention stay on the torch path (`sparse_attention.attend`).
+(standalone chunks) or record attention stay on the torch path (`chunkcache.blend.attention`).
 
 UNVERIFIED: written without a GPU (see the issue notes); selected only on CUDA devices with flashinfer installed.
 """

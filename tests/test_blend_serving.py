@@ -9,9 +9,14 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def engine(default_model, tmp_path_factory):
-    with sglang_engine(default_model, tmp_path_factory.mktemp("cfg"), "select:\n  selector: full\n  ratio: 0.15\n",
-                       max_total_tokens=6000) as eng:
+def store_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("store")
+
+
+@pytest.fixture(scope="module")
+def engine(default_model, tmp_path_factory, store_dir):
+    config = f"select:\n  selector: full\n  ratio: 0.15\nstore:\n  disk_dir: {store_dir}\n"
+    with sglang_engine(default_model, tmp_path_factory.mktemp("cfg"), config, max_total_tokens=6000) as eng:
         yield eng
 
 
@@ -72,6 +77,21 @@ def test_blend_matches_the_reference_blender(engine, rag, default_model, selecto
     result = ref.blend(ids[: spans[0][0]], [ids[s:e] for s, e in spans], ids[spans[-1][1]:], selector=selector)
     assert len(result.recomputed) == served["meta_info"]["chunkcache"]["recomputed_tokens"]
     assert ref.generate(result, 8) == served["output_ids"]
+
+
+def test_per_chunk_features_are_charged_and_written_to_disk(engine, rag, store_dir):
+    """CacheClip keeps each chunk's auxiliary KV in the chunk's store entry: the server charges it to the host budget
+    and writes it through to the disk tier, as the reference blender does."""
+    from chunkcache.store import ChunkStore
+
+    ids, spans = rag.build([2, 0, 5], "What is the code of document 0?")
+    gen(engine, ids, hints(spans, selector="clip", namespace="features"), n=2)
+    on_disk = ChunkStore(host_bytes=0, disk_dir=str(store_dir))
+    entries = [on_disk.get(key) for key in list(on_disk.disk.sizes)]
+    assert sum(any(name.startswith("clip:") for name in e.features) for e in entries) >= len(spans)
+    # every entry is in both tiers (nothing evicted): memory is charged what the disk holds, features included
+    charged = engine.get_server_info()["internal_states"][0]["chunkcache"]["store"]["memory_bytes"]
+    assert charged == sum(e.nbytes for e in entries)
 
 
 def test_exact_repeat_is_served_by_the_radix_tree_and_reported(engine, rag):

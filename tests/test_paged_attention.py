@@ -7,7 +7,8 @@ import types
 
 import torch
 
-from sglang_patch.sparse_attention import Segment, attend
+from chunkcache.blend.attention import attend
+from sglang_patch.sparse_attention import Segment
 
 
 class FakeWrapper:

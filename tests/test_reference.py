@@ -13,7 +13,8 @@ from chunkcache.models import resolve_model, tiny_model
 from chunkcache.reference import ReferenceBlender
 from chunkcache.rope import UnsupportedRope, rerotate
 from chunkcache.select import REGISTRY
-from chunkcache.select.base import Layout, Selection, finish, top_k_context
+from chunkcache.select.base import Layout, Selection, finish
+from chunkcache.select.budget import rank
 from chunkcache.store import ChunkEntry, ChunkStore, FingerprintMismatch
 
 FP32 = dict(atol=1e-4, rtol=1e-5)  # fp32, prompts of ~100 tokens; observed differences are ~1e-6
@@ -30,7 +31,7 @@ class Fixed:
     name: ClassVar[str] = "fixed"
 
     def select(self, layout: Layout, ratio: float, features) -> Selection:
-        return finish(layout, torch.tensor(self.picked, dtype=torch.long), None, 0.0)
+        return finish(layout, torch.tensor(self.picked, dtype=torch.long), None)
 
 
 @dataclass
@@ -41,7 +42,7 @@ class LargestValueDeviation:
 
     def select(self, layout: Layout, ratio: float, features) -> Selection:
         scores = features.kv_deviation(1, "v")
-        return finish(layout, top_k_context(layout, scores, layout.budget(ratio)), scores, 0.0)
+        return finish(layout, rank(scores, layout.context_mask())[: layout.budget(ratio)], scores)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -140,7 +141,7 @@ def test_generate_leaves_the_result_reusable(blender):
     assert res.past_key_values.get_seq_length() == res.layout.n
 
 
-@pytest.mark.parametrize("name", sorted(set(REGISTRY.selectors) - {"none"}) + ["test-dv"])
+@pytest.mark.parametrize("name", [n for n in REGISTRY.names() if n != "none"] + ["test-dv"])
 def test_ratio_one_recomputes_everything(blender, name):
     p, c, q = prompt(seed=1)
     blender.blend(p, c, q, selector="none")  # fill the store: every chunk is reused, and moved below
@@ -226,7 +227,7 @@ def test_kv_deviation(blender):
         def select(self, layout, ratio, features):
             seen["v1"], seen["k0"] = features.kv_deviation(1, "v"), features.kv_deviation(0, "k")
             seen["layout"] = layout
-            return finish(layout, torch.empty(0, dtype=torch.long), None, 0.0)
+            return finish(layout, torch.empty(0, dtype=torch.long), None)
 
     blender.blend(p, c, q, selector=Probe())
     layout = seen["layout"]
@@ -252,7 +253,7 @@ def test_query_attention_matches_hf_eager_attention(blender):
 
         def select(self, layout, ratio, features):
             seen["qa"], seen["layout"] = features.query_attention(), layout
-            return finish(layout, torch.empty(0, dtype=torch.long), None, 0.0)
+            return finish(layout, torch.empty(0, dtype=torch.long), None)
 
     res = blender.blend(p, c, q, selector=Probe())
     qa, layout = seen["qa"], seen["layout"]
@@ -293,7 +294,7 @@ def test_prompt_text_offsets(blender):
 
         def select(self, layout, ratio, features):
             seen["text"] = features.prompt_text()
-            return finish(layout, torch.empty(0, dtype=torch.long), None, 0.0)
+            return finish(layout, torch.empty(0, dtype=torch.long), None)
 
     blender.blend(ids[0], [ids[1]], ids[2], selector=Probe())
     text, offsets = seen["text"]

@@ -1,5 +1,6 @@
 """Every selector through the reference blender on a tiny model: exact budgets, determinism, whole numbers,
-CacheClip's auxiliary KV kept in the chunk store, and a draft with another tokenizer (Gemma-3's)."""
+CacheClip's auxiliary KV kept in the chunk store, per-chunk features charged to the host budget and written through
+to the disk tier, and a draft with another tokenizer (Gemma-3's)."""
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from chunkcache.draft import Draft, load_tokenizer
 from chunkcache.hashing import chunk_key, prefix_key
 from chunkcache.models import tiny_model
 from chunkcache.reference import ReferenceBlender
+from chunkcache.store import ChunkStore
 
 SELECTORS = ["epic", "cacheblend", "prophet", "spec", "clip"]
 
@@ -66,6 +68,21 @@ def test_clip_keeps_auxiliary_kv_in_the_chunk_store(blender, prompt, monkeypatch
                     torch.tensor(prompt[1][0]))
     feats = blender.store.get(key).features
     assert [k for k in feats if k.startswith("clip:")]
+
+
+def test_per_chunk_features_are_charged_and_reach_the_disk_tier(blender, prompt, tmp_path, monkeypatch):
+    store = ChunkStore(disk_dir=str(tmp_path), model_fingerprint=blender.fingerprint)
+    monkeypatch.setattr(blender, "store", store)
+    blender.blend(*prompt, selector="none")  # the chunks, stored without features
+    before = store.stats().memory_bytes
+    blender.blend(*prompt, selector="spec", ratio=0.2, per_chunk=True)
+    assert store.stats().memory_bytes > before
+    assert store.stats().memory_bytes == sum(e.nbytes for e in store.memory.entries.values())
+    reopened = ChunkStore(disk_dir=str(tmp_path), model_fingerprint=blender.fingerprint)
+    pkey = prefix_key(torch.tensor(prompt[0]))
+    for chunk in prompt[1]:
+        entry = reopened.get(chunk_key(blender.fingerprint, blender.namespace, pkey, torch.tensor(chunk)))
+        assert [name for name in entry.features if name.startswith("spec:")]
 
 
 @pytest.fixture(scope="module")

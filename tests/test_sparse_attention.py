@@ -1,8 +1,8 @@
-"""sparse_attention.attend: queries at arbitrary positions see exactly the keys at or before their position."""
+"""chunkcache.blend.attention.attend: queries at arbitrary positions see exactly the keys at or before their position."""
 
 import torch
 
-from sglang_patch.sparse_attention import QUERY_BLOCK, attend
+from chunkcache.blend.attention import QUERY_BLOCK, attend
 
 
 def dense(q, keys, values, q_pos, k_pos, scale):

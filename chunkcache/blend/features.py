@@ -1,0 +1,110 @@
+"""What selectors may ask of a request (chunkcache.select.base.Features), the same for every engine.
+
+`RequestFeatures` memoises every value per request, decodes the prompt's text, hands out the engine's drafts and the
+chunk store's per-chunk feature slots, and notes which features a selector added to them. The two values that need the target
+model (ProphetKV's query attention, CacheBlend's KV deviation) come from the engine's batched passes
+(`FeaturePasses`), so the pipeline can compute them for a whole batch before any selector runs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from ..align import decode_with_offsets
+from ..select.base import Layout
+from ..store import ChunkEntry
+
+if TYPE_CHECKING:
+    from ..draft import Draft
+
+
+class FeaturePasses(Protocol):
+    """The model passes behind the features, for several requests at once (indices into the pipeline's batch)."""
+
+    n_layers: int
+
+    def query_attention(self, requests: Sequence[int]) -> list[torch.Tensor]: ...
+
+    def kv_deviation(self, requests: Sequence[int], layer: int, which: str) -> list[torch.Tensor]: ...
+
+
+class Models:
+    """The tokenizer and draft models selectors may ask for, loaded on first use and kept for the engine's life."""
+
+    def __init__(self, model_dir: str | os.PathLike, load_draft: Callable[[str, int | None], "Draft"],
+                 default_draft: tuple[str, int | None] = ("self", None)):
+        self.model_dir = str(model_dir)
+        self._load_draft = load_draft
+        self.default_draft = default_draft
+        self._drafts: dict[tuple[str, int | None], "Draft"] = {}
+        self._tokenizer = None
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        return self._tokenizer
+
+    def draft(self, model: str | None = None, layers: int | None = None) -> "Draft":
+        """None (model or layers) takes the default draft's."""
+        model = model or self.default_draft[0]
+        layers = self.default_draft[1] if layers is None else layers
+        if (model, layers) not in self._drafts:
+            self._drafts[model, layers] = self._load_draft(model, layers)
+        return self._drafts[model, layers]
+
+
+def check_deviation_args(layer: int, which: str, n_layers: int) -> None:
+    if which not in ("k", "v"):
+        raise ValueError(f"which must be 'k' or 'v', got {which!r}")
+    if not 0 <= layer < n_layers:
+        raise ValueError(f"layer {layer} outside [0, {n_layers})")
+
+
+class RequestFeatures:
+    """The Features of request `index` of a pipeline batch; each value is computed at most once."""
+
+    def __init__(self, passes: FeaturePasses, models: Models, index: int, layout: Layout,
+                 entries: Sequence[ChunkEntry]):
+        self.passes, self.models, self.index, self.layout = passes, models, index, layout
+        self.entries = list(entries)  # layout.chunk_spans order
+        self.values: dict[tuple[str, tuple], Any] = {}  # (Features method, args) -> value
+        self._had = {e.key: set(e.features) for e in self.entries}  # feature names before any selector ran
+
+    def _memo(self, name: str, args: tuple, compute: Callable[[], Any]) -> Any:
+        if (name, args) not in self.values:
+            self.values[name, args] = compute()
+        return self.values[name, args]
+
+    def query_attention(self) -> torch.Tensor:
+        return self._memo("query_attention", (), lambda: self.passes.query_attention([self.index])[0])
+
+    def kv_deviation(self, layer: int, which: str) -> torch.Tensor:
+        check_deviation_args(layer, which, self.passes.n_layers)
+        return self._memo("kv_deviation", (layer, which),
+                          lambda: self.passes.kv_deviation([self.index], layer, which)[0])
+
+    def prompt_text(self) -> tuple[str, list[tuple[int, int]]]:
+        return self._memo("prompt_text", (),
+                          lambda: decode_with_offsets(self.models.tokenizer, self.layout.token_ids.tolist()))
+
+    def draft(self, model: str | None, layers: int | None) -> "Draft":
+        return self.models.draft(model, layers)
+
+    def chunk_features(self, index: int) -> dict[str, torch.Tensor]:
+        return self.entries[index].features
+
+    def added_features(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Per chunk key, the features a selector added to its entry during this request."""
+        added = {}
+        for e in self.entries:
+            new = e.features.keys() - self._had[e.key]
+            if new:
+                added[e.key] = {name: e.features[name] for name in new}
+        return added

@@ -1,0 +1,151 @@
+"""chunkcache.blend with stand-ins for the engine and the selector: the plan is pure, the pipeline's steps run in
+order, a chunk missing from several requests is computed once, and what a selector grows goes back to the store."""
+
+import doctest
+from dataclasses import dataclass
+from typing import ClassVar
+
+import pytest
+import torch
+
+from chunkcache.blend import pipeline, plan
+from chunkcache.blend.features import Models
+from chunkcache.blend.plan import Placement, plan_request, recompute_set, to_compute
+from chunkcache.select.base import Layout, Selection, finish
+from chunkcache.store import ChunkEntry, ChunkStore
+
+FP = "f" * 32
+SHAPE = (2, 1, 4)  # layers, KV heads, head dim
+
+
+def test_plan_doctest():
+    assert doctest.testmod(plan).failed == 0
+
+
+def test_exact_prefix_into_a_chunk_keeps_its_head():
+    p = plan_request(torch.arange(20), [(4, 8), (8, 12), (14, 17)], ["a", "b", "c"], matched=9, selector="epic",
+                     ratio=0.5)
+    assert p.chunks == (Placement("b", (9, 12), 1), Placement("c", (14, 17), 0))
+    assert (p.shared_prefix_len, p.start, p.query) == (4, 9, 17)
+    layout = p.layout()
+    assert layout.prefix_len == 9 and layout.chunk_spans == ((9, 12), (14, 17)) and layout.query_span == (17, 20)
+    assert p.chunks[0].chunk == (8, 12) and p.chunk_ids(p.chunks[0]).tolist() == [8, 9, 10, 11]
+
+
+def test_exact_prefix_past_every_chunk_blends_nothing():
+    p = plan_request(torch.arange(10), [(2, 4)], ["a"], matched=6, selector="none", ratio=0.1)
+    assert not p.blends and p.start == 6
+    without = plan_request(torch.arange(10), [], [], matched=0, selector="none", ratio=0.1, shared_prefix_len=3)
+    assert without.start == 3 and without.layout().query_span == (3, 10)
+    with pytest.raises(ValueError, match="shared prefix"):
+        plan_request(torch.arange(10), [], [], matched=0, selector="none", ratio=0.1)
+
+
+def test_missing_chunks_are_computed_once_per_batch():
+    a = plan_request(torch.arange(10), [(1, 3), (3, 5)], ["x", "y"], 0, "none", 0.1)
+    b = plan_request(torch.arange(10), [(1, 3), (3, 6)], ["y", "z"], 0, "none", 0.1)
+    assert [(i, c.key) for i, c in to_compute([a, b], {"x"})] == [(0, "y"), (1, "z")]
+
+
+def test_recompute_set_is_the_union_with_the_forced_tokens():
+    layout = Layout(torch.arange(10), 2, ((2, 5), (6, 8)), (8, 10))
+    assert recompute_set(layout, torch.tensor([3])).tolist() == [3, 5, 8, 9]
+    with pytest.raises(ValueError, match="outside the prompt"):
+        recompute_set(layout, torch.tensor([10]))
+
+
+def entry(key, ids, start_pos):
+    n = len(ids)
+    return ChunkEntry(key, torch.as_tensor(ids), torch.zeros(SHAPE[0], n, *SHAPE[1:]),
+                      torch.zeros(SHAPE[0], n, *SHAPE[1:]), start_pos, FP)
+
+
+class FakeEngine:
+    """Records the steps; computes chunks as zero KV, features as constants."""
+
+    fingerprint, entry_shape, n_layers = FP, SHAPE, SHAPE[0]
+
+    def __init__(self, plans):
+        self.plans, self.steps = plans, []
+        self.models = Models("unused", lambda *a: pytest.fail("no draft here"))
+
+    def fill(self, chunks):
+        self.steps.append(("fill", [c.key for _, c in chunks]))
+        return [entry(c.key, self.plans[i].chunk_ids(c), self.plans[i].shared_prefix_len) for i, c in chunks]
+
+    def copy(self, entries):
+        self.steps.append(("copy", [[e.key for e in es] for es in entries]))
+
+    def query_attention(self, requests):
+        self.steps.append(("query_attention", list(requests)))
+        return [torch.ones(self.plans[i].n) for i in requests]
+
+    def kv_deviation(self, requests, layer, which):
+        raise AssertionError("not asked for")
+
+    def recompute(self, tokens):
+        self.steps.append(("recompute", [t.tolist() for t in tokens]))
+        return "logits"
+
+
+@dataclass
+class GrowsFeatures:
+    """Asks for the batched query attention and keeps a per-chunk feature, like CacheClip's auxiliary KV."""
+
+    name: ClassVar[str] = "grows"
+    needs: ClassVar[tuple] = (("query_attention", ()),)
+
+    def select(self, layout, ratio, features) -> Selection:
+        assert features.query_attention().shape == (layout.n,)
+        features.chunk_features(0).setdefault("grows:kv", torch.zeros(1))
+        return finish(layout, torch.tensor([layout.chunk_spans[0][0]]), None)
+
+
+class CountingStore(ChunkStore):
+    def __init__(self):
+        super().__init__(model_fingerprint=FP)
+        self.puts = []
+
+    def put(self, e):
+        self.puts.append(("put", e.key))
+        return super().put(e)
+
+    def add_features(self, key, features):
+        self.puts.append(("add_features", key, sorted(features)))
+        return super().add_features(key, features)
+
+
+def test_pipeline_runs_the_steps_in_order():
+    ids = torch.arange(3, 15)
+    store = CountingStore()
+    store.put(entry("x", ids[2:4], 2))
+    store.puts.clear()
+    plans = [plan_request(ids, [(2, 4), (4, 6)], ["x", "y"], 0, "grows", 0.1),
+             plan_request(ids, [(2, 4), (4, 7)], ["y", "z"], 3, "grows", 0.1)]
+    # keys are plain labels here: the pipeline trusts them (real keys hash the chunk's tokens)
+    engine = FakeEngine(plans)
+    run = pipeline.run(engine, store, plans, lambda name: GrowsFeatures())
+    assert [s[0] for s in engine.steps] == ["fill", "copy", "query_attention", "recompute"]
+    assert engine.steps[0] == ("fill", ["y", "z"])
+    assert engine.steps[1] == ("copy", [["x", "y"], ["y", "z"]])
+    assert engine.steps[2] == ("query_attention", [0, 1])  # one pass for the batch
+    assert run.output == "logits"
+    assert [b.hits for b in run.requests] == [1, 0]
+    assert run.requests[0].recomputed.tolist() == [2, 6, 7, 8, 9, 10, 11]
+    assert run.requests[1].recomputed.tolist() == [3, 7, 8, 9, 10, 11]
+    assert run.requests[0].reused_tokens == 3 and run.requests[1].reused_tokens == 3
+    # learn: the computed chunks, then the features selectors kept (request 0's "x", request 1's "y")
+    assert store.puts == [("put", "y"), ("put", "z"), ("add_features", "x", ["grows:kv"]),
+                          ("add_features", "y", ["grows:kv"])]
+    assert set(run.seconds) == set(pipeline.STEPS)
+
+
+def test_an_entry_holding_other_tokens_is_a_miss():
+    ids = torch.arange(3, 15)
+    store = CountingStore()
+    store.put(entry("x", [1, 1], 2))
+    plans = [plan_request(ids, [(2, 4)], ["x"], 0, "grows", 0.1)]
+    engine = FakeEngine(plans)
+    run = pipeline.run(engine, store, plans, lambda name: GrowsFeatures())
+    assert engine.steps[0] == ("fill", ["x"]) and run.requests[0].hits == 0
+    assert store.get("x").token_ids.tolist() == ids[2:4].tolist()  # replaced by the computed chunk
