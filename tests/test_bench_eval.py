@@ -28,3 +28,48 @@ def test_eval_smoke_json(tmp_path, default_model):
     overlaps = result["analyses"]["jaccard_top20"]
     assert "draft self (10 layers) vs target deep" in overlaps
     assert all(0.0 <= v <= 1.0 for v in overlaps.values())
+
+
+@pytest.fixture(scope="module")
+def fp32_server(tmp_path_factory, default_model):
+    """A server in the reference blender's float32: in the server's default bfloat16, its own teacher-forced prefill
+    of full recompute's answer disagreed with its greedy decoding at 1 of 16 positions."""
+    from conftest import Server
+
+    d = tmp_path_factory.mktemp("fp32")
+    (d / "chunkcache.yaml").write_text("serve:\n  dtype: float32\n")
+    srv = Server(d / "server.log", "--config", str(d / "chunkcache.yaml"))
+    yield srv
+    srv.stop()
+
+
+def test_reference_and_server_paths_agree(fp32_server, default_model):
+    """One case through both paths: the same layout (prompt and chunk spans) and the same selection (full
+    recompute; epic, which depends on the layout only) give the same answer, teacher-forced agreement and KL."""
+    server = fp32_server
+    from chunkcache.bench import fidelity
+    from chunkcache.bench.reference_path import ReferenceMeasure
+    from chunkcache.bench.server_path import ServerMeasure
+    from chunkcache.bench.workloads import WorkloadConfig, items
+    from chunkcache.reference import ReferenceBlender
+
+    item = items(WorkloadConfig("synthetic:multikey", requests=1, docs=3, words=80))[0]
+    blender = ReferenceBlender.from_pretrained(default_model)
+    on_ref, on_server = ReferenceMeasure(blender, 16), ServerMeasure(server.url, blender.tokenizer, 16, 20)
+    ref, ref_fields = on_ref.full(item)
+    srv, srv_fields = on_server.full(item)
+    assert srv.continuation == ref.continuation and srv_fields["text"] == ref_fields["text"]
+    assert srv_fields["tf_agreement"] == ref_fields["tf_agreement"] == 1.0 and srv_fields["kl_first"] == 0.0
+    logprobs = ref.result.logits.double().log_softmax(-1)
+    for token, lp in list(srv.first.items())[:5]:  # the head of full's first-token distribution
+        assert lp == pytest.approx(float(logprobs[token]), abs=1e-3)
+    for name in ("full", "epic"):
+        r = on_ref.blended(ref, name, 0.15, {})
+        s = on_server.blended(srv, name, 0.15, {})
+        assert (s["text"], s["tf_agreement"], s["recomputed"]) == (r["text"], r["tf_agreement"], r["recomputed"]), name
+        # the server's KL is bucketed over full's top-k: compare it with the same bucketing of the reference logits
+        blended = blender.blend(*ref.parts, selector=name, ratio=0.15).logits.double().log_softmax(-1)
+        bucketed = fidelity.kl_top({t: float(logprobs[t]) for t in srv.first},
+                                   {t: float(blended[t]) for t in srv.first})
+        assert s["kl_first"] == pytest.approx(bucketed, abs=1e-4, rel=0.05) and bucketed <= r["kl_first"] + 1e-9
+    assert r["kl_first"] > 0  # epic moves the distribution: the comparison above is not of zeros

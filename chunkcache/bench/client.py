@@ -22,6 +22,7 @@ class Outcome:
     completion_tokens: int
     cached_tokens: int  # radix-cache hits (exact prefix)
     report: dict | None  # meta_info["chunkcache"], None for stock or unblended requests
+    output_ids: tuple[int, ...] = ()  # the generated token ids
 
     @property
     def tokens_per_s(self) -> float:
@@ -63,7 +64,26 @@ def generate(url: str, input_ids: list[int], max_new_tokens: int, kv_hints: dict
         raise RuntimeError(f"{url}/generate streamed no output")
     meta = last["meta_info"]
     return Outcome(ttft, time.perf_counter() - t0, last["text"], meta["prompt_tokens"], meta["completion_tokens"],
-                   meta.get("cached_tokens", 0), report)
+                   meta.get("cached_tokens", 0), report, tuple(last.get("output_ids") or ()))
+
+
+def scored(url: str, input_ids: list[int], logprob_start: int, top_logprobs: int, token_ids: list[int] | None = None,
+           kv_hints: dict | None = None, timeout: float = 1800) -> dict:
+    """The meta_info of a one-token greedy /generate (not streamed) that returns SGLang's logprobs of the input
+    positions from `logprob_start` on: `input_top_logprobs` (the top `top_logprobs` per position) and, for
+    `token_ids`, `input_token_ids_logprobs`; entry i describes the token at logprob_start + i given those before
+    it (entry 0 is None: its distribution would come from the position before logprob_start). Prefix matching stops
+    at `logprob_start`, so every position from there on is computed by this request."""
+    body: dict = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                  "return_logprob": True, "logprob_start_len": logprob_start, "top_logprobs_num": top_logprobs}
+    if token_ids:
+        body["token_ids_logprob"] = token_ids
+    if kv_hints is not None:
+        body["kv_hints"] = kv_hints
+    r = requests.post(url + "/generate", json=body, timeout=timeout)
+    if r.status_code != 200:
+        raise RuntimeError(f"{url}/generate answered {r.status_code}: {r.text[:500]}")
+    return r.json()["meta_info"]
 
 
 def flush_cache(url: str, wait_s: float = 120) -> None:

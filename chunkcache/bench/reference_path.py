@@ -1,14 +1,19 @@
 """The reference blender as the quality harness uses it (benchmarks/selector_quality.py, `chunkcache eval`):
-selector rows with options and drafts, blends timed as for chunks seen before, greedy answers."""
+selector rows with options and drafts, blends timed as for chunks seen before, greedy answers, and the fidelity of
+each blend to full recompute."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import yaml
 
 from ..prompt import RagPrompt
 from ..reference import BlendResult, ReferenceBlender
+from . import fidelity
+from .workloads import Item, to_request
 
 Run = tuple[str, str, dict]  # (label, selector name, selector options)
 
@@ -60,3 +65,46 @@ def blend_seconds(result: BlendResult) -> float:
 
 def answer(blender: ReferenceBlender, result: BlendResult, max_new_tokens: int) -> str:
     return blender.tokenizer.decode(blender.generate(result, max_new_tokens), skip_special_tokens=True)
+
+
+def kl_logits(full: torch.Tensor, blended: torch.Tensor) -> float:
+    """Exact KL(full || blended) in nats of the next-token distributions of two logit vectors."""
+    p, q = full.double().log_softmax(-1), blended.double().log_softmax(-1)
+    return max(float((p.exp() * (p - q)).sum()), 0.0)
+
+
+@dataclass
+class FullRecompute:
+    """Full prefill of one case: what its blends are measured against."""
+    parts: tuple[list[int], list[list[int]], list[int]]
+    result: BlendResult
+    continuation: list[int]  # greedy answer token ids
+
+
+class ReferenceMeasure:
+    """`chunkcache eval` rows of the reference path: answer text, teacher-forced agreement and first-token KL
+    against full recompute, timings."""
+
+    def __init__(self, blender: ReferenceBlender, max_new_tokens: int):
+        self.blender = blender
+        self.max_new_tokens = max_new_tokens
+
+    def full(self, item: Item) -> tuple[FullRecompute, dict]:
+        b = self.blender
+        parts = split(to_request(b.tokenizer, item).prompt)
+        result = b.full_prefill(*parts)
+        ref = FullRecompute(parts, result, b.generate(result, self.max_new_tokens))
+        # measured like any blend: a real check of the teacher-forced pass against step-by-step greedy decoding
+        return ref, self._fields(result, ref.continuation, ref, full_s=result.timings["total"], tokens=result.layout.n)
+
+    def blended(self, ref: FullRecompute, name: str, ratio: float, options: dict) -> dict:
+        res = blend(self.blender, ref.parts, name, ratio, options)
+        return self._fields(res, self.blender.generate(res, self.max_new_tokens), ref, select_s=res.timings["select"],
+                            blend_s=blend_seconds(res), full_s=ref.result.timings["total"],
+                            recomputed=int(res.recomputed.numel()))
+
+    def _fields(self, res: BlendResult, ids: list[int], ref: FullRecompute, **timings) -> dict:
+        forced = self.blender.teacher_forced_logits(res, ref.continuation).argmax(-1).tolist()
+        return {"text": self.blender.tokenizer.decode(ids, skip_special_tokens=True),
+                "tf_agreement": fidelity.agreement(forced, ref.continuation),
+                "kl_first": kl_logits(ref.result.logits, res.logits), **timings}
