@@ -79,7 +79,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from chunkcache.rope import RopeSpec, rerotate, rotate_half  # noqa: E402
 from sglang_patch import paged_attention  # noqa: E402
-from sglang_patch.sparse_attention import Segment, attend_blocks, plan_blocks  # noqa: E402
+from chunkcache.blend.attention import attend_blocks, plan_blocks  # noqa: E402
+from sglang_patch.sparse_attention import Segment  # noqa: E402
 
 SHAPES = {
     # Llama-3.1-8B; rope llama3 so that re-rotation runs its per-frequency scaled inverse frequencies

@@ -1,4 +1,4 @@
-"""One layer of the blend's recompute attention on CPU: `sparse_attention.attend` (per 64-row block: GQA heads
+"""One layer of the blend's recompute attention on CPU: `chunkcache.blend.attention.attend` (per 64-row block: GQA heads
 stacked, keys before the block's first row unmasked, the rest masked, merged by log-sum-exp) against one masked SDPA
 call per block (the path before the split). The default model's attention shape (9 query heads, 3 KV heads, head dim
 64); rho of the context recomputed plus a 40-token query tail, positions drawn uniformly or late-biased (ProphetKV's
@@ -16,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from sglang_patch.sparse_attention import QUERY_BLOCK, attend
+from chunkcache.blend.attention import QUERY_BLOCK, attend
 
 
 def positions(n: int, m: int, late: bool, gen: torch.Generator) -> torch.Tensor:
