@@ -60,9 +60,11 @@ class DraftConfig:
 
 @dataclass
 class SelectConfig:
-    selector: str = "prophet"  # default selector: full, none, epic, cacheblend, prophet, spec or clip
+    selector: str = "prophet"  # default selector: full, none, epic, cacheblend, prophet, spec, clip, mix (or oracle)
     ratio: float = 0.15  # recompute budget rho over reused context tokens, in [0, 1]
-    options: dict[str, Any] = field(default_factory=dict)  # per-selector keyword options, keyed by selector name
+    # per-selector keyword options, keyed by selector name: the fields of its class in chunkcache/select/ (each with
+    # its default and doc line), e.g. mix's adaptive budget {mass: 0.8, rho_floor: 0.05, rho_cap: 0.3}
+    options: dict[str, Any] = field(default_factory=dict)
 
     def check(self) -> None:
         from .select import REGISTRY  # here, not at module level: the selectors import torch and transformers
@@ -76,6 +78,10 @@ class SelectConfig:
                 raise ConfigError("options", f"{name!r} is not a selector; known: {', '.join(known)}")
             if not isinstance(opts, dict):
                 raise ConfigError(f"options:{name}", f"must be a mapping of keyword options, got {opts!r}")
+            try:  # an unknown option or a value the selector refuses fails at load, not on every request
+                REGISTRY.create(name, **opts)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"options:{name}", str(exc)) from None
 
 
 @dataclass

@@ -313,7 +313,7 @@ class _Engine:
         self.ids = plan.token_ids.to(blender.device)
         self.k_buf, self.v_buf = blender._kv_buffers(1, plan.n)
         self.prefix_s = 0.0  # the fill's exact prefix, reported apart from the chunks it computes
-        self._fresh: tuple[torch.Tensor, torch.Tensor] | None = None  # all-token KV of the first layers
+        self._fresh: tuple[torch.Tensor, torch.Tensor] | None = None  # all-token exact KV of the first layers
 
     def fill(self, chunks: list[tuple[int, Placement]]) -> list[ChunkEntry]:
         b, P = self.blender, self.plan.start
@@ -334,16 +334,30 @@ class _Engine:
             self.v_buf[:, 0, s:e] = entry.v[:, c.head:].to(b.device, b.dtype)
 
     def kv_deviation(self, requests: Sequence[int], layer: int, which: str) -> list[torch.Tensor]:
-        b, layout = self.blender, self.plan.layout()
-        if self._fresh is None or self._fresh[0].shape[0] <= layer:
-            k, v = b._kv_buffers(1, layout.n)
-            k, v = k[: layer + 1], v[: layer + 1]
-            b._forward(self.ids[None], torch.arange(layout.n, device=b.device), k, v, layer + 1)
-            self._fresh = (k, v)
-        fresh = self._fresh[0 if which == "k" else 1][layer, 0]
+        fresh = self._fresh_kv(layer + 1)[0 if which == "k" else 1][layer, 0]
         reused = (self.k_buf if which == "k" else self.v_buf)[layer, 0]
         dev = (fresh.float() - reused.float()).flatten(1).norm(dim=1).cpu()
-        return [dev * layout.context_mask() for _ in requests]
+        return [dev * self.plan.layout().context_mask() for _ in requests]
+
+    def true_deviation(self, requests: Sequence[int]) -> list[torch.Tensor]:
+        """The oracle's feature (Features.true_deviation): one full prefill of the prompt, compared with the reused KV
+        of every layer. Context tokens' slots hold the copied KV until the final recompute (the feature passes write
+        only forced tokens), so this is the deviation naive reuse leaves."""
+        fk, fv = self._fresh_kv(self.n_layers)
+        dev = sum((fresh[:, 0].float() - reused[:, 0].float()).flatten(2).norm(dim=2).sum(0)
+                  for fresh, reused in ((fk, self.k_buf), (fv, self.v_buf)))
+        return [dev.cpu() * self.plan.layout().context_mask() for _ in requests]
+
+    def _fresh_kv(self, layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of every token computed exactly (the prompt alone, position-causal) through at least `layers` layers,
+        computed once per request for the deepest layer asked so far."""
+        if self._fresh is None or self._fresh[0].shape[0] < layers:
+            b, n = self.blender, self.plan.n
+            k, v = b._kv_buffers(1, n)
+            k, v = k[:layers], v[:layers]
+            b._forward(self.ids[None], torch.arange(n, device=b.device), k, v, layers)
+            self._fresh = (k, v)
+        return self._fresh
 
     def query_attention(self, requests: Sequence[int]) -> list[torch.Tensor]:
         # The query tokens' K/V written into the buffers here are rewritten by the final recompute before any

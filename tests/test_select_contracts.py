@@ -56,4 +56,4 @@ def test_registry_says_what_exists():
 
 
 def test_builtin_selectors_are_registered_once_each():
-    assert REGISTRY.names() == ["cacheblend", "clip", "epic", "full", "none", "prophet", "spec"]
+    assert REGISTRY.names() == ["cacheblend", "clip", "epic", "full", "mix", "none", "oracle", "prophet", "spec"]

@@ -38,6 +38,7 @@ ORACLE = "full"  # the full-recompute row of every case; the blended `full` sele
 COLUMNS = (("f1", "F1"), ("em", "EM"), ("contains", "contains"), ("agreement", "agreement"), ("same", "same as full"),
            ("tf_agreement", "TF agreement"), ("kl_first", "KL first token"))
 TIMINGS = ("select_s", "blend_s", "ttft_s", "full_s")
+BUDGET = "rho_used"  # share of the reused context recomputed: the request's rho, or an adaptive budget's choice
 
 Step = tuple[str, str, float | None, dict]  # (row label, selector, rho, selector options)
 
@@ -180,7 +181,7 @@ def table(rows: list[dict], confidence: float = intervals.CONFIDENCE,
     out = []
     for (selector, ratio), rs in keys.items():
         line: dict = {"selector": selector, "ratio": ratio, "n": len(rs), "ci": {}}
-        for k in [k for k, _ in COLUMNS] + list(TIMINGS):
+        for k in [k for k, _ in COLUMNS] + list(TIMINGS) + [BUDGET]:
             vals = [r[k] for r in rs if r.get(k) is not None]
             if vals:
                 line[k] = mean(vals)
@@ -202,14 +203,15 @@ def markdown(result: dict) -> str:
              "resamples]. Accuracy: F1 / EM of the reply's first line against gold, `contains`: every gold answer in "
              "the reply. Agreement: F1 against full recompute's reply; same as full: identical text. TF agreement: "
              "share of full's greedy answer tokens that are the blended model's argmax when fed full's answer. KL "
-             f"first token: KL(full || blended) of the first answer token's distribution in nats, {kl}.", "",
-             "| selector | rho | n | " + " | ".join(h for _, h in COLUMNS) + f" | select s | {timing} |",
-             "|" + "---|" * (len(COLUMNS) + 5)]
+             f"first token: KL(full || blended) of the first answer token's distribution in nats, {kl}. rho used: "
+             "share of the reused context recomputed (below rho where an adaptive budget chose less).", "",
+             "| selector | rho | n | rho used | " + " | ".join(h for _, h in COLUMNS) + f" | select s | {timing} |",
+             "|" + "---|" * (len(COLUMNS) + 6)]
     for t in result["table"]:
         ratio = "-" if t["ratio"] is None else f"{t['ratio']:g}"
         time_key = "ttft_s" if server else ("blend_s" if "blend_s" in t else "full_s")
         cells = [_cell(t, k) for k, _ in COLUMNS] + [_cell(t, "select_s"), _cell(t, time_key)]
-        lines.append(f"| {t['selector']} | {ratio} | {t['n']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {t['selector']} | {ratio} | {t['n']} | {_cell(t, BUDGET)} | " + " | ".join(cells) + " |")
     if "analyses" in result:
         from .analysis import markdown as analyses_markdown
 

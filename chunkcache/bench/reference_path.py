@@ -63,6 +63,12 @@ def blend_seconds(result: BlendResult) -> float:
     return t["total"] - t.get("compute_chunks", 0.0) - t.get("store", 0.0)
 
 
+def rho_used(result: BlendResult) -> float:
+    """The share of the reused context the blend recomputed: the request's rho, or the one an adaptive budget chose."""
+    ctx = result.layout.context_mask()
+    return int(ctx[result.recomputed].sum()) / max(int(ctx.sum()), 1)
+
+
 def answer(blender: ReferenceBlender, result: BlendResult, max_new_tokens: int) -> str:
     return blender.tokenizer.decode(blender.generate(result, max_new_tokens), skip_special_tokens=True)
 
@@ -95,13 +101,14 @@ class ReferenceMeasure:
         result = b.full_prefill(*parts)
         ref = FullRecompute(parts, result, b.generate(result, self.max_new_tokens))
         # measured like any blend: a real check of the teacher-forced pass against step-by-step greedy decoding
-        return ref, self._fields(result, ref.continuation, ref, full_s=result.timings["total"], tokens=result.layout.n)
+        return ref, self._fields(result, ref.continuation, ref, full_s=result.timings["total"], tokens=result.layout.n,
+                                rho_used=1.0)
 
     def blended(self, ref: FullRecompute, name: str, ratio: float, options: dict) -> dict:
         res = blend(self.blender, ref.parts, name, ratio, options)
         return self._fields(res, self.blender.generate(res, self.max_new_tokens), ref, select_s=res.timings["select"],
                             blend_s=blend_seconds(res), full_s=ref.result.timings["total"],
-                            recomputed=int(res.recomputed.numel()))
+                            recomputed=int(res.recomputed.numel()), rho_used=rho_used(res))
 
     def _fields(self, res: BlendResult, ids: list[int], ref: FullRecompute, **timings) -> dict:
         forced = self.blender.teacher_forced_logits(res, ref.continuation).argmax(-1).tolist()

@@ -60,7 +60,7 @@ class ServerMeasure:
         # measured like any blend: a real check of the teacher-forced pass against SGLang's greedy decoding
         return ref, {"text": out.text, "tf_agreement": fidelity.agreement(_argmax(meta), continuation),
                      "kl_first": fidelity.kl_top(ref.first, ref.first), "ttft_s": out.ttft_s,
-                     "tokens": out.prompt_tokens}
+                     "tokens": out.prompt_tokens, "rho_used": 1.0}
 
     def blended(self, ref: FullAnswer, name: str, ratio: float, options: dict) -> dict:
         ids = ref.prompt.input_ids
@@ -73,7 +73,10 @@ class ServerMeasure:
                                "too small for one prompt?), and the pass would measure full recompute instead")
         blended_first = {t: lp for lp, t, _ in meta["input_token_ids_logprobs"][1]}
         report = out.report or {}
-        return {"text": out.text, "tf_agreement": fidelity.agreement(_argmax(meta), ref.continuation),
+        context = sum(e - s for s, e in ref.prompt.token_spans)
+        reused = report.get("reused_tokens")
+        return {"rho_used": None if reused is None else (context - reused) / context,
+                "text": out.text, "tf_agreement": fidelity.agreement(_argmax(meta), ref.continuation),
                 "kl_first": fidelity.kl_top(ref.first, blended_first), "ttft_s": out.ttft_s,
                 "select_s": report.get("select_s"), "blend_s": report.get("blend_s"),
                 "recomputed": report.get("recomputed_tokens")}

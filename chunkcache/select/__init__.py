@@ -1,6 +1,6 @@
 """Selectors: one module per selector, all behind `base.Selector`. Importing this package registers them."""
 
-from . import cacheblend, clip, epic, prophet, spec, trivial  # noqa: F401  (each registers its selectors)
+from . import cacheblend, clip, epic, mix, oracle, prophet, spec, trivial  # noqa: F401  (each registers its selectors)
 from .base import REGISTRY, Features, Layout, Selection, Selector
 
 __all__ = ["REGISTRY", "Features", "Layout", "Selection", "Selector", "create"]

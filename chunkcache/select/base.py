@@ -58,6 +58,9 @@ class Layout:
 class Selection:
     indices: torch.Tensor  # [M] int64, sorted target-token indices to recompute (forced tokens included)
     scores: torch.Tensor | None = None  # [N] float, the selector's per-token importance (None if it has none)
+    # the budget the selector chose itself (an adaptive budget: chunkcache.select.adaptive), at most the request's
+    # rho; None: it spent the request's rho
+    ratio: float | None = None
 
 
 class Features(Protocol):
@@ -77,6 +80,13 @@ class Features(Protocol):
         """[N] float: ProphetKV's fused score: the query tokens run through all layers against the reused KV;
         per layer the softmax attention from query tokens to each token, averaged over query tokens and heads;
         summed over layers."""
+        ...
+
+    def true_deviation(self) -> torch.Tensor:
+        """[N] float: per token, summed over all layers, ||K_reused - K_full|| + ||V_reused - V_full|| between the
+        reused KV (copied from the store, K re-rotated) and full recompute's (all heads flattened); zero for tokens
+        that are not reused. The ground truth of what should be recomputed (the `oracle` selector); it costs a full
+        prefill, so only the reference blender serves it."""
         ...
 
     def prompt_text(self) -> tuple[str, list[tuple[int, int]]]:
@@ -111,12 +121,13 @@ def needs(selector: Selector) -> tuple[tuple[str, tuple], ...]:
     return tuple(getattr(selector, "needs", ()))
 
 
-def finish(layout: Layout, picked: torch.Tensor, scores: torch.Tensor | None) -> Selection:
-    """Union the picked context tokens with the forced ones and return them sorted."""
+def finish(layout: Layout, picked: torch.Tensor, scores: torch.Tensor | None,
+           ratio: float | None = None) -> Selection:
+    """Union the picked context tokens with the forced ones and return them sorted (`ratio`: Selection.ratio)."""
     mask = layout.forced_mask()
     if picked.numel():
         mask[picked.long()] = True
-    return Selection(indices=mask.nonzero().flatten(), scores=scores)
+    return Selection(indices=mask.nonzero().flatten(), scores=scores, ratio=ratio)
 
 
 class Registry:

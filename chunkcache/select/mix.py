@@ -1,0 +1,99 @@
+"""chunkcache's own selector: the anchors' three cheap signals, each normalised to a distribution over the context
+tokens and mixed.
+
+* relevance: ProphetKV's query attention (the query through all layers over the reused KV) finds the tokens the
+  answer reads;
+* deviation: CacheBlend's KV deviation at a shallow check layer finds the tokens whose reused KV is most wrong
+  wherever the query looks;
+* boundary: EPIC's chunk starts, where each chunk's standalone KV holds an attention sink the blended prompt lacks.
+
+Each signal sums to 1 over the context before mixing (their raw scales differ by orders of magnitude, and per request),
+so a weight is the share of the mixed score a signal contributes and the mixed score is itself a distribution: the
+adaptive budget (adaptive.py) reads its cumulative mass as the share of estimated damage recomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .adaptive import AdaptiveBudget
+from .base import REGISTRY, Features, Layout, Selection, finish
+from .budget import rank
+
+
+def distribution(scores: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+    """[N] float64: non-negative `scores` on the context tokens scaled to sum to 1 (uniform when they are all 0)."""
+    s = scores.detach().cpu().double().clamp_min(0) * ctx  # an engine may hand its features over on its device
+    total = float(s.sum())
+    if total > 0:
+        return s / total
+    return ctx.double() / max(int(ctx.sum()), 1)
+
+
+def chunk_starts(layout: Layout, tokens: int) -> torch.Tensor:
+    """Bool [N]: the first `tokens` tokens of every reused chunk."""
+    m = torch.zeros(layout.n, dtype=torch.bool)
+    for s, e in layout.chunk_spans:
+        m[s: min(e, s + tokens)] = True
+    return m
+
+
+@REGISTRY.register
+@dataclass(frozen=True)
+class MixSelector:
+    name: ClassVar[str] = "mix"
+    relevance: float = 0.5  # weight of ProphetKV's query attention
+    deviation: float = 0.4  # weight of CacheBlend's KV deviation at `layer`
+    boundary: float = 0.1  # weight of EPIC's chunk starts (spread evenly over their first `boundary_tokens`)
+    boundary_tokens: int = 2  # tokens at each chunk's start the boundary weight covers
+    layer: int = 1  # deviation check layer (0-based; layers up to it run over every token)
+    which: str = "v"  # deviation of "v" or "k"
+    # adaptive budget: None spends the request's rho; a share in (0, 1] recomputes the fewest tokens holding that
+    # share of the mixed score, between rho_floor and min(rho_cap, the request's rho)
+    mass: float | None = None
+    rho_floor: float = 0.05  # adaptive: smallest rho a request gets
+    rho_cap: float = 1.0  # adaptive: largest rho a request gets (the request's rho if smaller)
+
+    def __post_init__(self) -> None:
+        weights = (self.relevance, self.deviation, self.boundary)
+        if min(weights) < 0 or sum(weights) <= 0:
+            raise ValueError(f"weights (relevance, deviation, boundary) must be >= 0 with a positive sum, "
+                             f"got {weights}")
+        if self.boundary_tokens < 1:
+            raise ValueError(f"boundary_tokens must be at least 1, got {self.boundary_tokens}")
+        if self.which not in ("k", "v"):
+            raise ValueError(f"which must be 'k' or 'v', got {self.which!r}")
+        if self.layer < 0:
+            raise ValueError(f"layer must be at least 0, got {self.layer}")
+        if self.mass is not None:
+            self.budget()  # refuses a bad mass, floor or cap when the selector is configured, not per request
+
+    @property
+    def needs(self) -> tuple[tuple[str, tuple], ...]:
+        return ((("query_attention", ()),) if self.relevance else ()) + \
+            ((("kv_deviation", (self.layer, self.which)),) if self.deviation else ())
+
+    def budget(self) -> AdaptiveBudget:
+        return AdaptiveBudget(self.mass, self.rho_floor, self.rho_cap)
+
+    def scores(self, layout: Layout, features: Features) -> torch.Tensor:
+        """[N] float64, the mixed distribution over the context tokens."""
+        ctx = layout.context_mask()
+        mixed = torch.zeros(layout.n, dtype=torch.float64)
+        if self.relevance:
+            mixed += self.relevance * distribution(features.query_attention(), ctx)
+        if self.deviation:
+            mixed += self.deviation * distribution(features.kv_deviation(self.layer, self.which), ctx)
+        if self.boundary:
+            mixed += self.boundary * distribution(chunk_starts(layout, self.boundary_tokens).double(), ctx)
+        return mixed / (self.relevance + self.deviation + self.boundary)
+
+    def select(self, layout: Layout, ratio: float, features: Features) -> Selection:
+        scores = self.scores(layout, features)
+        if self.mass is None:
+            return finish(layout, rank(scores, layout.context_mask())[: layout.budget(ratio)], scores.float())
+        picked, rho = self.budget().pick(layout, scores, ratio)
+        return finish(layout, picked, scores.float(), rho)
