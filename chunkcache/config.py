@@ -123,16 +123,16 @@ class LimitsConfig:
 
 @dataclass
 class SpeCacheConfig:
-    enabled: bool = False  # SpeCache decode (issue 17): low-bit KV in the pool, full KV on the host, top-k prefetch
+    # SpeCache decoding (issue 17; sglang_patch/specache.py): low-bit KV in the device pool, full KV as the host copy,
+    # top-k full-precision pairs prefetched by a speculative second token; the server refuses, at start-up, what it
+    # cannot run it on (model, device, page size, mixed chunks, ...)
+    enabled: bool = False
     bits: int = 1  # bits per quantised K/V element: 1 (SpeCache's midpoint levels), 2 or 4 (KIVI)
     group: int = 32  # K: per channel over groups of this many tokens; V: per token over groups of this many channels
     residual: int = 64  # the most recent tokens kept in full precision (at least this many, fewer than residual+group)
     topk: int = 64  # full-precision KV pairs prefetched per layer per KV head, picked by the speculative token
 
     def check(self) -> None:
-        if self.enabled:  # refused rather than ignored: a server must not look as if it ran SpeCache
-            raise ConfigError("enabled", "the server's SpeCache decode path is not built yet (issue 17); "
-                                         "benchmarks/specache.py runs the algorithm on the reference model")
         if self.bits not in (1, 2, 4):
             raise ConfigError("bits", f"must be 1, 2 or 4, got {self.bits}")
         _at_least(self, "group", 1)

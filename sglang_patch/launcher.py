@@ -33,6 +33,9 @@ def server_settings(model_path: str | Path, config: Config, *, chunk_reuse: bool
         settings["max_total_tokens"] = s.max_total_tokens
     if chunk_reuse:
         settings["radix_cache_backend"] = BACKEND_NAME
+    if config.decode.specache.enabled:
+        # a K group of SpeCache's low-bit copy is one page, so the radix tree shares whole groups
+        settings["page_size"] = config.decode.specache.group
     if not has_gpu():
         # SGLang's CPU engine without AMX or a CPU sgl_kernel build: torch-native attention, no CUDA graphs, and an
         # explicit memory fraction (the automatic one comes out negative on CPU and SGLang refuses to start).
