@@ -16,17 +16,29 @@ comparison); on CPU both memories are RAM, so bytes are counted, not timed.
     .venv/bin/python benchmarks/specache.py                                  # 2 x 10 needle cases, b = 1, 2
     .venv/bin/python benchmarks/specache.py --topk 64,0                      # with the low-bit-only ablation
     .venv/bin/python benchmarks/specache.py --n 1 --chunks 2 --max-new-tokens 6 --threads 1   # toy size
+
+`--server` runs the same cases through SGLang's engine instead (decode.specache, sglang_patch/specache.py), one
+engine at a time: stock SGLang, then SpeCache for every configuration, greedy, one request at a time. It prints the
+pool's bytes per token as the server allocates them (the pool's own dtype, bfloat16 by default), bytes attention
+read per decode step against stock's, host->device bytes per step, the speculative-token match rate, agreement
+with stock's greedy output and needles retrieved, and seconds per request (the prefill is the same on both sides;
+CPU seconds say nothing about PCIe prefetch):
+
+    .venv/bin/python benchmarks/specache.py --server --n 5
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import yaml
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -51,15 +63,19 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="first case seed")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default="results/specache.json")
+    ap.add_argument("--server", action="store_true", help="decode in SGLang's engine against stock SGLang")
+    ap.add_argument("--dtype", default="bfloat16", help="--server: the engines' dtype (and the KV pool's)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(path)
-    count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
     configs = {f"b={b} k={k}": SpeCacheConfig(bits=int(b), group=args.group, residual=args.residual, topk=int(k))
                for b in args.bits.split(",") for k in args.topk.split(",")}
+    if args.server:
+        return serve(args, path, tok, configs)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
     decoders = {label: SpeCacheDecoder(model, cfg) for label, cfg in configs.items()}
     cases = [(task, seed) for task in args.tasks.split(",") for seed in range(args.seed, args.seed + args.n)]
     rows: dict[str, list[dict]] = {"full": [], **{label: [] for label in configs}}
@@ -127,6 +143,79 @@ def report(rows: dict[str, list[dict]], configs: dict[str, SpeCacheConfig], conf
           "of the exact top-k prefetched (speculative / previous token's choice); spec: speculative token = next "
           "token; identical: greedy output equal to full precision; prefix: share of tokens before the first "
           "divergence; agree: same answer as full precision; needles: answer correct")
+
+
+def serve(args, path, tok, configs: dict[str, SpeCacheConfig]) -> None:
+    count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
+    cases = [synthetic.generate(task, seed, n_chunks=args.chunks, count=count)
+             for task in args.tasks.split(",") for seed in range(args.seed, args.seed + args.n)]
+    prompts = []
+    for case in cases:
+        prefix, chunks, query = synthetic.prompt(case, tok)
+        prompts.append(prefix + sum(chunks, []) + query)
+    params = {"max_new_tokens": args.max_new_tokens, "temperature": 0}
+    results: dict[str, dict] = {}
+    for label, cfg in [("stock", None), *configs.items()]:
+        with _engine(path, cfg, args.dtype) as engine:
+            outs = []
+            for ids in tqdm(prompts, desc=label, unit="case"):  # one at a time: batch 1 decoding
+                t = time.perf_counter()
+                out = engine.generate(input_ids=ids, sampling_params=params)
+                outs.append({"ids": out["output_ids"], "text": tok.decode(out["output_ids"], skip_special_tokens=True),
+                             "seconds": time.perf_counter() - t})
+            info = engine.get_server_info()["internal_states"][0].get("specache") if cfg else None
+        results[label] = {"outs": outs, "specache": info}
+        out_path = Path(args.out)
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    stock = results["stock"]["outs"]
+    n = len(cases)
+    print(f"\n{args.model} in SGLang ({args.dtype}): {n} cases ({args.tasks}), "
+          f"{statistics.mean(map(len, prompts)):.0f} prompt tokens on average, {args.max_new_tokens} new tokens, "
+          f"g={args.group}, R={args.residual}; stock: needles {sum(c.correct(o['text']) for c, o in zip(cases, stock))}"
+          f"/{n}, {statistics.mean(o['seconds'] for o in stock):.2f} s/request")
+    head = (f"{'config':<12}{'B/token':>9}{'vs stock':>10}{'read vs stock':>15}{'fetch/step':>12}{'spec':>7}"
+            f"{'identical':>11}{'agree':>8}{'needles':>9}{'s/request':>11}")
+    print(head)
+    print("-" * len(head))
+    for label in configs:
+        info, outs = results[label]["specache"], results[label]["outs"]
+        steps = max(1, info["tokens"])
+        print(f"{label:<12}{info['lowbit_bytes_per_token']:>9}{info['lowbit_ratio']:>10.3f}"
+              f"{info['read_bytes'] / max(1, info['stock_read_bytes']):>15.3f}"
+              f"{info['fetch_bytes'] / steps / 2**20:>11.2f}M{info['spec_matches'] / max(1, info['spec_guesses']):>7.3f}"
+              f"{sum(o['ids'] == s['ids'] for o, s in zip(outs, stock)):>8}/{n:<2}"
+              f"{sum(c.extract(o['text']) == c.extract(s['text']) for c, o, s in zip(cases, outs, stock)):>5}/{n:<2}"
+              f"{sum(c.correct(o['text']) for c, o in zip(cases, outs)):>6}/{n:<2}"
+              f"{statistics.mean(o['seconds'] for o in outs):>11.2f}")
+    print("\nB/token: low-bit codes + float16 params per token, all layers (stock: the pool's dtype); read vs stock: "
+          "bytes attention read from the pool over what stock's decode reads; fetch/step: full-precision pairs "
+          "moved into the prefetch set per request-step; spec: speculative token = next input; identical: greedy "
+          "output equal to stock's; agree: same answer; needles: answer correct")
+
+
+@contextmanager
+def _engine(path, cfg: SpeCacheConfig | None, dtype: str):
+    """An in-process SGLang engine with this host's `chunkcache serve` settings, SpeCache on when `cfg` is given."""
+    import tempfile
+
+    import sglang as sgl
+
+    from chunkcache.config import Config
+    from sglang_patch.launcher import prepare_environment, server_settings
+
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = {} if cfg is None else {"decode": {"specache": {**dataclasses.asdict(cfg), "enabled": True}}}
+        yaml_path = Path(tmp) / "chunkcache.yaml"
+        yaml_path.write_text(yaml.safe_dump(raw))
+        prepare_environment(yaml_path)
+        config = Config.load(yaml_path)
+        settings = {k: v for k, v in server_settings(path, config, chunk_reuse=False).items() if k not in ("host", "port")}
+        engine = sgl.Engine(**{**settings, "dtype": dtype, "max_total_tokens": 16384}, log_level="error")
+        try:
+            yield engine
+        finally:
+            engine.shutdown()
 
 
 def _mib(values: list[int]) -> str:

@@ -95,9 +95,10 @@ class LowBitPool:
         k_buf, v_buf = self.kv_pool.get_key_buffer(layer), self.kv_pool.get_value_buffer(layer)
         low = slots[:quantised]
         groups = low[::g] // g
-        # the same arithmetic as quant.dequantize_*: codes * scale + zero in float32
-        k = (self._codes(self.codes_k[layer, low]) * self.k_scale[layer, groups].float().repeat_interleave(g, 0)
-             + self.k_zero[layer, groups].float().repeat_interleave(g, 0))
+        # the same arithmetic as quant.dequantize_*: codes * scale + zero in float32, K's parameters broadcast over
+        # their group's tokens
+        k = self._codes(self.codes_k[layer, low]).unflatten(0, (-1, g))
+        k = (k * self.k_scale[layer, groups].float()[:, None] + self.k_zero[layer, groups].float()[:, None]).flatten(0, 1)
         v = self._codes(self.codes_v[layer, low]).unflatten(-1, (-1, g))
         v = (v * self.v_scale[layer, low].float()[..., None] + self.v_zero[layer, low].float()[..., None]).flatten(-2)
         if prefetched.numel():
@@ -109,4 +110,5 @@ class LowBitPool:
         return torch.cat([k, k_buf[rest].float()]), torch.cat([v, v_buf[rest].float()])
 
     def _codes(self, packed: torch.Tensor) -> torch.Tensor:
-        return self._lut[packed.long()].flatten(-2)
+        # index_select: ~3x faster than advanced indexing on this CPU
+        return self._lut.index_select(0, packed.reshape(-1).long()).view(*packed.shape[:-1], -1)
