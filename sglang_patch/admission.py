@@ -9,9 +9,9 @@ cannot be blended (the selection needs the whole prompt). Here:
   * a hinted request that fits the remaining budget by compute is admitted whole, never split;
   * one that does not fit waits for the next batch; if its compute alone exceeds the whole budget (e.g. a long
     prompt of chunks never seen), it is admitted alone, whole, and the blend splits its fill into forwards of at
-    most the budget (blend.fill), so no forward computes more than a chunked prefill would.
+    most the budget (blend.BatchEngine.fill), so no forward computes more than a chunked prefill would.
 Plain requests are admitted exactly as SGLang admits them. Installed through the plugin hook on
-`Scheduler.get_prefill_adder_class`.
+`Scheduler.get_prefill_adder_class` (plugin.hooks).
 """
 
 from __future__ import annotations
@@ -21,50 +21,51 @@ import math
 
 from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
 
-from chunkcache.hints import HintError
+from chunkcache.blend.reuse import ChunkReuse
 from chunkcache.select.base import needs
 
 from . import request_hint
-from .request_hint import COMPUTE
+from .cache import reuse_of
 
 log = logging.getLogger(__name__)
+CHARGED = "chunkcache_compute"  # Req attribute: the compute estimate admission charged it
 
 
-def compute_tokens(cache, req, prefix_len: int) -> int | None:
+def compute_tokens(reuse: ChunkReuse, req, prefix_len: int) -> int | None:
     """Tokens the blend computes for `req` when the radix tree holds its first `prefix_len` tokens: the unmatched
     shared prefix, every missing chunk (computed standalone), the tokens outside chunks (query included), the
     selector's budget and its feature pass. None for a request that is not blended as a whole (no chunks, a
-    malformed hint, a retracted request that re-prefills its output)."""
-    try:
-        hint = request_hint.of(cache, req)
-    except HintError:
-        return None
+    retracted request that re-prefills its output)."""
+    hint = request_hint.of(req)
     if hint is None or req.output_ids:
         return None
-    n = len(req.origin_input_ids)
-    extend = n - prefix_len
-    kept = [(max(s, prefix_len), e, key) for (s, e), key in zip(hint.spans, hint.keys) if e > prefix_len]
-    if hint.selector == "full" or not kept:
+    plan = hint.plan(prefix_len)
+    extend = plan.n - prefix_len
+    if plan.selector == "full" or not plan.blends:
         return extend
-    start = kept[0][0]
-    context = sum(e - s for s, e, _ in kept)
-    missing = sum(e - s for (s, e), key in zip(hint.spans, hint.keys) if e > prefix_len and key not in cache.store)
-    outside = extend - (start - prefix_len) - context
-    selected = 0 if hint.selector == "none" else math.ceil(hint.ratio * context)
+    context = sum(e - s for s, e in (c.span for c in plan.chunks))
+    missing = sum(e - s for s, e in (c.chunk for c in plan.chunks if c.key not in reuse.store))
+    outside = extend - (plan.start - prefix_len) - context
+    selected = 0 if plan.selector == "none" else math.ceil(plan.ratio * context)
     features = 0
-    for name, args in needs(cache.selector(hint.selector)):
+    for name, args in needs(reuse.selector(plan.selector)):
         if name == "query_attention":
-            features += n - hint.query
+            features += plan.n - plan.query
         elif name == "kv_deviation":  # args[0] = check layer: the first layer+1 of all layers, over every token
-            features += math.ceil((n - start) * (args[0] + 1) / cache.token_to_kv_pool.layer_num)
-    return (start - prefix_len) + missing + outside + selected + features
+            features += math.ceil((plan.n - plan.start) * (args[0] + 1) / reuse.layout.num_layers)
+    return (plan.start - prefix_len) + missing + outside + selected + features
+
+
+def charged(req) -> int | None:
+    """What admission charged `req` (None: SGLang's own charge, its extend length)."""
+    return req.__dict__.get(CHARGED)
 
 
 class ChunkAwarePrefillAdder(PrefillAdder):
     def _select_prefill_admission(self, req, **kwargs):
         prefix_len = req.prefix_len + kwargs["host_hit_length"]
-        compute = compute_tokens(self.tree_cache, req, prefix_len)
-        req.__dict__[COMPUTE] = compute
+        compute = compute_tokens(self.tree_cache.reuse, req, prefix_len)
+        req.__dict__[CHARGED] = compute
         if compute is None:
             return super()._select_prefill_admission(req, **kwargs)
         budgets = [b for b in (self.rem_chunk_tokens, self.rem_input_tokens) if b is not None]
@@ -87,7 +88,7 @@ class ChunkAwarePrefillAdder(PrefillAdder):
     def _commit_prefill_admission(self, req, admission, mamba_gap_reserve: int) -> None:
         saved = self.rem_chunk_tokens, self.rem_input_tokens
         super()._commit_prefill_admission(req, admission, mamba_gap_reserve)
-        compute = req.__dict__.get(COMPUTE)
+        compute = charged(req)
         if compute is not None and not admission.is_chunked:
             # SGLang charged the whole extend; charge the compute instead (its KV reservation stays in full)
             chunk, tokens = saved
@@ -97,16 +98,13 @@ class ChunkAwarePrefillAdder(PrefillAdder):
 
 def adopt_budget(result, scheduler, *args, **kwargs) -> None:
     """AFTER hook on Scheduler.init_chunked_prefill: the blend splits its fill at the size the scheduler resolved."""
-    from .cache import ChunkRadixCache
-
-    if isinstance(scheduler.tree_cache, ChunkRadixCache):
-        scheduler.tree_cache.prefill_budget = scheduler.chunked_prefill_size
+    reuse = reuse_of(scheduler.tree_cache)
+    if reuse is not None:
+        reuse.prefill_budget = scheduler.chunked_prefill_size
 
 
 def adder_class(result, scheduler, *args, **kwargs):
     """AFTER hook on Scheduler.get_prefill_adder_class: ours when the scheduler's tree cache is chunkcache's."""
-    from .cache import ChunkRadixCache
-
-    if isinstance(scheduler.tree_cache, ChunkRadixCache) and result is PrefillAdder:
+    if reuse_of(scheduler.tree_cache) is not None and result is PrefillAdder:
         return ChunkAwarePrefillAdder
     return None

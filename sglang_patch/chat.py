@@ -5,7 +5,7 @@
 
 The request schema drops unknown fields, so the `chunkcache` object is read from the raw JSON body (or from
 `chat_template_kwargs.chunkcache`, which passes SGLang's router: see `routed`). Three hooks on
-OpenAIServingChat:
+OpenAIServingChat (plugin.hooks):
   * around `handle_request`: validate, build the prompt with chunkcache.prompt.build off the event loop
     (prompt_worker; the model's chat template, system = the request's system message or prompt.DEFAULT_SYSTEM)
     and hand it to SGLang as the request's `input_ids` (SGLang then skips its own templating); a malformed body,
@@ -20,8 +20,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
 from chunkcache.documents import CHAT_KEYS, parse
 from chunkcache.prompt import DEFAULT_SYSTEM
 
@@ -29,13 +27,6 @@ from .launcher import server_limits
 from .prompt_worker import build_prompt
 
 KEY = "chunkcache"
-_CHAT = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat"
-
-
-def register() -> None:
-    HookRegistry.register(f"{_CHAT}.handle_request", handle_request, HookType.AROUND)
-    HookRegistry.register(f"{_CHAT}._convert_to_internal_request", attach_hint, HookType.AFTER)
-    HookRegistry.register(f"{_CHAT}._build_chat_response", add_report, HookType.AFTER)
 
 
 async def handle_request(original, serving, request, raw_request=None):

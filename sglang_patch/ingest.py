@@ -20,12 +20,10 @@ computation and counts the document as existing, so concurrent identical ingests
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import uuid
 
 from fastapi import Request
 from fastapi.responses import ORJSONResponse
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from chunkcache.documents import INGEST_KEYS, Documents, DocumentsError, parse
 from chunkcache.prompt import DEFAULT_SYSTEM
@@ -38,13 +36,8 @@ ROUTE = "/chunkcache/ingest"
 _IN_FLIGHT: dict[tuple, asyncio.Future] = {}
 
 
-def register() -> None:
-    # Only the server's main process runs the HTTP app; spawned SGLang children (scheduler, detokenizer) skip it.
-    if multiprocessing.parent_process() is None:
-        HookRegistry.register("sglang.srt.entrypoints.http_server.launch_server", add_route, HookType.BEFORE)
-
-
 def add_route(*args, **kwargs) -> None:
+    """Before SGLang launches its HTTP server (plugin.hooks): the route joins its app."""
     from sglang.srt.entrypoints.http_server import app
 
     if not any(getattr(route, "path", None) == ROUTE for route in app.routes):

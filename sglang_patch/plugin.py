@@ -1,83 +1,99 @@
-"""SGLang plugin entry point (group `sglang.srt.plugins`), run by SGLang's load_plugins() in every process."""
+"""SGLang plugin entry point (group `sglang.srt.plugins`), run by SGLang's load_plugins() in every process.
+
+It registers the `chunkcache` radix-cache backend (sglang_patch.cache) and the `chunkcache_torch` attention backend
+(sglang_patch.decode_attention), and hooks the SGLang functions listed in `hooks()`: that table is every place chunk
+reuse enters SGLang. Two modules still register their own hooks: metrics (its scheduler start-up) and
+decode_attention (SpeCache's decode step, sglang_patch.specache).
+"""
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from chunkcache.hints import find_payload
-
-from .request_hint import radix_partition
+from . import admission, blend, chat, decode_attention, hint_validation, ingest, metrics, report, request_hint
+from .cache import factory, reuse_of
+from .launcher import BACKEND_NAME
 
 log = logging.getLogger(__name__)
+AFTER, AROUND, BEFORE = HookType.AFTER, HookType.AROUND, HookType.BEFORE
+_TOKENIZER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
+_CHAT = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat"
+_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+_STREAMER = "sglang.srt.managers.scheduler_components.output_streamer"
 
 
 def register() -> None:
     from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
 
-    from . import admission, cache, decode_attention
-
-    if cache.BACKEND_NAME not in registered_radix_cache_backends():
-        register_radix_cache_backend(cache.BACKEND_NAME, cache.factory)
+    if BACKEND_NAME not in registered_radix_cache_backends():
+        register_radix_cache_backend(BACKEND_NAME, factory)
     decode_attention.register()
-    hooks = {
-        "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state":
-            (_report_state, HookType.AFTER),
-        "sglang.srt.managers.schedule_batch.Req.__init__": (_namespace_blended, HookType.AFTER),
-        "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new": (_attach_reqs, HookType.AFTER),
-        "sglang.srt.model_executor.runner.eager_runner.EagerRunner._execute_extend": (_blend_extend, HookType.AROUND),
-        "sglang.srt.managers.scheduler.Scheduler.get_prefill_adder_class": (admission.adder_class, HookType.AFTER),
-        "sglang.srt.managers.scheduler.Scheduler.init_chunked_prefill": (admission.adopt_budget, HookType.AFTER),
-    }
-    for target, (fn, kind) in hooks.items():
-        HookRegistry.register(target, fn, kind)
-    # request contract, meta_info["chunkcache"], /metrics, documents on /v1/chat/completions, /chunkcache/ingest
-    from . import chat, hints_http, ingest, meta_info, metrics
-
-    for module in (hints_http, meta_info, metrics, chat, ingest):
-        module.register()
+    metrics.register()
+    for target, hook, kind in hooks():
+        HookRegistry.register(target, hook, kind)
 
 
-def _report_state(result, controller, *args, **kwargs):
-    """Expose the scheduler's tree cache in /server_info, so clients can see which backend really serves them."""
-    tree_cache = controller.scheduler.tree_cache
-    state = getattr(tree_cache, "chunkcache_state", None)
-    result.internal_state["chunkcache"] = state() if state else {"backend": None, "tree_cache": type(tree_cache).__name__}
-    return result
+def hooks() -> list[tuple[str, object, HookType]]:
+    """(target, hook, kind) for every SGLang function chunkcache hooks, in the order a request meets them."""
+    main_process = multiprocessing.parent_process() is None
+    return [
+        # HTTP server (main process only: resolving its module in a spawned child would import the whole server)
+        *([("sglang.srt.entrypoints.http_server.launch_server", ingest.add_route, BEFORE)] if main_process else []),
+        # OpenAI chat with documents (main process)
+        (f"{_CHAT}.handle_request", chat.handle_request, AROUND),
+        (f"{_CHAT}._convert_to_internal_request", chat.attach_hint, AFTER),
+        (f"{_CHAT}._build_chat_response", chat.add_report, AFTER),
+        # the request contract: hints validated where SGLang tokenizes (main process)
+        (f"{_TOKENIZER}._create_tokenized_object", hint_validation.check_request, AFTER),
+        # scheduler: the hint resolved once per request, chunk-aware admission, the blended forward
+        (f"{_SCHEDULER}._create_generation_req", _resolve_hint, AFTER),
+        (f"{_SCHEDULER}.init_chunked_prefill", admission.adopt_budget, AFTER),
+        (f"{_SCHEDULER}.get_prefill_adder_class", admission.adder_class, AFTER),
+        ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", _attach_batch, AFTER),
+        ("sglang.srt.model_executor.runner.eager_runner.EagerRunner._execute_extend", _blend_extend, AROUND),
+        # the chunk report: scheduler -> detokenizer -> main process meta_info["chunkcache"]
+        (f"{_STREAMER}._GenerationStreamAccumulator.accept", report.attach, BEFORE),
+        (f"{_STREAMER}.SchedulerOutputStreamer.is_request_level_customized_info_key", report.request_level, AFTER),
+        (f"{_TOKENIZER}.update_request_meta_info", report.to_meta_info, AROUND),
+        # /server_info shows which backend really serves
+        ("sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
+         ".get_internal_state", _report_state, AFTER),
+    ]
 
 
-def _namespace_blended(result, req, *args, **kwargs):
-    """A request with chunks gets KV that is approximate past its first chunk: give it its own radix namespace, so
-    that no request without chunks can ever match it as an exact prefix (request_hint.radix_partition)."""
-    payload = find_payload(getattr(req, "kv_hints", None))
-    if payload is not None:
-        req.extra_key = radix_partition(payload.get("namespace"), req.extra_key)
+def _resolve_hint(req, scheduler, *args, **kwargs) -> None:
+    request_hint.attach(reuse_of(scheduler.tree_cache), req)
 
 
-def _attach_reqs(result, cls, batch, *args, **kwargs):
+def _attach_batch(result, cls, batch, *args, **kwargs):
+    """The extend forward needs the batch's requests (their hints) and the scheduler's chunk reuse."""
     result.chunkcache_reqs = batch.reqs
+    result.chunkcache_reuse = reuse_of(batch.tree_cache)
     return result
 
 
 def _blend_extend(original, runner, forward_batch, pp_proxy_tensors=None):
-    from . import blend, cache
-
-    reqs = getattr(forward_batch, "chunkcache_reqs", None)
-    if (cache.ACTIVE is None or not reqs or pp_proxy_tensors is not None
-            or not any(find_payload(getattr(r, "kv_hints", None)) is not None for r in reqs)):
-        return original(runner, forward_batch, pp_proxy_tensors)
-    if forward_batch.return_logprob:
-        for r in reqs:
-            cache.ACTIVE.fallback(r, "logprobs", "input logprobs need every prompt token's logits")
+    reuse, reqs = getattr(forward_batch, "chunkcache_reuse", None), getattr(forward_batch, "chunkcache_reqs", None)
+    if (reuse is None or not reqs or pp_proxy_tensors is not None
+            or all(request_hint.of(r) is None for r in reqs)):
         return original(runner, forward_batch, pp_proxy_tensors)
     try:
-        out = blend.run(cache.ACTIVE, runner.model_runner, forward_batch, reqs)
+        out = blend.run(reuse, runner.model_runner, forward_batch, reqs)
     except Exception as exc:  # noqa: BLE001 - a selector or store failure must not take the scheduler down
         # Safe: the stock forward below rewrites the KV of every extend token, and what the blend stored is valid.
         log.exception("chunkcache: blended prefill failed; computing the batch in full")
         for r in reqs:
-            if find_payload(getattr(r, "kv_hints", None)) is not None:
-                cache.ACTIVE.fallback(r, "error", f"{type(exc).__name__}: {exc}")
+            if request_hint.of(r) is not None:
+                report.fallback(reuse.store, r, "error", f"{type(exc).__name__}: {exc}")
         out = None
     return original(runner, forward_batch, pp_proxy_tensors) if out is None else out
+
+
+def _report_state(result, controller, *args, **kwargs):
+    tree_cache = controller.scheduler.tree_cache
+    state = getattr(tree_cache, "chunkcache_state", None)
+    result.internal_state["chunkcache"] = state() if state else {"backend": None, "tree_cache": type(tree_cache).__name__}
+    return result

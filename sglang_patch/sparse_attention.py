@@ -48,7 +48,7 @@ class _SegmentPlan:
 
 
 class SparseAttention:
-    """Takes the place of the model runner's attention backend for one pass (see sglang_patch.blend)."""
+    """Takes the place of the model runner's attention backend for one pass (sglang_patch.forward_pass)."""
 
     def __init__(self, base, segments: list[Segment], out_cache_loc: torch.Tensor, device: torch.device):
         self.token_to_kv_pool = base.token_to_kv_pool

@@ -9,7 +9,7 @@ from sglang.srt.managers.kv_hints import decode_kv_hints_envelope
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
 from chunkcache.hints import ACTION_TYPE, HintError
-from sglang_patch import hints_http, meta_info, metrics, request_hint
+from sglang_patch import hint_validation, metrics, report, request_hint
 
 
 def envelope(payload, other=True):
@@ -39,11 +39,11 @@ IDS_REQ = SimpleNamespace(input_ids=Tokenizer.ids, input_embeds=None)
 
 def check(kv_hints, obj, text=None, ids=Tokenizer.ids):
     tokenized = SimpleNamespace(kv_hints=kv_hints)
-    hints_http.check_request(tokenized, MANAGER, obj, text, ids, None, None, None)
+    hint_validation.check_request(tokenized, MANAGER, obj, text, ids, None, None, None)
     return tokenized.kv_hints
 
 
-# --- hints_http -----------------------------------------------------------------------------------------------------
+# --- hint_validation --------------------------------------------------------------------------------------------------
 
 def test_reserved_extra_key_is_refused_on_any_request():
     """Issue 13, defect 3: a plain request could name a hinted request's radix partition ("chunkcache::") and read
@@ -52,9 +52,9 @@ def test_reserved_extra_key_is_refused_on_any_request():
     for kv_hints in (None, envelope({"token_spans": [[0, 2]]})):
         tokenized = SimpleNamespace(kv_hints=kv_hints, extra_key=forged)
         with pytest.raises(ValueError, match="extra_key: values starting with .* are reserved"):
-            hints_http.check_request(tokenized, MANAGER, IDS_REQ, None, Tokenizer.ids)
+            hint_validation.check_request(tokenized, MANAGER, IDS_REQ, None, Tokenizer.ids)
     plain = SimpleNamespace(kv_hints=None, extra_key="chunkcache::")  # the old partition's syntax is just a string
-    hints_http.check_request(plain, MANAGER, IDS_REQ, None, Tokenizer.ids)
+    hint_validation.check_request(plain, MANAGER, IDS_REQ, None, Tokenizer.ids)
 
 
 def test_radix_partition_is_unambiguous():
@@ -74,11 +74,47 @@ def test_too_many_spans_is_a_hint_error():
     assert check(envelope({"token_spans": spans[:64]}), IDS_REQ, ids=ids) is not None
 
 
-def test_aborted_request_is_not_a_bad_hint():
+class Reuse:
+    """ChunkReuse as a stand-in: a hint is the payload's spans (nothing hashed), a span past the prompt malformed."""
+
+    store = SimpleNamespace(stats=lambda: None)
+
+    @staticmethod
+    def hint(payload, token_ids, cache_salt=None):
+        if max(e for _, e in payload["token_spans"]) >= len(token_ids):
+            raise HintError("span past the prompt")
+        return SimpleNamespace(spans=payload["token_spans"], prompt=list(token_ids))
+
+
+def test_hint_is_resolved_once_at_creation_and_kept():
+    req = SimpleNamespace(kv_hints=envelope({"token_spans": [[0, 2]], "namespace": "kb"}), origin_input_ids=[5, 6, 7],
+                          extra_key=None, cache_salt=None, to_finish=None)
+    request_hint.attach(Reuse(), req)
+    hint = request_hint.of(req)
+    assert hint.spans == [[0, 2]] and hint.prompt == [5, 6, 7]
+    assert req.extra_key == request_hint.radix_partition("kb", None)
+    plain = SimpleNamespace(kv_hints=None, extra_key="user", to_finish=None)
+    request_hint.attach(Reuse(), plain)
+    assert request_hint.of(plain) is None and plain.extra_key == "user"
+
+
+def test_malformed_hint_at_creation_is_a_bad_hint_round():
+    """A hint the HTTP layer did not validate (an Engine-side bypass): the request is served in full, and says so."""
+    req = SimpleNamespace(kv_hints=envelope({"token_spans": [[0, 9]]}), origin_input_ids=[5, 6, 7], extra_key=None,
+                          cache_salt=None, to_finish=None)
+    request_hint.attach(Reuse(), req)
+    assert request_hint.of(req) is None
+    assert req.chunkcache_info == {"fallback": "bad_hint", "detail": "chunkcache hint: span past the prompt"}
+
+
+def test_aborted_request_is_not_blended():
     """Issue 13, defect 7: SGLang replaces the prompt of a request it refuses (longer than the KV pool) by one token;
-    its hint then looked malformed and counted a bad_hint fallback."""
-    req = SimpleNamespace(kv_hints=envelope({"token_spans": [[0, 2]]}), origin_input_ids=[0], to_finish="abort")
-    assert request_hint.of(None, req) is None
+    it is not served, so it is neither blended nor a malformed hint."""
+    req = SimpleNamespace(kv_hints=envelope({"token_spans": [[0, 2]]}), origin_input_ids=[5, 6, 7], extra_key=None,
+                          cache_salt=None, to_finish=None)
+    request_hint.attach(Reuse(), req)
+    req.origin_input_ids, req.to_finish = [0], "abort"
+    assert request_hint.of(req) is None
 
 
 def test_request_without_our_action_is_untouched():
@@ -90,7 +126,7 @@ def test_request_without_our_action_is_untouched():
 
 def test_embedding_request_has_no_hints_to_check():
     tokenized = SimpleNamespace()  # TokenizedEmbeddingReqInput has no kv_hints field
-    hints_http.check_request(tokenized, MANAGER, IDS_REQ, None, [1, 2])
+    hint_validation.check_request(tokenized, MANAGER, IDS_REQ, None, [1, 2])
 
 
 def test_token_spans_are_validated_and_canonicalised():
@@ -135,11 +171,11 @@ def test_bad_hints_raise(payload, obj, text, ids, message):
 def test_slow_tokenizer_cannot_map_char_spans():
     manager = SimpleNamespace(tokenizer=SimpleNamespace(is_fast=False))
     with pytest.raises(HintError, match="need a fast tokenizer"):
-        hints_http.check_request(SimpleNamespace(kv_hints=envelope({"char_spans": [[0, 5]]})), manager, TEXT_REQ,
+        hint_validation.check_request(SimpleNamespace(kv_hints=envelope({"char_spans": [[0, 5]]})), manager, TEXT_REQ,
                                  TEXT, Tokenizer.ids)
 
 
-# --- meta_info ------------------------------------------------------------------------------------------------------
+# --- report -----------------------------------------------------------------------------------------------------------
 
 INFO = {"chunk_hits": 2, "chunk_misses": 1, "reused_tokens": 700, "recomputed_tokens": 120, "selector": "full",
         "ratio": 0.15, "select_s": 0.01, "blend_s": 0.2}
@@ -147,16 +183,16 @@ INFO = {"chunk_hits": 2, "chunk_misses": 1, "reused_tokens": 700, "recomputed_to
 
 def test_scheduler_side_attaches_the_report_as_request_level_info():
     req = SimpleNamespace(customized_info=None, chunkcache_info=INFO)
-    meta_info.attach(object(), req=req)
+    report.attach(object(), req=req)
     assert req.customized_info == {"chunkcache": [INFO]}
     req = SimpleNamespace(customized_info={"x": [1]}, chunkcache_info=INFO)
-    meta_info.attach(object(), req=req)
+    report.attach(object(), req=req)
     assert req.customized_info == {"x": [1], "chunkcache": [INFO]}
     plain = SimpleNamespace(customized_info=None)  # a request the blend did not touch
-    meta_info.attach(object(), req=plain)
+    report.attach(object(), req=plain)
     assert plain.customized_info is None
-    assert meta_info.request_level(False, object(), "chunkcache") is True
-    assert meta_info.request_level(False, object(), "other") is None
+    assert report.request_level(False, object(), "chunkcache") is True
+    assert report.request_level(False, object(), "other") is None
 
 
 def test_tokenizer_side_puts_the_dict_in_meta_info():
@@ -168,13 +204,13 @@ def test_tokenizer_side_puts_the_dict_in_meta_info():
     for index, expected in ((0, INFO), (1, None)):
         state = SimpleNamespace(customized_info_accumulated={}, customized_info_reported_keys=set())
         info = {}
-        meta_info.to_meta_info(original, manager, info, state, customized, index, None)
+        report.to_meta_info(original, manager, info, state, customized, index, None)
         assert info.get("chunkcache") == expected
         assert info["other"] == customized["other"][index]
         assert "chunkcache" not in state.customized_info_accumulated
 
 
-# --- metrics --------------------------------------------------------------------------------------------------------
+# --- metrics ----------------------------------------------------------------------------------------------------------
 
 @pytest.fixture
 def registry():

@@ -2,28 +2,22 @@
 
 Every generate request from /generate or `Engine.generate` (the only entry points that carry `kv_hints`), single
 or batched, becomes a `TokenizedGenerateReqInput` in `TokenizerManager._create_tokenized_object`, which is handed the
-request, its text and the token ids SGLang computed. An AFTER hook there validates the chunkcache action and replaces it with its
-canonical token-span form, so the scheduler only ever sees validated `token_spans`. A HintError is a ValueError,
-which /generate answers with HTTP 400 and the message; `Engine.generate` raises it to the caller. The same hook
-refuses an `extra_key` in the radix partition reserved for hinted requests (request_hint.radix_partition) on every
-request, hinted or not, OpenAI routes included (they build their requests through the same method).
+request, its text and the token ids SGLang computed. `check_request` runs after it (plugin.hooks): it validates the
+chunkcache action and replaces it with its canonical token-span form, so the scheduler only ever sees validated
+`token_spans`. A HintError is a ValueError, which /generate answers with HTTP 400 and the message; `Engine.generate`
+raises it to the caller. The same hook refuses an `extra_key` in the radix partition reserved for hinted requests
+(request_hint.radix_partition) on every request, hinted or not, OpenAI routes included (they build their requests
+through the same method).
 """
 
 from __future__ import annotations
 
 import msgspec
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from chunkcache.hints import ACTION_TYPE, HintError, char_spans_to_token_payload, find_payload, parse
 
 from .launcher import server_limits
 from .request_hint import RESERVED_EXTRA_KEY
-
-TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._create_tokenized_object"
-
-
-def register() -> None:
-    HookRegistry.register(TARGET, check_request, HookType.AFTER)
 
 
 def check_request(tokenized, manager, obj, input_text, input_ids, *args, **kwargs) -> None:

@@ -1,0 +1,87 @@
+"""What every blend of one serving model shares, and a request's hint resolved against it.
+
+A server (sglang_patch.cache) holds one `ChunkReuse`: the config, the chunk store, the model's KV layout and RoPE,
+the selectors and the models selectors load. `hint()` turns a validated chunkcache payload into a `RequestHint`:
+the server's defaults filled in and every chunk's store key hashed, once per request; `RequestHint.plan()` is that
+request's blend plan for one prefill round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..config import Config
+from ..hashing import chunk_key, prefix_key
+from ..hints import parse
+from ..rope import RopeSpec
+from ..select import REGISTRY, Selector
+from ..store import ChunkStore, EntryLayout
+from .features import Models
+from .plan import RequestPlan, plan_request
+
+
+@dataclass(frozen=True)
+class RequestHint:
+    token_ids: torch.Tensor  # [N] int64, the prompt the hint was resolved against
+    spans: tuple[tuple[int, int], ...]  # the chunks' token spans in the prompt (end exclusive)
+    keys: tuple[str, ...]  # chunk-store key of each span
+    selector: str
+    ratio: float
+    namespace: str
+
+    def plan(self, matched: int) -> RequestPlan:
+        """The blend plan of a prefill round that finds the prompt's first `matched` tokens already exact."""
+        return plan_request(self.token_ids, self.spans, self.keys, matched, self.selector, self.ratio)
+
+
+class ChunkReuse:
+    def __init__(self, config: Config, store: ChunkStore, layout: EntryLayout, rope: RopeSpec, model_path: str,
+                 device: torch.device | str):
+        self.config, self.store, self.layout, self.rope = config, store, layout, rope
+        self.fingerprint = layout.model_fingerprint
+        self.model_path, self.device = model_path, device
+        self.models = Models(model_path, self._load_draft, (config.draft.model, config.draft.layers))
+        # tokens one fill forward may compute (the server's chunked-prefill size, once the scheduler has resolved
+        # it); None: unbounded
+        self.prefill_budget: int | None = None
+        self._selectors: dict[str, Selector] = {}
+
+    @property
+    def entry_shape(self) -> tuple[int, int, int]:
+        """A stored entry's K per token: (layers, KV heads, head dim)."""
+        return self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim
+
+    def selector(self, name: str) -> Selector:
+        if name not in self._selectors:
+            self._selectors[name] = REGISTRY.create(name, **self.config.select.options.get(name, {}))
+        return self._selectors[name]
+
+    def hint(self, payload: dict, token_ids: Sequence[int], cache_salt: str | None = None) -> RequestHint:
+        """Raises HintError for a malformed payload."""
+        ids = list(token_ids)
+        parsed = parse(payload, len(ids), self.config.limits.max_spans)
+        select = self.config.select
+        namespace = parsed.namespace or self.config.store.namespace
+        prefix = prefix_key(ids[: parsed.token_spans[0][0]])
+        return RequestHint(
+            token_ids=torch.tensor(ids, dtype=torch.long), spans=parsed.token_spans,
+            keys=tuple(chunk_key(self.fingerprint, namespace, prefix, ids[s:e], cache_salt)
+                       for s, e in parsed.token_spans),
+            selector=parsed.selector or select.selector, ratio=select.ratio if parsed.ratio is None else parsed.ratio,
+            namespace=namespace)
+
+    def _load_draft(self, model: str, layers: int | None):
+        """"self" loads the target's HF weights a second time (a serving engine's fused modules cannot run the
+        transformers draft code), so it costs the draft's weight memory."""
+        from ..draft import load
+
+        target = None
+        if model == "self":
+            from transformers import AutoModelForCausalLM
+
+            target = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, self.config.draft.dtype))
+            target = target.to(self.device)
+        return load(model, layers, self.config.draft.dtype, self.device, target=target)

@@ -1,0 +1,138 @@
+"""One forward of SGLang's own model over tokens the blend chooses, in an extend batch's KV pool.
+
+A `Pass` is built first: segments (sparse_attention.Segment) of one batch row's tokens at their positions, written
+to the row's slots, or tokens kept aside (their K/V returned, never written). `Runner.run` then runs it once as a
+forward of the model on a copy of the batch that states the pass's own tokens, with `SparseAttention` standing in
+for the attention backend.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, replace
+
+import torch
+
+from .sparse_attention import Segment, SparseAttention
+
+
+@dataclass(frozen=True)
+class Row:
+    """One request of the extend batch, as its forward sees it."""
+
+    req: object  # SGLang's Req
+    index: int  # position in the batch
+    slots: torch.Tensor  # [seq_len] KV-pool slots of its tokens
+    token_ids: torch.Tensor  # [seq_len]
+    matched: int  # tokens [0, matched) already hold exact KV (the radix match; all but one for a decode row)
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def decode(self) -> bool:
+        """A decode row of a mixed batch (--enable-mixed-chunk): one new token after the prompt."""
+        return self.seq_len - self.matched == 1 and self.seq_len > len(self.req.origin_input_ids)
+
+
+class Pass:
+    """The tokens of one forward, as segments with their ids, positions and pool slots; built first, then run once."""
+
+    def __init__(self):
+        self.segments: list[Segment] = []
+        self.ids: list[torch.Tensor] = []
+        self.pos: list[torch.Tensor] = []
+        self.loc: list[torch.Tensor] = []
+        self.counts: list[int] = []  # tokens per segment
+
+    @property
+    def n(self) -> int:
+        return sum(self.counts)
+
+    def add(self, row: Row, sel: torch.Tensor, ctx: int) -> Segment:
+        """Tokens `sel` of `row`, written to its slots, attending to its slots [0, ctx)."""
+        seg = Segment(slice(self.n, self.n + len(sel)), sel.to(row.slots.device), row.slots[:ctx])
+        return self._append(seg, row.token_ids[sel], sel, row.slots[sel])
+
+    def add_aside(self, ids: torch.Tensor, q_pos: torch.Tensor, ctx_slots: torch.Tensor) -> Segment:
+        """Tokens at positions `q_pos` attending to `ctx_slots` and to each other; their K/V are kept in the
+        segment's kept_kv, never written to the pool."""
+        seg = Segment(slice(self.n, self.n + len(ids)), q_pos.to(ctx_slots.device), ctx_slots, to_pool=False)
+        return self._append(seg, ids, q_pos, torch.zeros(len(ids), dtype=torch.long))
+
+    def _append(self, seg: Segment, ids, pos, loc) -> Segment:
+        self.segments.append(seg)
+        self.ids.append(ids)
+        self.pos.append(pos.cpu())
+        self.loc.append(loc)
+        self.counts.append(len(ids))
+        return seg
+
+
+class Runner:
+    """Runs passes as forwards of SGLang's model on a copy of the batch that states the pass's own tokens."""
+
+    def __init__(self, model_runner, forward_batch):
+        self.model_runner, self.forward_batch = model_runner, forward_batch
+        self.device = forward_batch.input_ids.device if forward_batch.input_ids is not None else model_runner.device
+        self.forwards = 0
+
+    def run(self, p: Pass, logits: bool = False, layers: int | None = None):
+        """One forward over `p`. With `logits`, `p` holds one segment per request of the batch, each ending with
+        that request's last prompt token, and the logits output is returned; otherwise only the KV side effects
+        (pool writes, segment kept_kv and attention sums) matter. `layers` stops the forward after that many layers."""
+        from sglang.srt.model_executor.forward_context import forward_context, get_forward_context, has_forward_context
+
+        src = self.forward_batch
+        device = self.device
+        fb = copy.copy(src)
+        fb.input_ids = torch.cat(p.ids).to(device)
+        fb.positions = torch.cat(p.pos).to(device)
+        fb.out_cache_loc = torch.cat(p.loc).to(device=device, dtype=src.out_cache_loc.dtype)
+        n = fb.input_ids.numel()
+        lens = p.counts if logits else [n]
+        fb.extend_num_tokens = n
+        fb.extend_seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+        fb.extend_seq_lens_cpu = list(lens)
+        fb.extend_start_loc = torch.cumsum(fb.extend_seq_lens, 0) - fb.extend_seq_lens
+        # SGLang narrows q/k/v to the batch's real token count (graph_utils.padded_extend_real_tokens): a pass
+        # states its own, or one with more tokens than the scheduled extend would be cut short
+        fb.global_num_token_non_padded_cpu = n
+        if src.global_num_token_non_padded is not None:
+            fb.global_num_token_non_padded = torch.tensor(n, dtype=torch.int32, device=device)
+        if src.num_token_non_padded is not None:
+            fb.num_token_non_padded = torch.tensor(n, dtype=src.num_token_non_padded.dtype, device=device)
+        if logits:
+            fb.extend_prefix_lens = src.seq_lens - fb.extend_seq_lens
+            fb.extend_prefix_lens_cpu = [int(s) - c for s, c in zip(src.seq_lens_cpu, lens)]
+            fb.extend_logprob_start_lens_cpu = [c - 1 for c in lens] if src.extend_logprob_start_lens_cpu else None
+        backend = SparseAttention(self.model_runner.attn_backend, p.segments, fb.out_cache_loc, device)
+        if has_forward_context():
+            ctx = replace(get_forward_context(), attn_backend=backend)
+        else:
+            from sglang.srt.model_executor.forward_context import ForwardContext
+
+            ctx = ForwardContext(attn_backend=backend)
+        model = self.model_runner.model
+        self.forwards += 1
+        with forward_context(ctx, forward_batch=fb), (_first_layers(model, layers) if layers else nullcontext()):
+            if logits:
+                return model.forward(fb.input_ids, fb.positions, fb)
+            model.model(fb.input_ids, fb.positions, fb)
+            return None
+
+
+@contextmanager
+def _first_layers(model, n: int):
+    """Run only the first `n` decoder layers (SGLang's models loop over `model.model.start_layer..end_layer`)."""
+    inner = model.model
+    if not hasattr(inner, "end_layer"):
+        raise NotImplementedError(f"{type(inner).__name__} has no end_layer: cannot stop its forward early")
+    end = inner.end_layer
+    inner.end_layer = min(end, inner.start_layer + n)
+    try:
+        yield
+    finally:
+        inner.end_layer = end

@@ -1,0 +1,91 @@
+"""A hinted request's chunk report: written in the scheduler, returned as the response's `meta_info["chunkcache"]`,
+logged and counted in /metrics (sglang_patch.metrics).
+
+Each prefill round of the request adds one entry: `blended` (what the blend did, or that the radix tree already
+held every chunk) or `fallback` (computed in full, and why). SGLang already carries per-request extras to the
+TokenizerManager: `Req.customized_info` -> BatchTokenIDOutput -> detokenizer -> BatchStrOutput ->
+`TokenizerManager.update_request_meta_info`. The report rides on it through three hooks (plugin.hooks):
+  * scheduler, before `_GenerationStreamAccumulator.accept` (`attach`): copy `req.chunkcache_info` into
+    `req.customized_info`;
+  * scheduler, after `SchedulerOutputStreamer.is_request_level_customized_info_key` (`request_level`): our key is
+    request-level, so it is sent once (when a non-streamed request finishes, or with a streamed request's first
+    chunk) rather than sliced per output token;
+  * main process, around `TokenizerManager.update_request_meta_info` (`to_meta_info`): put the dict itself in
+    meta_info and keep it out of SGLang's per-token accumulation (which would turn it into a growing list).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from chunkcache.blend.plan import RequestPlan
+from chunkcache.store import ChunkStore
+
+from . import metrics
+
+log = logging.getLogger(__name__)
+KEY = "chunkcache"
+STAGES = ("match_fill", "copy", "features", "select", "prefill")  # stages_s: the batch's blend, in order
+NO_BATCH = {"requests": 0, "plain": 0, "decodes": 0, "forwards": 0}
+
+
+def blended(store: ChunkStore, req, plan: RequestPlan, *, hits: int, reused: int, recomputed: int,
+            admitted_compute: int | None, select_s: float = 0.0, blend_s: float = 0.0,
+            stages: dict[str, float] | None = None, batch: dict[str, int] | None = None) -> None:
+    """A round served from the plan: chunk hits, reused and recomputed tokens, the radix match, the selector, timings
+    (`stages` and `batch` are the whole batch's; none when the radix tree held every chunk and nothing blended)."""
+    info = {
+        "chunk_hits": hits, "chunk_misses": len(plan.chunks) - hits, "reused_tokens": reused,
+        "recomputed_tokens": recomputed, "radix_tokens": plan.matched, "selector": plan.selector, "ratio": plan.ratio,
+        "select_s": round(select_s, 6), "blend_s": round(blend_s, 6),
+        "stages_s": {k: round((stages or {}).get(k, 0.0), 6) for k in STAGES}, "batch": batch or dict(NO_BATCH),
+        "admitted_compute": admitted_compute,
+    }
+    log.info("chunkcache: request %s %s", getattr(req, "rid", "?"), info)
+    metrics.record_request(info)
+    metrics.set_store_stats(store.stats())
+    _add_round(req, info)
+
+
+def fallback(store: ChunkStore, req, reason: str, detail: str) -> None:
+    """A round computed in full instead of blended: said in the log, a metric and its meta_info."""
+    log.warning("chunkcache: request %s computed in full (%s): %s", getattr(req, "rid", "?"), reason, detail)
+    metrics.record_fallback(reason)
+    metrics.set_store_stats(store.stats())  # e.g. an entry dropped while looking it up
+    _add_round(req, {"fallback": reason, "detail": detail})
+
+
+def _add_round(req, info: dict) -> None:
+    """`req.chunkcache_info` accounts for every prefill round of the request: the last round's report, with all
+    rounds listed when there were several, and a round computed in full stays visible as the top-level `fallback`
+    after a later round blends."""
+    rounds = req.__dict__.setdefault("chunkcache_rounds", [])
+    rounds.append(info)
+    merged = dict(info)
+    if len(rounds) > 1:
+        merged["rounds"] = list(rounds)
+        full = next((r for r in rounds if "fallback" in r), None)
+        if full is not None and "fallback" not in merged:
+            merged["fallback"], merged["detail"] = full["fallback"], full["detail"]
+    req.chunkcache_info = merged
+
+
+def attach(*args, req, **kwargs) -> None:
+    info = getattr(req, "chunkcache_info", None)
+    if info is not None:
+        if req.customized_info is None:
+            req.customized_info = {}
+        req.customized_info[KEY] = [info]
+
+
+def request_level(result: bool, streamer, key: str) -> bool | None:
+    return True if key == KEY else None  # None: SGLang's own answer stands
+
+
+def to_meta_info(original, manager, meta_info: dict, state, customized_info: dict, index: int, *args, **kwargs):
+    if KEY in customized_info:
+        values = customized_info[KEY][index]  # [] for requests of the batch without a report
+        if values:
+            meta_info[KEY] = values[-1]
+        customized_info = {k: v for k, v in customized_info.items() if k != KEY}
+    return original(manager, meta_info, state, customized_info, index, *args, **kwargs)
