@@ -19,6 +19,18 @@ FULL = {"requests": 30, "docs": 6, "words": 150, "pool": 12, "rates": "0.03,0.06
         "max_new_tokens": 16, "clients": "1,4,8,16", "closed_requests": 32, "blocks": 2}
 
 
+def selector_items(text: str) -> tuple[str, ...]:
+    """--selectors: items separated by commas, where a piece with an option but no selector name
+    (`spec:per_chunk=true,max_span=8`) is the previous item's next option."""
+    items: list[str] = []
+    for piece in text.split(","):
+        if "=" in piece and ":" not in piece and items:
+            items[-1] += "," + piece
+        else:
+            items.append(piece)
+    return tuple(items)
+
+
 def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(",") if x)
 
@@ -111,7 +123,8 @@ def evaluate(argv: list[str]) -> int:
                                  "bootstrap interval over cases.")
     _workload_args(ap)
     ap.set_defaults(workload="synthetic:bridge")
-    ap.add_argument("--selectors", default="none,epic,cacheblend,prophet,spec,clip")
+    ap.add_argument("--selectors", default="none,epic,cacheblend,prophet,spec,clip", help="comma-separated; an "
+                    "item may carry options: mix:mass=0.5,layer=2 (reference path)")
     ap.add_argument("--ratios", default=",".join(f"{r:g}" for r in RATIOS))
     ap.add_argument("--drafts", default="self", help="drafts for spec/clip and the overlap analysis: self, "
                     "self:LAYERS, a model name, an HF directory or a .gguf file (name:LAYERS)")
@@ -134,7 +147,7 @@ def evaluate(argv: list[str]) -> int:
                          "max_new_tokens": 16 if args.smoke else 24})
     config = EvalConfig(
         workload=WorkloadConfig(args.workload, size["requests"], size["docs"], size["words"], size["pool"], args.seed),
-        selectors=tuple(args.selectors.split(",")), ratios=_floats(args.ratios), drafts=tuple(args.drafts.split(",")),
+        selectors=selector_items(args.selectors), ratios=_floats(args.ratios), drafts=tuple(args.drafts.split(",")),
         path=args.path, analyses=args.analyses, max_new_tokens=size["max_new_tokens"], model=args.model,
         server_config=args.config, server_url=args.server_url, top_logprobs=args.top_logprobs,
         out=Path(args.out) if args.out else None, resume=args.resume)
