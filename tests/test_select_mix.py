@@ -144,8 +144,10 @@ def prompt():
     return prefix, chunks, torch.randint(5, 1000, (6,), generator=g).tolist()
 
 
-@pytest.mark.parametrize("options,anchor", [({"relevance": 1, "deviation": 0, "boundary": 0}, "prophet"),
-                                            ({"relevance": 0, "deviation": 1, "boundary": 0, "layer": 1}, "cacheblend")])
+@pytest.mark.parametrize("options,anchor", [
+    ({"relevance": 1, "deviation": 0, "boundary": 0}, "prophet"),
+    ({"relevance": 0, "deviation": 1, "boundary": 0, "layer": 1}, "cacheblend"),  # CacheBlend's check layer
+])
 def test_one_signal_alone_picks_what_its_anchor_picks(blender, prompt, options, anchor):
     for ratio in (0.1, 0.3):
         ours = blender.blend(*prompt, selector="mix", ratio=ratio, **options)
