@@ -266,7 +266,7 @@ class ReferenceBlender:
         Their K/V are written into slot `pos` of `k_buf`/`v_buf` [L, B, N, H_kv, D] before each layer's attention;
         each attends to slots <= its own position. Returns the hidden states [B, M, hidden]; with `record_from`
         (batch of 1) also the softmax attention of rows [record_from, M) to every slot, averaged over those rows
-        and heads, summed over layers ([N] float32).
+        and heads, per layer ([n_layers, N] float32).
         """
         inner = self.model.model
         B, M = ids.shape
@@ -277,8 +277,9 @@ class ReferenceBlender:
         split = M if record_from is None else record_from
         blocks = plan_blocks(pos[:split], slots, False)
         recorded = plan_blocks(pos[split:], slots, True)
-        record = torch.zeros(k_buf.shape[2], dtype=torch.float32, device=self.device)
-        for l, layer in enumerate(inner.layers[: n_layers or self.n_layers]):
+        layers = inner.layers[: n_layers or self.n_layers]
+        record = torch.zeros(len(layers), k_buf.shape[2], dtype=torch.float32, device=self.device)
+        for l, layer in enumerate(layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             q = attn.q_proj(x).view(B, M, self.n_heads, self.head_dim)
@@ -293,7 +294,7 @@ class ReferenceBlender:
                 o[b, :split] = attend_blocks(q[b, :split], k_buf[l, b], v_buf[l, b], blocks, attn.scaling)
                 if split < M:
                     o[b, split:] = attend_blocks(q[b, split:], k_buf[l, b], v_buf[l, b], recorded, attn.scaling,
-                                                 record)
+                                                 record[l])
             h = h + attn.o_proj(o.reshape(B, M, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return h if record_from is None else (h, record)
@@ -339,14 +340,21 @@ class _Engine:
         dev = (fresh.float() - reused.float()).flatten(1).norm(dim=1).cpu()
         return [dev * self.plan.layout().context_mask() for _ in requests]
 
-    def true_deviation(self, requests: Sequence[int]) -> list[torch.Tensor]:
+    def true_deviation(self, requests: Sequence[int], attended: bool = False) -> list[torch.Tensor]:
         """The oracle's feature (Features.true_deviation): one full prefill of the prompt, compared with the reused KV
         of every layer. Context tokens' slots hold the copied KV until the final recompute (the feature passes write
-        only forced tokens), so this is the deviation naive reuse leaves."""
+        only forced tokens), so this is the deviation naive reuse leaves. `attended`: the query run over the full
+        KV once more, its attention per layer weighing that layer's deviation."""
+        b, layout = self.blender, self.plan.layout()
         fk, fv = self._fresh_kv(self.n_layers)
-        dev = sum((fresh[:, 0].float() - reused[:, 0].float()).flatten(2).norm(dim=2).sum(0)
-                  for fresh, reused in ((fk, self.k_buf), (fv, self.v_buf)))
-        return [dev.cpu() * self.plan.layout().context_mask() for _ in requests]
+        dev = sum((fresh[:, 0].float() - reused[:, 0].float()).flatten(2).norm(dim=2)
+                  for fresh, reused in ((fk, self.k_buf), (fv, self.v_buf)))  # [layers, N]
+        if attended:
+            query = torch.arange(*layout.query_span, device=b.device)
+            # on copies: the query's K/V it writes are full recompute's anyway, but kv_deviation reads these buffers
+            _, attn = b._forward(self.ids[None, query], query, fk.clone(), fv.clone(), record_from=0)
+            dev = dev * attn
+        return [dev.sum(0).cpu() * layout.context_mask() for _ in requests]
 
     def _fresh_kv(self, layers: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of every token computed exactly (the prompt alone, position-causal) through at least `layers` layers,
@@ -367,7 +375,7 @@ class _Engine:
         first_query_row = int((forced < layout.query_span[0]).sum())
         sel = forced.to(b.device)
         _, attn = b._forward(self.ids[None, sel], sel, self.k_buf, self.v_buf, record_from=first_query_row)
-        return [attn.cpu() for _ in requests]
+        return [attn.sum(0).cpu() for _ in requests]
 
     def recompute(self, tokens: list[torch.Tensor]) -> torch.Tensor:
         sel = tokens[0].to(self.blender.device)

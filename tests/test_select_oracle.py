@@ -4,6 +4,7 @@ in the prompt at the same budget. Engines that cannot serve full recompute's KV 
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from chunkcache.blend.features import RequestFeatures
 from chunkcache.models import tiny_model
@@ -57,6 +58,31 @@ def test_oracle_scores_are_the_true_deviation_and_it_picks_their_top(blender, pr
     picked = torch.zeros_like(ctx)
     picked[rank(expected, ctx)[: res.layout.budget(RATIO)]] = True
     assert torch.equal(res.recomputed, (picked | res.layout.forced_mask()).nonzero().flatten())
+
+
+def test_attended_oracle_weighs_each_layer_by_full_recomputes_query_attention(blender, prompt):
+    """By hand: HF's eager forward over the whole prompt gives each layer's attention; the query rows' mean over rows
+    and heads weighs that layer's ||dK|| + ||dV||."""
+    model = AutoModelForCausalLM.from_pretrained(blender.model_dir, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    reused = blender.blend(*prompt, selector="none")
+    layout = reused.layout
+    with torch.no_grad():
+        full = model(layout.token_ids[None], use_cache=True, output_attentions=True)
+    (kr, vr), (kf, vf) = _per_token(reused.past_key_values), _per_token(full.past_key_values)
+    per_layer = (kr - kf).norm(dim=2) + (vr - vf).norm(dim=2)  # [L, N]
+    q0, q1 = layout.query_span
+    attn = torch.stack([a[0, :, q0:q1].mean(dim=(0, 1)) for a in full.attentions])  # [L, N]
+    expected = (per_layer * attn).sum(0) * layout.context_mask()
+    res = blender.blend(*prompt, selector="oracle", ratio=RATIO, attended=True)
+    torch.testing.assert_close(res.scores, expected, rtol=1e-4, atol=1e-6)
+    picked = torch.zeros(layout.n, dtype=torch.bool)
+    picked[rank(expected, layout.context_mask())[: layout.budget(RATIO)]] = True
+    assert torch.equal(res.recomputed, (picked | layout.forced_mask()).nonzero().flatten())
+    # not the unweighted sum rescaled: the query reads some deviating tokens more than others
+    plain = blender.blend(*prompt, selector="oracle", ratio=RATIO)
+    ctx = layout.context_mask()
+    assert not torch.equal(rank(res.scores, ctx), rank(plain.scores, ctx))
 
 
 def test_no_selector_leaves_less_reused_deviation_than_the_oracle(blender, prompt, truth):

@@ -90,12 +90,12 @@ class RequestFeatures:
         return self._memo("kv_deviation", (layer, which),
                           lambda: self.passes.kv_deviation([self.index], layer, which)[0])
 
-    def true_deviation(self) -> torch.Tensor:
+    def true_deviation(self, attended: bool = False) -> torch.Tensor:
         serve = getattr(self.passes, "true_deviation", None)  # optional: it costs a full prefill (the oracle's)
         if serve is None:
             raise NotImplementedError(f"{type(self.passes).__name__} does not serve true_deviation (full "
                                       "recompute's KV, for the oracle selector): use the reference blender")
-        return self._memo("true_deviation", (), lambda: serve([self.index])[0])
+        return self._memo("true_deviation", (attended,), lambda: serve([self.index], attended)[0])
 
     def prompt_text(self) -> tuple[str, list[tuple[int, int]]]:
         return self._memo("prompt_text", (),

@@ -82,11 +82,13 @@ class Features(Protocol):
         summed over layers."""
         ...
 
-    def true_deviation(self) -> torch.Tensor:
+    def true_deviation(self, attended: bool) -> torch.Tensor:
         """[N] float: per token, summed over all layers, ||K_reused - K_full|| + ||V_reused - V_full|| between the
         reused KV (copied from the store, K re-rotated) and full recompute's (all heads flattened); zero for tokens
-        that are not reused. The ground truth of what should be recomputed (the `oracle` selector); it costs a full
-        prefill, so only the reference blender serves it."""
+        that are not reused. `attended`: each layer's term weighted by full recompute's attention from the query
+        tokens to the token at that layer (averaged over query tokens and heads): the deviation the query reads.
+        The ground truth of what should be recomputed (the `oracle` selector); it costs a full prefill, so only the
+        reference blender serves it."""
         ...
 
     def prompt_text(self) -> tuple[str, list[tuple[int, int]]]:
