@@ -81,7 +81,8 @@ def facts(mr) -> dict:
             "sliding_window": mr.sliding_window_size is not None or mr.is_hybrid_swa,
             "kv_pool": type(mr.token_to_kv_pool).__name__, "kv_dtype": mr.token_to_kv_pool.dtype,
             "page_size": get_schedule().page_size or 1, "decode_graph": mr.decode_cuda_graph_runner is not None,
-            "mixed_chunk": get_schedule().enable_mixed_chunk, "speculative": not mr.spec_algorithm.is_none(),
+            "mixed_chunk": get_schedule().enable_mixed_chunk, "overlap": not get_schedule().disable_overlap_schedule,
+            "speculative": not mr.spec_algorithm.is_none(),
             "workers": (par.tp_size, par.pp_size, par.dp_size), "pdmux": get_disagg().enable_pdmux}
 
 
@@ -98,6 +99,8 @@ def problems(cfg, f: dict) -> list[str]:
          f"one run of KV slots; got {f['page_size']} (`chunkcache serve` sets it to the group)"),
         (not f["decode_graph"], "needs eager decoding (a captured decode graph would bypass it)"),
         (not f["mixed_chunk"], "cannot decode rows inside mixed prefill batches: drop --enable-mixed-chunk"),
+        (not f["overlap"], "is built and tested for the scheduler without overlap (as `chunkcache serve` runs it on "
+                           "CPU): pass --disable-overlap-schedule"),
         (not f["speculative"], "cannot run beside SGLang's speculative decoding"),
         (f["workers"] == (1, 1, 1), f"runs on one worker (tp, pp, dp sizes 1), not {f['workers']}"),
         (not f["pdmux"], "does not support --enable-pdmux"),
@@ -134,7 +137,7 @@ class SpeCacheDecode:
         # s_t sits one past x_t; at the context's very end that position has no rotary angle (and no next step)
         self.max_pos = model_runner.model_config.hf_config.max_position_embeddings - 1
         self.counts = dict(steps=0, tokens=0, pre_decodes=0, read_bytes=0, stock_read_bytes=0, fetch_bytes=0,
-                           spec_matches=0, spec_guesses=0)
+                           spec_matches=0, spec_guesses=0, errors=0)
         info = self.info()
         log.info("chunkcache: SpeCache decoding (b=%d, g=%d, R=%d, k=%d): device pool %d B/token low-bit vs %d "
                  "B/token stock (%.3f) + %d B per running request; low-bit pool %.1f MiB for %d slots; "
@@ -280,7 +283,15 @@ def _decode(original, runner, forward_batch, pp_proxy_tensors=None):
     specache = getattr(runner.model_runner, "chunkcache_specache", None)
     if specache is None or forward_batch.rids is None:  # off, or a batch without requests (a warm-up)
         return original(runner, forward_batch, pp_proxy_tensors)
-    return specache.step(forward_batch)
+    try:
+        return specache.step(forward_batch)
+    except Exception:  # noqa: BLE001 - a bug here must not take the scheduler (and every request) down
+        # Counted in /server_info ("errors") and logged; the step is decoded in full precision, and the batch's
+        # requests start SpeCache over (their speculative tokens and top-k sets are stale).
+        log.exception("chunkcache: SpeCache decode step failed; this step is decoded by the attention backend")
+        specache.counts["errors"] += 1
+        specache.states = {}
+        return original(runner, forward_batch, pp_proxy_tensors)
 
 
 def _report(result, controller, *args, **kwargs):

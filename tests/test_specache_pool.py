@@ -65,6 +65,10 @@ def test_context_is_the_reference_view(bits):
         ref.prefetch(picked)
         keys, values = dec.pool.context(layer, slots, Q, picked)
         assert torch.equal(keys, ref.view()[0]) and torch.equal(values, ref.view()[1])
+    short = slots[:10]  # nothing low-bit yet: the context is the pool's own values
+    keys, values = dec.pool.context(0, short, 0, torch.empty(HK, 0, dtype=torch.long))
+    assert torch.equal(keys, runner.token_to_kv_pool.get_key_buffer(0)[short])
+    assert torch.equal(values, runner.token_to_kv_pool.get_value_buffer(0)[short])
     assert dec.pool.lowbit_bytes_per_token() == lowbit_bytes(cfg, HK, D, G) // G * LAYERS
     assert dec.pool.full_bytes_per_token() == 2 * HK * D * 4 * LAYERS  # a float32 pool
 
@@ -110,14 +114,14 @@ def test_step_attention_writes_x_t_attends_as_the_reference_and_picks_row_1s_top
 
 FACTS = {"device": "cpu", "model_type": "llama", "sliding_window": False, "kv_pool": "MHATokenToKVPool",
          "kv_dtype": torch.bfloat16, "page_size": 32, "decode_graph": False, "mixed_chunk": False,
-         "speculative": False, "workers": (1, 1, 1), "pdmux": False}
+         "overlap": False, "speculative": False, "workers": (1, 1, 1), "pdmux": False}
 
 
 @pytest.mark.parametrize("fact, value, reason", [
     ("device", "cuda", "runs on CPU"), ("model_type", "gemma3", "model types"),
     ("sliding_window", True, "sliding-window"), ("kv_dtype", torch.float8_e4m3fn, "16 or 32 bits"),
     ("page_size", 1, "page size to be a multiple of decode.specache.group"), ("decode_graph", True, "eager"),
-    ("mixed_chunk", True, "enable-mixed-chunk"), ("speculative", True, "speculative decoding"),
+    ("mixed_chunk", True, "enable-mixed-chunk"), ("overlap", True, "disable-overlap-schedule"), ("speculative", True, "speculative decoding"),
     ("workers", (2, 1, 1), "one worker"), ("pdmux", True, "pdmux"),
 ])
 def test_refusals_name_the_setting(fact, value, reason):
