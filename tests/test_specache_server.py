@@ -5,7 +5,7 @@ bfloat16 the two-row step's matmuls round differently from stock's one-row ones,
 
 import pytest
 import torch
-from conftest import sglang_engine
+from conftest import Rag, hints, sglang_engine
 
 from chunkcache.config import SpeCacheConfig
 from chunkcache.models import tiny_model
@@ -21,7 +21,9 @@ def generate(engine, prompts, new=NEW):
 
 
 def specache(engine) -> dict:
-    return engine.get_server_info()["internal_states"][0]["specache"]
+    info = engine.get_server_info()["internal_states"][0]["specache"]
+    assert info["errors"] == 0  # no step fell back to the attention backend
+    return info
 
 
 @pytest.mark.parametrize("arch, bits", [("llama", 1), ("qwen2", 2)])
@@ -71,3 +73,28 @@ def test_topk_covering_the_context_is_stock_decoding(default_model, tmp_path):
     assert info["fetch_bytes"] > 0  # low-bit groups existed, and every one was replaced by its full-precision pair
     # SmolLM2: 30 layers, 3 KV heads of 64; 1 bit, g = 32: 96 B per token and layer against 768 B in float32
     assert info["lowbit_bytes_per_token"] == 96 * 30 and info["stock_bytes_per_token"] == 768 * 30 * 2
+
+
+def test_blended_prefill_then_specache_decoding(default_model, tmp_path):
+    """Chunk reuse writes approximate KV (EPIC's selection recomputed, the rest copied from the chunk store); SpeCache
+    quantises whatever the pool holds, so with the top-k covering the context it decodes as chunk reuse alone does."""
+    from transformers import AutoTokenizer
+
+    rag = Rag(AutoTokenizer.from_pretrained(default_model), n_docs=3, words=60)
+    prompts = [rag.build(order, f"What is the code of document {order[1]}?") for order in ([0, 1, 2], [2, 0, 1])]
+    settings = dict(dtype="float32", max_total_tokens=2048, page_size=32)
+    served = {}
+    for side, yaml in (("reuse", ""),
+                       ("specache", "decode: {specache: {enabled: true, group: 32, residual: 8, topk: 1024}}")):
+        (tmp_path / side).mkdir()
+        with sglang_engine(default_model, tmp_path / side, yaml, **settings) as engine:
+            # one at a time: the second prompt finds every chunk in the store and blends
+            served[side] = [engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 12, "temperature": 0},
+                                            kv_hints=hints(spans, selector="epic", ratio=0.15))["output_ids"]
+                            for ids, spans in prompts]
+            state = engine.get_server_info()["internal_states"][0]
+        assert state["chunkcache"]["store"]["hits"] >= 3, state["chunkcache"]  # the second prompt reused its chunks
+    info = state["specache"]
+    # low-bit groups existed and every one was read in full precision too: more bytes than stock's full-precision read
+    assert info["errors"] == 0 and info["tokens"] > 0 and info["read_bytes"] > info["stock_read_bytes"]
+    assert served["specache"] == served["reuse"]
