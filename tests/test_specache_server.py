@@ -1,7 +1,10 @@
 """SpeCache decoding inside SGLang's engine (decode.specache, sglang_patch/specache.py) against its two oracles: the
 reference decode loop (chunkcache.specache.decode) on the same prompts, and stock SGLang's decoding when the top-k
-covers the whole context (every low-bit pair replaced by its full-precision one). float32 on both sides: in
+covers the whole context (every low-bit pair replaced by its full-precision one), after a plain or a blended
+prefill (chunk reuse alone being the oracle of the latter). float32 on both sides: in
 bfloat16 the two-row step's matmuls round differently from stock's one-row ones, and a near tie can flip a token."""
+
+import os
 
 import pytest
 import torch
@@ -13,6 +16,20 @@ from chunkcache.models import tiny_model
 pytestmark = pytest.mark.slow
 TINY = dict(initializer_range=0.1)  # random weights large enough that the continuation depends on the context
 NEW = [16, 10]  # new tokens per prompt: the second request leaves the batch first
+
+
+@pytest.fixture(autouse=True)
+def own_config_env():
+    """sglang_engine points CHUNKCACHE_CONFIG at this test's file; put it back afterwards, so that no later server in
+    this session (one that reads the variable it inherits) starts with SpeCache on."""
+    from sglang_patch.launcher import CONFIG_ENV
+
+    before = os.environ.get(CONFIG_ENV)
+    yield
+    if before is None:
+        os.environ.pop(CONFIG_ENV, None)
+    else:
+        os.environ[CONFIG_ENV] = before
 
 
 def generate(engine, prompts, new=NEW):
