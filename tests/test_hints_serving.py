@@ -65,8 +65,8 @@ def test_char_spans_request_is_served(server):
 
 
 def test_hinted_request_reports_chunk_reuse(server):
-    """meta_info["chunkcache"] is what the blend (sglang_patch/blend.py) sets on the scheduler's Req. The chunks in
-    another order than above, so the radix tree cannot serve the whole prompt as an exact prefix."""
+    """meta_info["chunkcache"] is the round the blend reports on the scheduler's Req (sglang_patch/report.py). The
+    chunks in another order than above, so the radix tree cannot serve the whole prompt as an exact prefix."""
     text, spans = rag_prompt(CHUNKS[::-1])
     r = generate(server, text=text, kv_hints=kv_hints({"char_spans": spans, "selector": "full"}))
     report = r.json()["meta_info"].get("chunkcache")
