@@ -64,11 +64,16 @@ def attend(q, keys, values, q_pos, k_pos, scale, record=None):
 
 
 def attend_blocks(q, keys, values, blocks: list[_Block], scale, record=None):
-    """q [m, Hq, D]; keys/values [c, Hk, D]; `blocks` partition q's rows (plan_blocks). GQA by head grouping."""
+    """q [m, Hq, D]; keys/values [c, Hk, D]; `blocks` partition q's rows (plan_blocks). GQA by head grouping. On CPU
+    the arithmetic is float32 whatever the model's dtype (the output is cast back): CPU flash attention ran 1.4-1.6x
+    faster in float32 than in bfloat16 on an Intel host without AMX (6.4K keys, ~1K late queries: 63 vs 89 ms per
+    layer, the per-layer upcast of the context included), and float32 rounds less."""
     group = q.shape[1] // keys.shape[1]
+    out = torch.empty(q.shape[0], q.shape[1], values.shape[-1], dtype=q.dtype, device=q.device)
+    if q.device.type == "cpu" and record is None:
+        q, keys, values = q.float(), keys.float(), values.float()
     kt_all = keys.transpose(0, 1)  # [Hk, c, D]
     vt_all = values.transpose(0, 1)
-    out = torch.empty(q.shape[0], q.shape[1], values.shape[-1], dtype=q.dtype, device=q.device)
     for b in blocks:
         kt, vt = kt_all[:, : b.n_keys], vt_all[:, : b.n_keys]
         if record is not None:
