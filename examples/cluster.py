@@ -18,14 +18,12 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import requests
-
 from sglang_patch.launcher import REMOTE_URL_ENV
+from sglang_patch.server_process import ServerProcess
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,29 +45,28 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--remote-url or ${REMOTE_URL_ENV} is required: the servers share chunks through it")
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    procs: list[subprocess.Popen] = []
+    procs: list[ServerProcess] = []  # each in a session of its own: its stop reaches SGLang's children too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # through the finally below
     try:
-        urls = []
-        env = {**os.environ, REMOTE_URL_ENV: args.remote_url}
         for i in range(args.workers):
             port = args.port + 1 + i
             cmd = [sys.executable, "-m", "sglang_patch.cli", "serve", "--host", args.host, "--port", str(port),
                    *(["--config", args.config] if args.config else []), *serve_args]
-            procs.append(_start(cmd, log_dir / f"server-{i}.log", env))
-            urls.append(f"http://{args.host}:{port}")
-        for url, proc in zip(urls, procs):
-            _wait(url + "/health", proc, args.startup_timeout)
+            procs.append(ServerProcess(cmd, url=f"http://{args.host}:{port}", log_path=log_dir / f"server-{i}.log",
+                                       env={REMOTE_URL_ENV: args.remote_url}))
+        for proc in procs:
+            _wait(proc, args.startup_timeout)
+        urls = [proc.url for proc in procs]
         router = f"http://{args.host}:{args.port}"
         cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", args.host, "--port", str(args.port),
                "--worker-urls", *urls, "--policy", args.policy, "--log-dir", str(log_dir)]
-        procs.append(_start(cmd, log_dir / "router.log", os.environ))
+        procs.append(ServerProcess(cmd, url=router, log_path=log_dir / "router.log"))
         # the router answers /health before it has registered its workers: wait until it lists all of them healthy
-        _wait(router + "/workers", procs[-1], args.startup_timeout,
+        _wait(procs[-1], args.startup_timeout, path="/workers",
               ready=lambda r: sum(w["is_healthy"] for w in r.json()["workers"]) == args.workers)
         print(f"router {router} ({args.policy}) over {' '.join(urls)}, store {args.remote_url.split('@')[-1]}; "
               f"logs in {log_dir}/", flush=True)
-        while all(proc.poll() is None for proc in procs):
+        while all(proc.alive() for proc in procs):
             time.sleep(1)
         print("a process exited; stopping the others", file=sys.stderr)
         return 1
@@ -77,46 +74,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         for proc in reversed(procs):  # the router first: no request goes to a server being stopped
-            _stop(proc)
+            proc.stop(grace=30)
 
 
-def _start(cmd: list[str], log_path: Path, env) -> subprocess.Popen:
-    with open(log_path, "w") as log:
-        # own session: stopping a server's process group also stops SGLang's scheduler and detokenizer children
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)
-
-
-def _wait(url: str, proc: subprocess.Popen, timeout: float, ready=lambda r: True) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{' '.join(proc.args[:5])} ... exited with {proc.returncode}; see its log")
-        try:
-            r = requests.get(url, timeout=5)
-            if r.status_code == 200 and ready(r):
-                return
-        except (requests.RequestException, ValueError, KeyError):
-            pass
-        time.sleep(1)
-    raise SystemExit(f"{url} not healthy after {timeout:.0f} s")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
+def _wait(proc: ServerProcess, timeout: float, **kwargs) -> None:
     try:
-        os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group outlived its leader
-    except ProcessLookupError:
-        pass
+        proc.wait_healthy(timeout, **kwargs)
+    except (RuntimeError, TimeoutError) as exc:
+        raise SystemExit(f"{' '.join(proc.argv[:5])} ...: {exc}")
 
 
 if __name__ == "__main__":

@@ -7,10 +7,7 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
-import time
-import urllib.request
 
 from chunkcache.config import Config
 from chunkcache.models import DEFAULT_MODEL, ModelError, resolve_model
@@ -34,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for name, summary in (("bench", "A/B benchmark against stock prefix caching: TTFT, throughput, goodput, quality"),
                           ("eval", "quality sweep of selectors x rho, plus the SpecCache analyses")):
-        sub.add_parser(name, help=summary, add_help=False)  # arguments: chunkcache/bench/cli.py
+        sub.add_parser(name, help=summary, add_help=False)  # arguments: chunkbench/cli.py
 
     p = sub.add_parser("ingest", help="precompute and store the chunk KV of documents on a running server")
     p.add_argument("file", help='JSON Lines: one document per line, a JSON string or {"text": ...}')
@@ -54,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "ingest":
             return ingest(args)
         if args.command in ("bench", "eval"):
-            from chunkcache.bench import cli as bench_cli
+            from chunkbench import cli as bench_cli
 
             return (bench_cli.bench if args.command == "bench" else bench_cli.evaluate)(extra)
         return serve(args, extra)
@@ -65,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve(args: argparse.Namespace, extra: list[str]) -> int:
     from .launcher import REMOTE_URL_ENV, prepare_environment, server_settings, to_argv
+    from .server_process import ServerProcess, wait_healthy
 
     config = Config.load(args.config)
     for key in ("model", "host", "port"):
@@ -76,16 +74,20 @@ def serve(args: argparse.Namespace, extra: list[str]) -> int:
         os.environ[REMOTE_URL_ENV] = args.remote_url
     argv = [sys.executable, "-m", "sglang.launch_server", *to_argv(settings), *config.serve.sglang_args, *extra]
     print("starting:", " ".join(argv), flush=True)
-    proc = subprocess.Popen(argv)
-    signal.signal(signal.SIGTERM, lambda *_: proc.terminate())
     base = f"http://{config.serve.host}:{config.serve.port}"
+    # in this process's group: whoever stops `chunkcache serve` as a group stops SGLang with it
+    server = ServerProcess(argv, url=base, own_session=False)
+    signal.signal(signal.SIGTERM, lambda *_: server.terminate())
     try:
-        if _wait_healthy(base, proc):
+        try:
+            wait_healthy(base, server.alive, timeout=900, interval=2)
             print(_usage(base), flush=True)
-        return proc.wait()
+        except (RuntimeError, TimeoutError):
+            pass  # exited (its status below), or slow to start and left running: its own output says why
+        return server.wait()
     except KeyboardInterrupt:
-        proc.terminate()
-        return proc.wait()
+        server.terminate()
+        return server.wait()
 
 
 def ingest(args: argparse.Namespace) -> int:
@@ -95,19 +97,6 @@ def ingest(args: argparse.Namespace) -> int:
                   namespace=args.namespace)
     print(f"{result.documents} documents: {result.new} new, {result.existing} already stored")
     return 0
-
-
-def _wait_healthy(base: str, proc: subprocess.Popen, timeout: float = 900) -> bool:
-    deadline = time.time() + timeout
-    while time.time() < deadline and proc.poll() is None:
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return True
-        except OSError:
-            pass
-        time.sleep(2)
-    return False
 
 
 def _usage(base: str) -> str:

@@ -1,16 +1,10 @@
 import contextlib
-import os
 import random
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from chunkcache.bench.servers import free_port, wait_healthy
+from sglang_patch.server_process import ServerProcess, chunkcache_serve
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,57 +16,12 @@ def default_model() -> Path:
     return resolve_model("smollm2-135m-instruct")
 
 
-# The server is launched through a short-lived intermediate process so that it is not a descendant of pytest:
-# `sgl.Engine.shutdown()` (used by the in-process engine tests) kills every descendant of the calling process,
-# which would otherwise take the session's shared server down with it.
-_DETACH = ("import subprocess, sys; "
-           "p = subprocess.Popen(sys.argv[2:], cwd=sys.argv[1], start_new_session=True, "
-           "stdin=subprocess.DEVNULL, stdout=sys.stdout, stderr=subprocess.STDOUT); print(p.pid, file=sys.stderr)")
-
-
-class Server:
-    """A detached `chunkcache serve` process on a free port, its output captured to a log file."""
-
-    def __init__(self, log_path: Path, *args: str, env: dict | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        with open(log_path, "w") as log:
-            launcher = subprocess.run(
-                [sys.executable, "-c", _DETACH, str(ROOT / "tests"),
-                 sys.executable, "-m", "sglang_patch.cli", "serve", "--port", str(self.port), *args],
-                stdout=log, stderr=subprocess.PIPE, text=True, check=True, env={**os.environ, **(env or {})},
-            )
-        self.pid = int(launcher.stderr.strip())
-        try:
-            wait_healthy(self.url, self.alive, log_path, timeout=600)
-        except TimeoutError:
-            self.stop()
-            raise
-
-    def alive(self) -> bool:
-        # A zombie counts as dead: in a container whose init does not reap, the orphaned server may linger as one.
-        try:
-            return psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
-
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-    def stop(self) -> None:
-        for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.pid, sig)
-            except ProcessLookupError:
-                return
-            deadline = time.time() + wait
-            while time.time() < deadline:
-                try:
-                    os.killpg(self.pid, 0)
-                except ProcessLookupError:
-                    return
-                time.sleep(0.5)
+def start_server(log_path: Path, *args: str, env: dict | None = None) -> ServerProcess:
+    """A healthy `chunkcache serve` on a free port, its output captured to `log_path`. Detached: started through a
+    short-lived intermediate process so that it is not a descendant of pytest, because `sgl.Engine.shutdown()` (used
+    by the in-process engine tests) kills every descendant of the calling process, which would otherwise take the
+    session's shared server down with it."""
+    return chunkcache_serve(*args, log_path=log_path, env=env, cwd=ROOT / "tests", detach=True, timeout=600)
 
 
 @contextlib.contextmanager
@@ -96,7 +45,7 @@ def sglang_engine(model: Path, config_dir: Path, config_yaml: str = "", **settin
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory, default_model):
-    srv = Server(tmp_path_factory.mktemp("server") / "server.log", "--enable-metrics")  # /metrics is tested too
+    srv = start_server(tmp_path_factory.mktemp("server") / "server.log", "--enable-metrics")  # /metrics is tested too
     yield srv
     srv.stop()
 

@@ -20,7 +20,7 @@ from chunkcache.store.disk import decode, encode
 from sglang_patch import cli
 from sglang_patch.request_hint import radix_partition
 
-from conftest import Server
+from conftest import start_server
 
 pytestmark = pytest.mark.slow
 GREEDY = {"max_new_tokens": 6, "temperature": 0}
@@ -38,7 +38,7 @@ def srv(tmp_path_factory):
                       f"store: {{host_bytes: 0, disk_dir: {d / 'store'}}}\n"
                       f"limits: {{max_spans: {MAX_SPANS}, ingest_in_flight: {IN_FLIGHT}, "
                       f"ingest_max_documents: {MAX_DOCS}}}\n")
-    server = Server(d / "server.log", "--config", str(config), "--enable-metrics")
+    server = start_server(d / "server.log", "--config", str(config), "--enable-metrics")
     server.store = d / "store"
     server.known_good = answer(server)
     yield server

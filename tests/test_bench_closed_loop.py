@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from chunkcache.bench import cli, closed_loop, closed_report, load
-from chunkcache.bench.client import Outcome, fell_back
-from chunkcache.bench.workloads import WorkloadConfig, fresh, items
+from chunkbench import cli, closed_loop, closed_report, load
+from chunkbench.client import Outcome, fell_back
+from chunkbench.workloads import WorkloadConfig, fresh, items
 
 
 def row(side, clients, block, arrival, finish, ttft, hits=0, misses=0, report=None, tokens=8):
@@ -120,7 +120,7 @@ def test_run_alternates_the_sides_on_two_live_servers_and_report_rerenders(tmp_p
                  "prompt_tokens": len(r.prompt.input_ids), "chunk_hits": 0, "chunk_misses": 0, "report": None}
                 for r in requests]
 
-    monkeypatch.setattr(closed_loop, "Server", FakeServer)
+    monkeypatch.setattr(closed_loop, "start_server", FakeServer)
     monkeypatch.setattr(closed_loop, "warm", lambda url, requests, hinted: warmed.append((url, hinted)))
     monkeypatch.setattr(closed_loop, "closed", fake_closed)
     config = closed_loop.ClosedConfig(workload=WorkloadConfig(requests=3, docs=2, words=20, pool=5), clients=(1, 2),

@@ -34,11 +34,11 @@ def test_eval_smoke_json(tmp_path, default_model):
 def fp32_server(tmp_path_factory, default_model):
     """A server in the reference blender's float32: in the server's default bfloat16, its own teacher-forced prefill
     of full recompute's answer disagreed with its greedy decoding at 1 of 16 positions."""
-    from conftest import Server
+    from conftest import start_server
 
     d = tmp_path_factory.mktemp("fp32")
     (d / "chunkcache.yaml").write_text("serve:\n  dtype: float32\n")
-    srv = Server(d / "server.log", "--config", str(d / "chunkcache.yaml"))
+    srv = start_server(d / "server.log", "--config", str(d / "chunkcache.yaml"))
     yield srv
     srv.stop()
 
@@ -47,10 +47,10 @@ def test_reference_and_server_paths_agree(fp32_server, default_model):
     """One case through both paths: the same layout (prompt and chunk spans) and the same selection (full
     recompute; epic, which depends on the layout only) give the same answer, teacher-forced agreement and KL."""
     server = fp32_server
-    from chunkcache.bench import fidelity
-    from chunkcache.bench.reference_path import ReferenceMeasure
-    from chunkcache.bench.server_path import ServerMeasure
-    from chunkcache.bench.workloads import WorkloadConfig, items
+    from chunkbench import fidelity
+    from chunkbench.reference_path import ReferenceMeasure
+    from chunkbench.server_path import ServerMeasure
+    from chunkbench.workloads import WorkloadConfig, items
     from chunkcache.reference import ReferenceBlender
 
     item = items(WorkloadConfig("synthetic:multikey", requests=1, docs=3, words=80))[0]

@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from chunkcache.bench import fidelity, intervals, quality, workloads
-from chunkcache.bench.quality import COLUMNS, EvalConfig
-from chunkcache.bench.reference_path import ReferenceMeasure, kl_logits
-from chunkcache.bench.workloads import WorkloadConfig
+from chunkbench import fidelity, intervals, quality, workloads
+from chunkbench.quality import COLUMNS, EvalConfig
+from chunkbench.reference_path import ReferenceMeasure, kl_logits
+from chunkbench.workloads import WorkloadConfig
 from chunkcache.models import tiny_model
 from chunkcache.reference import ReferenceBlender
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from chunkcache.bench import report, scoring
-from chunkcache.bench.ab import first_line
+from chunkbench import report, scoring
+from chunkbench.ab import first_line
 
 
 @pytest.mark.parametrize("text, expected", [

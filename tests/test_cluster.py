@@ -1,11 +1,8 @@
 """Two chunkcache servers behind SGLang's router with one shared store (examples/cluster.py), and a store outage
 in the middle of a load of hinted requests."""
 
-import os
 import random
-import signal
 import socket
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +11,8 @@ import pytest
 import requests
 from conftest import ROOT, WORDS
 from store_server import StoreServer
+
+from sglang_patch.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -47,14 +46,14 @@ class Cluster:
         # once whatever the timeout. A short retry so that the restart test is quick.
         config.write_text("serve:\n  max_total_tokens: 8192\nstore:\n  remote_timeout_s: 2.0\n  remote_retry_s: 1.0\n")
         self.log_dir = tmp / "logs"
-        self.proc = subprocess.Popen(
+        self.proc = ServerProcess(
             [sys.executable, str(ROOT / "examples" / "cluster.py"), "--remote-url", store.url, "--workers", "2",
              "--port", str(self.port), "--policy", "round_robin", "--config", str(config), "--log-dir",
              str(self.log_dir), "--enable-metrics", "--skip-server-warmup"],  # the rest goes to `chunkcache serve`
-            stdout=open(tmp / "cluster.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+            url=self.router, log_path=tmp / "cluster.log")
         deadline = time.time() + 600
-        while f"router {self.router}" not in (tmp / "cluster.log").read_text():  # the script's "ready" line
-            if self.proc.poll() is not None or time.time() > deadline:
+        while f"router {self.router}" not in self.proc.log():  # the script's "ready" line
+            if not self.proc.alive() or time.time() > deadline:
                 self.stop()
                 raise RuntimeError(f"cluster did not start: {tmp / 'cluster.log'}, {self.log_dir}")
             time.sleep(1)
@@ -71,13 +70,7 @@ class Cluster:
             time.sleep(0.1)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)  # the script stops the router and the servers
-            try:
-                self.proc.wait(90)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        self.proc.stop(grace=90)  # on SIGTERM the script stops the router and the servers
 
 
 @pytest.fixture(scope="module")

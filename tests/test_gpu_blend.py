@@ -1,31 +1,24 @@
-"""benchmarks/gpu_blend.py runs on GPU machines that CI never sees, so its correctness self-check runs here on the
+"""chunkbench.gpu_blend runs on GPU machines that CI never sees, so its correctness self-check runs here on the
 CPU at a tiny shape, in float32 (tight tolerances): every attention variant that exists here matches the float32
 reference on the selected rows, FlashInfer's are skipped with a reason when it is absent, and the blended whole
 prefill (re-rotated KV copy + sparse pass) reproduces the full prefill's logits. A blend that forgets to move the
 cached keys must fail the check, or the check proves nothing."""
 
-import importlib.util
+import importlib
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from sglang_patch import paged_attention
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_blend.py"
 TINY = ["--device", "cpu", "--dtype", "float32", "--shape", "tiny", "--sizes", "512", "--rhos", "0.15", "--chunk",
         "64", "--model-sizes", "512", "--layers", "2", "--repeats", "1", "--model-repeats", "1"]
 
 
 @pytest.fixture
-def gpu_blend(monkeypatch):
-    spec = importlib.util.spec_from_file_location("gpu_blend", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "gpu_blend", module)  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+def gpu_blend():
+    return importlib.import_module("chunkbench.gpu_blend")
 
 
 def test_self_check_on_cpu(gpu_blend, tmp_path):

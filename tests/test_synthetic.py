@@ -2,7 +2,7 @@
 
 import pytest
 
-from chunkcache.bench import synthetic
+from chunkbench import synthetic
 
 
 @pytest.mark.parametrize("task", synthetic.TASKS)

@@ -45,7 +45,7 @@ def chunk_starts(layout: Layout, tokens: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class MixSelector:
     name: ClassVar[str] = "mix"
-    # Defaults from benchmarks/select_study.py (48 synthetic cases, seeds the eval does not use, rho = 0.15): relevance
+    # Defaults from chunkbench/select_study.py (48 synthetic cases, seeds the eval does not use, rho = 0.15): relevance
     # alone recovers 0.72 of the oracle's deviation but misses the fewest needle tokens, deviation alone the reverse;
     # half and half at check layer 3 recovers 0.866 (CacheBlend's layer 1: 0.871, ProphetKV: 0.724) and misses a needle
     # share of 0.032 (0.060, 0.021). Deeper check layers predict the truth better (layer 1: 0.871, 3: 0.938 alone) at

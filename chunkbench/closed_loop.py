@@ -20,7 +20,7 @@ from pathlib import Path
 from . import closed_report
 from .ab import Arm, warm
 from .load import closed
-from .servers import Server
+from .servers import start_server
 from .workloads import WorkloadConfig, chunk_warmup, fresh, items, prefix_warmup, to_request
 
 SIDES = ("stock", "chunkcache")
@@ -45,7 +45,7 @@ CONFIG, RECORDS = "closed_loop.json", "closed_loop.jsonl"
 def run(config: ClosedConfig) -> Path:
     from transformers import AutoTokenizer
 
-    from ..models import resolve_model
+    from chunkcache.models import resolve_model
 
     out = config.out
     out.mkdir(parents=True, exist_ok=True)
@@ -65,7 +65,7 @@ def run(config: ClosedConfig) -> Path:
         servers = {}
         for side in SIDES:
             t = time.perf_counter()
-            servers[side] = stack.enter_context(Server(
+            servers[side] = stack.enter_context(start_server(
                 out / f"closed_loop_server_{side}.log", chunk_reuse=side == "chunkcache",
                 config=config.server_config, model=config.model))
             print(f"{side}: server up in {time.perf_counter() - t:.0f} s; {len(warmups[side])} warm-up requests",

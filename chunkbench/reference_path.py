@@ -1,4 +1,4 @@
-"""The reference blender as the quality harness uses it (benchmarks/selector_quality.py, `chunkcache eval`):
+"""The reference blender as the quality harness uses it (chunkbench/selector_quality.py, `chunkcache eval`):
 selector rows with options and drafts, blends timed as for chunks seen before, greedy answers, and the fidelity of
 each blend to full recompute."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from ..prompt import RagPrompt
-from ..reference import BlendResult, ReferenceBlender
+from chunkcache.prompt import RagPrompt
+from chunkcache.reference import BlendResult, ReferenceBlender
 from . import fidelity
 from .workloads import Item, to_request
 

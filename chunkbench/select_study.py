@@ -10,8 +10,8 @@ pick recovers, and where the misses are (chunk starts, needles, elsewhere; posit
 
 Use seeds the committed eval does not (the eval's cases are seeds 0..n-1):
 
-    .venv/bin/python benchmarks/select_study.py collect --requests 12 --seed 1000 --out results/study.pt
-    .venv/bin/python benchmarks/select_study.py report results/study.pt --ratio 0.15
+    .venv/bin/python -m chunkbench.select_study collect --requests 12 --seed 1000 --out results/study.pt
+    .venv/bin/python -m chunkbench.select_study report results/study.pt --ratio 0.15
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from chunkcache.select.budget import rank
 from chunkcache.select.mix import MixSelector
 
 TASKS = ("multikey", "multivalue", "vartrack", "bridge")
-# the fact sentences of chunkcache.bench.synthetic, as they read in the prompt
+# the fact sentences of chunkbench.synthetic, as they read in the prompt
 FACTS = re.compile(r"The special magic number for [\w-]+ is \d+\.|VAR \w+ = (?:VAR )?\w+\.|\w+'s house is in \w+\."
                    r"|\w+ stays in \w+'s house on \w+\.")
 START = 4  # tokens at a chunk's start counted as "chunk start"
@@ -54,8 +54,8 @@ class Probe:
 
 
 def collect(args) -> None:
-    from chunkcache.bench.reference_path import split
-    from chunkcache.bench.workloads import WorkloadConfig, items, to_request
+    from chunkbench.reference_path import split
+    from chunkbench.workloads import WorkloadConfig, items, to_request
     from chunkcache.reference import ReferenceBlender
 
     blender = ReferenceBlender.from_pretrained(args.model)
@@ -256,7 +256,8 @@ def left(case: dict, layout: Layout, picked: torch.Tensor) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m chunkbench.select_study", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("collect")
     c.add_argument("--tasks", default=",".join(TASKS))

@@ -1,6 +1,6 @@
 """Bounded soak of a chunkcache server: N clients of mixed traffic against a KV pool smaller than the working set.
 
-    .venv/bin/python benchmarks/soak.py --clients 8 --duration 600
+    .venv/bin/python -m chunkbench.soak --clients 8 --duration 600
 
 Starts `chunkcache serve` (its own port, --enable-metrics) with a config whose KV pool (`--pool-tokens`) is smaller
 than what the clients touch, then runs `--clients` threads for `--duration` seconds, each sending its next request
@@ -35,8 +35,8 @@ from pathlib import Path
 import psutil
 import requests
 
-from chunkcache.bench.client import flush_cache
-from chunkcache.bench.servers import Server
+from chunkbench.client import flush_cache
+from chunkbench.servers import start_server
 
 WORDS = "amber basalt cedar delta ember fjord granite harbor island juniper kestrel lagoon marsh north".split()
 KINDS = {"hinted": 0.35, "plain": 0.2, "chat": 0.35, "ingest": 0.1}
@@ -167,7 +167,8 @@ def wait_idle(url: str, timeout: float = 300) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m chunkbench.soak", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--duration", type=float, default=600, help="seconds of traffic (default: %(default)s)")
     p.add_argument("--pool-tokens", type=int, default=4096, help="KV pool of the server, in tokens; keep it below "
@@ -190,11 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     docs = [document(i, args.words, rng) for i in range(args.docs)]
 
-    with Server(out / "server.log", chunk_reuse=True, config=str(out / "chunkcache.yaml")) as server:
+    with start_server(out / "server.log", chunk_reuse=True, config=str(out / "chunkcache.yaml")) as server:
         url = server.url
         soak = Soak(url, docs, args, out)
         soak.chat(random.Random(-1))  # warm-up: the first request pays one-off costs (selector set-up, allocations)
-        start_pool, start_rss, start_fallbacks = wait_idle(url), rss_bytes(server.proc.pid), fallback_metrics(url)
+        start_pool, start_rss, start_fallbacks = wait_idle(url), rss_bytes(server.pid), fallback_metrics(url)
         samples = open(out / "samples.jsonl", "w")
         t0 = time.time()
         deadline = t0 + args.duration
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             t.start()
         peak_rss, missed = start_rss, 0
         while any(t.is_alive() for t in threads):
-            rss = rss_bytes(server.proc.pid)
+            rss = rss_bytes(server.pid)
             peak_rss = max(peak_rss, rss)
             try:
                 pool = kv_pool(url, timeout=max(10.0, 5 * args.sample_s))
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             t.join()
         traffic_s = time.time() - t0
         end_pool = wait_idle(url)
-        end_rss = rss_bytes(server.proc.pid)
+        end_rss = rss_bytes(server.pid)
         metric_fallbacks = {k: v - start_fallbacks.get(k, 0.0) for k, v in fallback_metrics(url).items()
                             if v - start_fallbacks.get(k, 0.0)}
         flush_cache(url)

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from . import plots, report, scoring
 from .client import flush_cache, generate
 from .load import replay
-from .servers import Server
+from .servers import start_server
 from .workloads import Request, WorkloadConfig, chunk_warmup, items, phase, prefix_warmup, to_request
 
 NAMESPACE = "bench"  # chunk-store and radix namespace of every chunkcache request
@@ -65,7 +65,7 @@ class BenchConfig:
 def run(config: BenchConfig) -> Path:
     from transformers import AutoTokenizer
 
-    from ..models import resolve_model
+    from chunkcache.models import resolve_model
 
     out = config.out
     out.mkdir(parents=True, exist_ok=True)
@@ -91,8 +91,8 @@ def run(config: BenchConfig) -> Path:
         if not todo:
             continue
         t = time.perf_counter()
-        with Server(out / f"server_{side}.log", chunk_reuse=side == "chunkcache", config=config.server_config,
-                    model=config.model) as server:
+        with start_server(out / f"server_{side}.log", chunk_reuse=side == "chunkcache",
+                          config=config.server_config, model=config.model) as server:
             print(f"{side}: server up in {time.perf_counter() - t:.0f} s; {len(warmups[side])} warm-up requests",
                   flush=True)
             warm(server.url, warmups[side], side == "chunkcache")

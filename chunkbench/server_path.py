@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..prompt import RagPrompt
+from chunkcache.prompt import RagPrompt
 from . import fidelity
 from .client import generate, scored
 from .workloads import Item, to_request

@@ -15,11 +15,11 @@ import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..prompt import RagPrompt, build
+from chunkcache.prompt import RagPrompt, build
 from . import synthetic
 
 # the MuSiQue file of the CacheBlend/LMCache benchmark, next to the repository (../shared/data)
-DEFAULT_MUSIQUE = Path(__file__).resolve().parents[3] / "shared" / "data" / "musique_dev.json"
+DEFAULT_MUSIQUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_dev.json"
 SYSTEM = "You are a helpful assistant. Answer the question using only the given documents. Be brief."
 _WORDS = ("the river city north market council bridge winter harvest museum library station engineer doctor "
           "garden history mountain festival report village").split()

@@ -5,7 +5,7 @@ question. Stock requests (no hints) use SGLang's radix prefix cache; chunkcache 
 go to one engine started with the chunkcache backend (the stock path is SGLang's own code, untouched), alternating,
 so machine noise hits both sides alike. TTFT = wall time of a 1-token generation.
 
-    .venv/bin/python benchmarks/ttft_shuffled.py --requests 5 --selectors none,epic,prophet,spec
+    .venv/bin/python -m chunkbench.ttft_shuffled --requests 5 --selectors none,epic,prophet,spec
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ def hints(spans, selector, ratio):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m chunkbench.ttft_shuffled", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=5, help="measured requests per side")
     ap.add_argument("--chunks", type=int, default=8)
     ap.add_argument("--docs", type=int, default=12, help="document pool the requests draw from")

@@ -85,7 +85,7 @@ def run(config: EvalConfig) -> dict:
     log = RowLog(rows_path(config.out), identity(config), config.resume)
     with contextlib.ExitStack() as stack:
         if config.path == "reference":
-            from ..reference import ReferenceBlender
+            from chunkcache.reference import ReferenceBlender
             from .reference_path import ReferenceMeasure, selector_runs
 
             measure = ReferenceMeasure(ReferenceBlender.from_pretrained(config.model), config.max_new_tokens)
@@ -134,9 +134,9 @@ def _measure(config: EvalConfig, measure, todo: list[tuple[Item, list[Step]]], l
 def _server_measure(config: EvalConfig):
     from transformers import AutoTokenizer
 
-    from ..models import resolve_model
+    from chunkcache.models import resolve_model
     from .server_path import ServerMeasure
-    from .servers import Server
+    from .servers import start_server
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.model))
     with contextlib.ExitStack() as stack:
@@ -144,8 +144,8 @@ def _server_measure(config: EvalConfig):
         if url is None:
             log_dir = config.out.parent if config.out else Path("results")
             log_dir.mkdir(parents=True, exist_ok=True)
-            url = stack.enter_context(Server(log_dir / "eval_server.log", chunk_reuse=True,
-                                             config=config.server_config, model=config.model)).url
+            url = stack.enter_context(start_server(log_dir / "eval_server.log", chunk_reuse=True,
+                                                   config=config.server_config, model=config.model)).url
         yield ServerMeasure(url, tokenizer, config.max_new_tokens, config.top_logprobs)
 
 

@@ -20,7 +20,7 @@ TOP = 0.2
 
 
 def analyse(config, pool) -> dict:
-    from ..reference import ReferenceBlender
+    from chunkcache.reference import ReferenceBlender
     from .reference_path import load_draft, split
 
     blender = ReferenceBlender.from_pretrained(config.model)

@@ -1,0 +1,21 @@
+"""A server of an A/B side: `chunkcache serve` (sglang_patch.server_process) on a free port, its output in a log."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sglang_patch.server_process import ServerProcess, chunkcache_serve
+
+
+def start_server(log_path: Path, *, chunk_reuse: bool, config: str | None = None, model: str | None = None,
+                 startup_timeout: float = 900) -> ServerProcess:
+    """`chunkcache serve` (stock SGLang prefix caching when chunk_reuse is False), healthy; a context manager that
+    stops it."""
+    args = ["--enable-metrics"] + ([] if chunk_reuse else ["--no-chunk-reuse"])
+    # paths made absolute: the server runs in the log's directory
+    if config:
+        args += ["--config", str(Path(config).resolve())]
+    if model:
+        args += ["--model", str(Path(model).resolve()) if Path(model).exists() else model]
+    # cwd: not the repository root, whose package directories would shadow the installed ones
+    return chunkcache_serve(*args, log_path=log_path, timeout=startup_timeout, cwd=log_path.parent)
