@@ -154,6 +154,14 @@ def fallback_metrics(url: str) -> dict[str, float]:
             for m in re.finditer(r'^chunkcache_fallbacks_total\{reason="([^"]+)"\} (\S+)$', text, re.M)}
 
 
+def store_host_bytes(url: str) -> int:
+    """What the chunk store's memory tier holds (it grows with every new document up to store.host_bytes): the part
+    of the server's RSS growth that is data, not a leak."""
+    text = requests.get(url + "/metrics", timeout=30).text
+    found = re.search(r'^chunkcache_store_bytes\{tier="host"\} (\S+)$', text, re.M)
+    return int(float(found.group(1))) if found else 0
+
+
 def wait_idle(url: str, timeout: float = 300) -> dict:
     """The KV pool once nothing is protected (no request holds tokens) and two readings agree."""
     deadline, last = time.time() + timeout, None
@@ -196,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         soak = Soak(url, docs, args, out)
         soak.chat(random.Random(-1))  # warm-up: the first request pays one-off costs (selector set-up, allocations)
         start_pool, start_rss, start_fallbacks = wait_idle(url), rss_bytes(server.pid), fallback_metrics(url)
+        start_store = store_host_bytes(url)
         samples = open(out / "samples.jsonl", "w")
         t0 = time.time()
         deadline = t0 + args.duration
@@ -211,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
                 pool = kv_pool(url, timeout=max(10.0, 5 * args.sample_s))
             except requests.RequestException as exc:  # a missed sample, not a failed soak: the clients' requests say that
                 pool, missed = {"kv_pool_error": repr(exc)[:200]}, missed + 1
+            try:
+                pool["store_host"] = store_host_bytes(url)
+            except requests.RequestException:
+                pass
             samples.write(json.dumps({"t": round(time.time() - t0, 1), "rss": rss, **pool,
                                       "requests": sum(soak.requests.values())}) + "\n")
             samples.flush()
@@ -219,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             t.join()
         traffic_s = time.time() - t0
         end_pool = wait_idle(url)
-        end_rss = rss_bytes(server.pid)
+        end_rss, end_store = rss_bytes(server.pid), store_host_bytes(url)
         metric_fallbacks = {k: v - start_fallbacks.get(k, 0.0) for k, v in fallback_metrics(url).items()
                             if v - start_fallbacks.get(k, 0.0)}
         flush_cache(url)
@@ -236,7 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         "kv_pool_samples_missed": missed,
         "kv_pool": {"start": start_pool, "end_idle": end_pool, "after_flush": flushed_pool, "back_to_start": pool_back},
         "rss_mb": {"start": round(start_rss / 2**20, 1), "peak": round(peak_rss / 2**20, 1),
-                   "end": round(end_rss / 2**20, 1), "growth": round((end_rss - start_rss) / 2**20, 1)},
+                   "end": round(end_rss / 2**20, 1), "growth": round((end_rss - start_rss) / 2**20, 1),
+                   "store_host_growth": round((end_store - start_store) / 2**20, 1),
+                   "growth_besides_store": round((end_rss - start_rss - end_store + start_store) / 2**20, 1)},
         "command": " ".join(sys.argv),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -259,7 +274,9 @@ def render(s: dict) -> str:
               f"{_pool(s['kv_pool']['after_flush'])}: back to start: **{s['kv_pool']['back_to_start']}** "
               f"({s['kv_pool_samples_missed']} samples during the traffic timed out)", "",
               f"RSS of the server's processes (MiB): start {s['rss_mb']['start']}, peak {s['rss_mb']['peak']}, "
-              f"end {s['rss_mb']['end']}, growth {s['rss_mb']['growth']}", ""]
+              f"end {s['rss_mb']['end']}, growth {s['rss_mb']['growth']}, of which the chunk store's memory tier "
+              f"{s['rss_mb']['store_host_growth']} (new documents' KV, bounded by store.host_bytes), the rest "
+              f"{s['rss_mb']['growth_besides_store']}", ""]
     return "\n".join(lines)
 
 

@@ -44,6 +44,8 @@ def main() -> None:
     ap.add_argument("--selectors", default="none,epic,prophet")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", help="model dtype on both sides (default: the server's, see chunkcache.config)")
+    ap.add_argument("--config", help="server YAML (configs/default.yaml's keys), e.g. selector options "
+                    "(select.options.spec.per_chunk)")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -52,13 +54,13 @@ def main() -> None:
     from chunkcache.models import resolve_model
     from sglang_patch.launcher import prepare_environment, server_settings
 
-    prepare_environment(None)
+    prepare_environment(args.config)
     import sglang as sgl
     from tqdm import tqdm
 
     path = resolve_model("smollm2-135m-instruct")
     tok = AutoTokenizer.from_pretrained(path)
-    settings = server_settings(path, Config())
+    settings = server_settings(path, Config.load(args.config))
     del settings["host"], settings["port"]
     if args.dtype:
         settings["dtype"] = args.dtype
