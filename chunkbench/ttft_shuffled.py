@@ -120,13 +120,16 @@ def main() -> None:
         med = statistics.median(rows[name])
         infos = [i for i in stages[name] if i and "fallback" not in i]
         fallbacks = sum(1 for i in stages[name] if not i or "fallback" in i)
+        reasons = sorted({f"{(i or {}).get('fallback', 'no report')}: {(i or {}).get('detail', '')[:160]}"
+                          for i in stages[name] if not i or "fallback" in i})
         def m(key, sub=None):
             vals = [(i["stages_s"][key] if sub else i[key]) for i in infos]
             return statistics.median(vals) if vals else float("nan")
         print(f"{name:<10}{med:>15.3f}{stock / med:>19.2f}{m('chunk_hits'):>6.0f}{m('recomputed_tokens'):>12.0f}"
               f"{m('match_fill', 1):>8.3f}{m('copy', 1):>8.3f}{m('features', 1):>12.3f}{m('select', 1):>10.3f}"
               f"{m('prefill', 1):>11.3f}{1e3 * m('prefill', 1) / m('recomputed_tokens'):>10.3f}"
-              + (f"  {fallbacks} of {len(stages[name])} computed in full" if fallbacks else ""))
+              + (f"  {fallbacks} of {len(stages[name])} computed in full ({'; '.join(reasons)})" if fallbacks
+                 else ""))
 
 
 if __name__ == "__main__":

@@ -132,3 +132,29 @@ def test_whole_units_option_of_target_scored_selectors(blender, prompt, name):
     res = blender.blend(*prompt, selector=name, ratio=0.2, whole_units=True)
     assert int(res.layout.context_mask()[res.recomputed].sum()) == res.layout.budget(0.2)
     assert _whole_numbers(blender, res)
+
+
+def test_spec_per_chunk_reuses_a_stored_score_only_for_the_same_draft_tokens(blender):
+    """A chunk's stored draft importance serves a request only when the draft sees the same tokens of it: on a server
+    an exact prefix reaching into a chunk leaves only its tail to blend, and a score of the whole chunk laid over the
+    tail raised a size mismatch (3,198 vs 3,196 draft tokens) and the batch was computed in full."""
+    from chunkcache.select.base import Layout
+    from chunkcache.select.spec import SpecSelector
+
+    draft, slot = blender.draft(), {}
+
+    class OneChunk:  # the Features a per-chunk spec selector reads; both requests share the chunk's store slot
+        def draft(self, *args):
+            return draft
+
+        def chunk_features(self, i):
+            return slot
+
+    ids = torch.arange(100, 140)
+    whole = Layout(token_ids=ids, prefix_len=0, chunk_spans=((0, 30),), query_span=(30, 40))
+    tail = Layout(token_ids=ids[4:], prefix_len=0, chunk_spans=((0, 26),), query_span=(26, 36))
+    selector = SpecSelector(per_chunk=True, whole_units=False)
+    selector.select(whole, 0.2, OneChunk())
+    picked = selector.select(tail, 0.2, OneChunk())
+    assert int(tail.context_mask()[picked.indices].sum()) == tail.budget(0.2)
+    assert len(slot) == 2  # the tail was scored on its own tokens, the whole chunk's score kept

@@ -104,9 +104,13 @@ class SpecSelector:
         for i, span in enumerate(layout.chunk_spans):
             view = draft_view(draft, layout, features, span)
             slot = features.chunk_features(i)
-            if key not in slot:
+            # keyed by the draft's own tokens too: with a draft tokenizer the chunk's text is cut from the decoded
+            # prompt, whose character offsets at a chunk edge depend on the neighbouring chunk, so the same chunk
+            # can come out one or two draft tokens longer elsewhere (seen: 3,198 vs 3,196 draft tokens)
+            chunk_key = f"{key}:{digest(view.ids)}"
+            if chunk_key not in slot:
                 ids = view.ids if prefix is None else torch.cat([prefix, view.ids])
-                slot[key] = draft.importance(ids, self.deep_fraction)[ids.numel() - view.n :]
+                slot[chunk_key] = draft.importance(ids, self.deep_fraction)[ids.numel() - view.n :]
             views.append(view)
-            imps.append(slot[key])
+            imps.append(slot[chunk_key])
         return concat(views, layout.n), torch.cat(imps)
