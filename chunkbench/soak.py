@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import re
 import sys
 import threading
 import time
@@ -34,6 +33,7 @@ from pathlib import Path
 
 import psutil
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from chunkbench.client import flush_cache
 from chunkbench.servers import start_server
@@ -148,18 +148,18 @@ def rss_bytes(pid: int) -> int:
     return total
 
 
-def fallback_metrics(url: str) -> dict[str, float]:
-    text = requests.get(url + "/metrics", timeout=30).text
-    return {m.group(1): float(m.group(2))
-            for m in re.finditer(r'^chunkcache_fallbacks_total\{reason="([^"]+)"\} (\S+)$', text, re.M)}
-
-
-def store_host_bytes(url: str) -> int:
-    """What the chunk store's memory tier holds (it grows with every new document up to store.host_bytes): the part
-    of the server's RSS growth that is data, not a leak."""
-    text = requests.get(url + "/metrics", timeout=30).text
-    found = re.search(r'^chunkcache_store_bytes\{tier="host"\} (\S+)$', text, re.M)
-    return int(float(found.group(1))) if found else 0
+def chunkcache_metrics(url: str) -> tuple[dict[str, float], int]:
+    """From one /metrics read: fallbacks so far by reason, and the bytes the chunk store's memory tier holds (it grows
+    with every new document up to store.host_bytes: the part of the server's RSS growth that is data, not a
+    leak)."""
+    fallbacks, store_host = {}, 0
+    for family in text_string_to_metric_families(requests.get(url + "/metrics", timeout=30).text):
+        for sample in family.samples:
+            if sample.name == "chunkcache_fallbacks_total":
+                fallbacks[sample.labels["reason"]] = sample.value
+            elif sample.name == "chunkcache_store_bytes" and sample.labels.get("tier") == "host":
+                store_host = int(sample.value)
+    return fallbacks, store_host
 
 
 def wait_idle(url: str, timeout: float = 300) -> dict:
@@ -203,8 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         url = server.url
         soak = Soak(url, docs, args, out)
         soak.chat(random.Random(-1))  # warm-up: the first request pays one-off costs (selector set-up, allocations)
-        start_pool, start_rss, start_fallbacks = wait_idle(url), rss_bytes(server.pid), fallback_metrics(url)
-        start_store = store_host_bytes(url)
+        start_pool, start_rss = wait_idle(url), rss_bytes(server.pid)
+        start_fallbacks, start_store = chunkcache_metrics(url)
         samples = open(out / "samples.jsonl", "w")
         t0 = time.time()
         deadline = t0 + args.duration
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             except requests.RequestException as exc:  # a missed sample, not a failed soak: the clients' requests say that
                 pool, missed = {"kv_pool_error": repr(exc)[:200]}, missed + 1
             try:
-                pool["store_host"] = store_host_bytes(url)
+                pool["store_host"] = chunkcache_metrics(url)[1]
             except requests.RequestException:
                 pass
             samples.write(json.dumps({"t": round(time.time() - t0, 1), "rss": rss, **pool,
@@ -232,8 +232,9 @@ def main(argv: list[str] | None = None) -> int:
             t.join()
         traffic_s = time.time() - t0
         end_pool = wait_idle(url)
-        end_rss, end_store = rss_bytes(server.pid), store_host_bytes(url)
-        metric_fallbacks = {k: v - start_fallbacks.get(k, 0.0) for k, v in fallback_metrics(url).items()
+        end_rss = rss_bytes(server.pid)
+        end_fallbacks, end_store = chunkcache_metrics(url)
+        metric_fallbacks = {k: v - start_fallbacks.get(k, 0.0) for k, v in end_fallbacks.items()
                             if v - start_fallbacks.get(k, 0.0)}
         flush_cache(url)
         flushed_pool = wait_idle(url)

@@ -104,9 +104,9 @@ class SpecSelector:
         for i, span in enumerate(layout.chunk_spans):
             view = draft_view(draft, layout, features, span)
             slot = features.chunk_features(i)
-            # keyed by the draft's own tokens too: with a draft tokenizer the chunk's text is cut from the decoded
-            # prompt, whose character offsets at a chunk edge depend on the neighbouring chunk, so the same chunk
-            # can come out one or two draft tokens longer elsewhere (seen: 3,198 vs 3,196 draft tokens)
+            # keyed by the draft tokens scored too: a stored score is laid over this request's view of the chunk,
+            # which is not always the whole chunk (on a server an exact prefix may cover its head); a score of other
+            # tokens raised a size mismatch there (3,198 vs 3,196 draft tokens)
             chunk_key = f"{key}:{digest(view.ids)}"
             if chunk_key not in slot:
                 ids = view.ids if prefix is None else torch.cat([prefix, view.ids])
