@@ -43,7 +43,29 @@ class Stub:
 
 
 def mix(**options):
-    return create("mix", **{"relevance": 0.5, "deviation": 0.3, "boundary": 0.2, "boundary_tokens": 1, **options})
+    return create("mix", **{"relevance": 0.5, "deviation": 0.3, "boundary": 0.2, "boundary_tokens": 1,
+                            "combine": "sum", **options})
+
+
+# product: overlapping signals (context tokens 2..9); relevance .1 .4 .2 .3 0 0 0 0, deviation 0 .1 .3 .1 .1 .2 .2 0
+QA2 = torch.tensor([100.0, 9, 1, 4, 2, 3, 0, 0, 0, 0, 50, 50])
+DEV2 = torch.tensor([0.0, 0, 0, 1, 3, 1, 1, 2, 2, 0, 7, 7])
+
+
+def test_product_hand_computed():
+    # weights 1, 1: .04 .06 .03 at tokens 3, 4, 5, zero elsewhere (token 2 is read but exact: no deviation)
+    sel = create("mix", relevance=1, deviation=1).select(LAYOUT, 0.25, Stub(QA2, DEV2))
+    assert sel.indices.tolist() == [3, 4] + FORCED
+    expected = torch.tensor([0, 0, 0, 4 / 13, 6 / 13, 3 / 13, 0, 0, 0, 0, 0, 0])
+    torch.testing.assert_close(sel.scores, expected.float())
+    # weights are exponents: the default half and half is the geometric mean, same order, its own distribution
+    half = create("mix").select(LAYOUT, 0.375, Stub(QA2, DEV2))
+    assert half.indices.tolist() == [3, 4, 5] + FORCED
+    geo = torch.tensor([0.04, 0.06, 0.03]).sqrt()
+    torch.testing.assert_close(half.scores[3:6], (geo / geo.sum()).float())
+    # disjoint signals leave no product: uniform over the context, nothing preferred
+    flat = create("mix").select(LAYOUT, 0.25, Stub())
+    torch.testing.assert_close(flat.scores, (LAYOUT.context_mask().float() / 8))
 
 
 @pytest.mark.parametrize("ratio,picked", [(0.25, [3, 4]), (0.5, [3, 4, 8, 9]), (0.75, [2, 3, 4, 6, 8, 9])])
@@ -77,6 +99,7 @@ def test_asks_only_for_the_signals_it_weighs():
 @pytest.mark.parametrize("options,message", [
     ({"relevance": -1}, "weights"), ({"relevance": 0, "deviation": 0, "boundary": 0}, "positive sum"),
     ({"boundary_tokens": 0}, "boundary_tokens"), ({"which": "q"}, "which"), ({"mass": 0}, "mass"),
+    ({"combine": "max"}, "combine"), ({"boundary": 0.2}, "boundary=0"),
     ({"mass": 0.8, "rho_floor": 0.5, "rho_cap": 0.2}, "above cap"), ({"mass": 0.8, "rho_cap": 2}, "cap"),
 ])
 def test_bad_options_are_refused(options, message):

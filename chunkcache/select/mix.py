@@ -7,9 +7,13 @@ tokens and mixed.
   wherever the query looks;
 * boundary: EPIC's chunk starts, where each chunk's standalone KV holds an attention sink the blended prompt lacks.
 
-Each signal sums to 1 over the context before mixing (their raw scales differ by orders of magnitude, and per request),
-so a weight is the share of the mixed score a signal contributes and the mixed score is itself a distribution: the
-adaptive budget (adaptive.py) reads its cumulative mass as the share of estimated damage recomputed.
+Each signal sums to 1 over the context before mixing (their raw scales differ by orders of magnitude, and per request).
+`combine` says how: "sum" weighs them as shares of the mixed score; "product" multiplies them, each raised to its
+weight, which estimates the deviation the query reads (the attended oracle's form: a token matters when its reused
+KV is wrong *and* the answer reads it). A chunk whose KV is exact (the first after the shared prefix) has no
+deviation, so the product spends nothing on it where the sum spends relevance's share. Either way the mixed score is
+renormalised to a distribution: the adaptive budget (adaptive.py) reads its cumulative mass as the share of estimated
+damage recomputed.
 """
 
 from __future__ import annotations
@@ -45,17 +49,20 @@ def chunk_starts(layout: Layout, tokens: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class MixSelector:
     name: ClassVar[str] = "mix"
-    # Defaults from chunkbench/select_study.py (48 synthetic cases, seeds the eval does not use, rho = 0.15): relevance
-    # alone recovers 0.72 of the oracle's deviation but misses the fewest needle tokens, deviation alone the reverse;
-    # half and half at check layer 3 recovers 0.866 (CacheBlend's layer 1: 0.871, ProphetKV: 0.724) and misses a needle
-    # share of 0.032 (0.060, 0.021). Deeper check layers predict the truth better (layer 1: 0.871, 3: 0.938 alone) at
-    # (layer + 1) / layers of a prefill. Chunk starts add nothing there: the deviation signal already picks them.
+    # Weights and check layer from chunkbench/select_study.py (48 synthetic cases, seeds the eval does not use, rho =
+    # 0.15): relevance alone recovers 0.72 of the oracle's deviation but misses the fewest needle tokens, deviation
+    # alone the reverse; deeper check layers predict the truth better (layer 1: 0.871, 3: 0.938 alone) at (layer + 1) /
+    # layers of a prefill. Chunk starts add nothing there: the deviation signal already picks them. The product
+    # (first-token KL against full recompute at rho 0.15, paired per case with prophet on the same blend): multikey
+    # seeds 1000-1029 -8 %, 21 of 30 cases better; MuSiQue records 0-29 -6 %, 20 of 30; the sum -0 % and +4 %
+    # (docs/bench/eval_select.md, "Product or sum").
     relevance: float = 0.5  # weight of ProphetKV's query attention
     deviation: float = 0.5  # weight of CacheBlend's KV deviation at `layer`
     boundary: float = 0.0  # weight of EPIC's chunk starts (spread evenly over their first `boundary_tokens`)
     boundary_tokens: int = 2  # tokens at each chunk's start the boundary weight covers
     layer: int = 3  # deviation check layer (0-based; layers up to it run over every token)
     which: str = "v"  # deviation of "v" or "k"
+    combine: str = "product"  # "product": weights are exponents (boundary must be 0); "sum": weights are shares
     # adaptive budget: None spends the request's rho; a share in (0, 1] recomputes the fewest tokens holding that
     # share of the mixed score, between rho_floor and min(rho_cap, the request's rho)
     mass: float | None = None
@@ -69,6 +76,11 @@ class MixSelector:
                              f"got {weights}")
         if self.boundary_tokens < 1:
             raise ValueError(f"boundary_tokens must be at least 1, got {self.boundary_tokens}")
+        if self.combine not in ("sum", "product"):
+            raise ValueError(f"combine must be 'sum' or 'product', got {self.combine!r}")
+        if self.combine == "product" and self.boundary:
+            raise ValueError("combine='product' needs boundary=0: the chunk starts' distribution is zero elsewhere, "
+                             "so the product would keep only them")
         if self.which not in ("k", "v"):
             raise ValueError(f"which must be 'k' or 'v', got {self.which!r}")
         if self.layer < 0:
@@ -87,14 +99,19 @@ class MixSelector:
     def scores(self, layout: Layout, features: Features) -> torch.Tensor:
         """[N] float64, the mixed distribution over the context tokens."""
         ctx = layout.context_mask()
-        mixed = torch.zeros(layout.n, dtype=torch.float64)
+        signals = []
         if self.relevance:
-            mixed += self.relevance * distribution(features.query_attention(), ctx)
+            signals.append((self.relevance, distribution(features.query_attention(), ctx)))
         if self.deviation:
-            mixed += self.deviation * distribution(features.kv_deviation(self.layer, self.which), ctx)
+            signals.append((self.deviation, distribution(features.kv_deviation(self.layer, self.which), ctx)))
         if self.boundary:
-            mixed += self.boundary * distribution(chunk_starts(layout, self.boundary_tokens).double(), ctx)
-        return mixed / (self.relevance + self.deviation + self.boundary)
+            signals.append((self.boundary, distribution(chunk_starts(layout, self.boundary_tokens).double(), ctx)))
+        if self.combine == "sum":
+            return sum(w * d for w, d in signals) / sum(w for w, _ in signals)
+        mixed = torch.ones(layout.n, dtype=torch.float64)
+        for w, d in signals:
+            mixed *= d ** w
+        return distribution(mixed, ctx)
 
     def select(self, layout: Layout, ratio: float, features: Features) -> Selection:
         scores = self.scores(layout, features)
