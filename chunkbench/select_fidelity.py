@@ -1,0 +1,161 @@
+"""Which cheap score ranks the tokens that matter to the answer? (issue 14, part 2)
+
+`select_study` measures how much of the oracle's KV deviation a pick removes; this measures what users get: for each
+case one probe blend reads every signal once (ProphetKV's query attention per layer over the reused KV, CacheBlend's
+V deviation at layers 1 and 3, the oracle's true and attended deviation), then every candidate score's top-K at rho is
+blended and compared with full recompute: first-token KL and teacher-forced agreement over full's greedy answer.
+The report pairs each candidate with `prophet` on the same cases (the difference per case, its mean and 95 %
+bootstrap interval, and how many cases it wins), which separates candidates that unpaired intervals cannot.
+
+Candidates: `prophet` (all layers, summed), `prophet:first_third` (the first third of the layers only: what the
+`self` draft, a third of the target, would score reading the query over its reused KV), `sum` (mix with
+combine=sum: half relevance, half deviation at layer 3), `product` (mix's default: the geometric mean of relevance
+and deviation at layer 3), `product:layer1`, `oracle:attended`, `oracle`.
+
+    .venv/bin/python -m chunkbench.select_fidelity run --workload synthetic:multikey --seed 1000 --requests 30 \\
+        --out results/fidelity-multikey.jsonl
+    .venv/bin/python -m chunkbench.select_fidelity report results/fidelity-multikey.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from chunkcache.select.base import finish
+from chunkcache.select.budget import rank
+from chunkcache.select.mix import distribution
+from . import fidelity, intervals
+from .reference_path import ReferenceMeasure, kl_logits
+from .workloads import WorkloadConfig, items, phase
+
+BASELINE = "prophet"
+
+
+class Probe:
+    """A selector that reads every signal a candidate needs and picks the attended oracle's tokens (any pick will
+    do: the probe's own blend is not measured)."""
+
+    name = "probe"
+
+    def __init__(self, blender):
+        self.blender = blender
+        self.signals: dict[str, torch.Tensor] = {}
+
+    def select(self, layout, ratio, features):
+        b, eng = self.blender, features.passes
+        forced = layout.forced_mask().nonzero().flatten()
+        first_query_row = int((forced < layout.query_span[0]).sum())
+        # the engine's query pass, its per-layer record kept (Features.query_attention sums it over layers)
+        _, per_layer = b._forward(eng.ids[None, forced], forced, eng.k_buf, eng.v_buf, record_from=first_query_row)
+        self.signals = {"attention": per_layer.cpu().double(), "layout_ctx": layout.context_mask(),
+                        **{f"dev{l}": features.kv_deviation(l, "v").double() for l in (1, 3)},
+                        "true": features.true_deviation(False).double(),
+                        "attended": features.true_deviation(True).double()}
+        return finish(layout, rank(self.signals["attended"], layout.context_mask())[: layout.budget(ratio)], None)
+
+
+def candidates(signals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    ctx, attn = signals["layout_ctx"], signals["attention"]
+    third = max(1, -(-attn.shape[0] // 3))
+    rel = distribution(attn.sum(0), ctx)
+    return {
+        "prophet": attn.sum(0),
+        "prophet:first_third": attn[:third].sum(0),
+        "sum": 0.5 * rel + 0.5 * distribution(signals["dev3"], ctx),
+        "product": (rel * distribution(signals["dev3"], ctx)).sqrt(),
+        "product:layer1": (rel * distribution(signals["dev1"], ctx)).sqrt(),
+        "oracle:attended": signals["attended"],
+        "oracle": signals["true"],
+    }
+
+
+class Fixed:
+    """Top-K of given scores."""
+
+    name = "fixed"
+
+    def __init__(self, scores: torch.Tensor):
+        self.scores = scores
+
+    def select(self, layout, ratio, features):
+        return finish(layout, rank(self.scores, layout.context_mask())[: layout.budget(ratio)], None)
+
+
+def run(args) -> None:
+    from chunkcache.reference import ReferenceBlender
+
+    torch.set_num_threads(args.threads)
+    config = WorkloadConfig(args.workload, args.skip + args.requests, args.docs, args.words, seed=args.seed)
+    pool = phase(config, items(config), 0)[args.skip:]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = {json.loads(line)["item"] for line in out.open()} if out.is_file() else set()
+    blender = ReferenceBlender.from_pretrained(args.model)
+    measure = ReferenceMeasure(blender, args.max_new_tokens)
+    with out.open("a") as f:
+        for item in tqdm([it for it in pool if it.id not in done], desc=args.workload, unit="case"):
+            ref, _ = measure.full(item)
+            probe = Probe(blender)
+            blender.blend(*ref.parts, selector=probe, ratio=args.ratio)
+            rows = []
+            for name, scores in candidates(probe.signals).items():
+                res = blender.blend(*ref.parts, selector=Fixed(scores), ratio=args.ratio)
+                forced = blender.teacher_forced_logits(res, ref.continuation).argmax(-1).tolist()
+                rows.append({"item": item.id, "candidate": name, "ratio": args.ratio,
+                             "kl_first": kl_logits(ref.result.logits, res.logits),
+                             "tf_agreement": fidelity.agreement(forced, ref.continuation)})
+            f.writelines(json.dumps(r) + "\n" for r in rows)  # a case's rows land together or not at all
+            f.flush()
+
+
+def report(args) -> None:
+    by: dict[str, dict[str, dict]] = defaultdict(dict)
+    for path in args.paths:
+        for line in Path(path).open():
+            r = json.loads(line)
+            by[r["candidate"]][r["item"]] = r
+    cases = sorted(set.intersection(*(set(v) for v in by.values())))
+    base = [by[BASELINE][c]["kl_first"] for c in cases]
+    print(f"{len(cases)} cases; KL and its difference to {BASELINE} per case: mean [95 % bootstrap interval]\n")
+    print("| candidate | KL first token | TF agreement | KL - prophet | relative | cases better |")
+    print("|---|---|---|---|---|---|")
+    for name, rows in by.items():
+        kl = [rows[c]["kl_first"] for c in cases]
+        tf = [rows[c]["tf_agreement"] for c in cases]
+        diff = [a - b for a, b in zip(kl, base)]
+        (lo, hi), (tlo, thi), (dlo, dhi) = (intervals.mean_interval(v) for v in (kl, tf, diff))
+        m, t, d = (sum(v) / len(v) for v in (kl, tf, diff))
+        print(f"| {name} | {m:.4f} [{lo:.4f}, {hi:.4f}] | {t:.3f} [{tlo:.3f}, {thi:.3f}] | {d:+.4f} [{dlo:+.4f}, "
+              f"{dhi:+.4f}] | {d / (sum(base) / len(base)):+.0%} | {sum(x < 0 for x in diff)} of {len(cases)} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m chunkbench.select_fidelity", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="blend every candidate's picks per case (resumable: cases in OUT are kept)")
+    r.add_argument("--workload", default="synthetic:multikey", help="synthetic:TASK or musique[:PATH]")
+    r.add_argument("--requests", type=int, default=30)
+    r.add_argument("--skip", type=int, default=0, help="leave out the first cases (musique: records)")
+    r.add_argument("--docs", type=int, default=3)
+    r.add_argument("--words", type=int, default=250)
+    r.add_argument("--seed", type=int, default=1000, help="synthetic: first case seed (the eval uses 0..n-1)")
+    r.add_argument("--ratio", type=float, default=0.15)
+    r.add_argument("--max-new-tokens", type=int, default=24)
+    r.add_argument("--model", default="smollm2-135m-instruct")
+    r.add_argument("--threads", type=int, default=1)
+    r.add_argument("--out", required=True)
+    p = sub.add_parser("report", help="the paired table of one or more runs' rows")
+    p.add_argument("paths", nargs="+")
+    args = ap.parse_args()
+    run(args) if args.cmd == "run" else report(args)
+
+
+if __name__ == "__main__":
+    main()
