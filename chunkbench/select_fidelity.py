@@ -4,7 +4,7 @@
 case one probe blend reads every signal once (ProphetKV's query attention per layer over the reused KV, CacheBlend's
 V deviation at layers 1 and 3, the oracle's true and attended deviation), then every candidate score's top-K at rho is
 blended and compared with full recompute: first-token KL and teacher-forced agreement over full's greedy answer.
-The report pairs each candidate with `prophet` on the same cases (the difference per case, its mean and 95 %
+The report pairs each candidate with a baseline (`prophet`) on the same cases (the difference per case, its mean and 95 %
 bootstrap interval, and how many cases it wins), which separates candidates that unpaired intervals cannot.
 
 Candidates: `prophet` (all layers, summed), `prophet:first_third` (the first third of the layers only: what the
@@ -33,9 +33,6 @@ from chunkcache.select.mix import distribution
 from . import fidelity, intervals
 from .reference_path import ReferenceMeasure, kl_logits
 from .workloads import WorkloadConfig, items, phase
-
-BASELINE = "prophet"
-
 
 class Probe:
     """A selector that reads every signal a candidate needs and picks the attended oracle's tokens (any pick will
@@ -115,15 +112,19 @@ def run(args) -> None:
 
 
 def report(args) -> None:
+    """Also reads `chunkcache eval`'s row files (OUT.jsonl: a row per case and selector), pairing its selectors."""
     by: dict[str, dict[str, dict]] = defaultdict(dict)
     for path in args.paths:
         for line in Path(path).open():
             r = json.loads(line)
-            by[r["candidate"]][r["item"]] = r
+            if "item" in r:  # not an eval file's identity line
+                by[r.get("candidate") or r["selector"]][r["item"]] = r
+    if args.baseline not in by:
+        raise SystemExit(f"no {args.baseline!r} rows to pair with; rows hold: {', '.join(by)}")
     cases = sorted(set.intersection(*(set(v) for v in by.values())))
-    base = [by[BASELINE][c]["kl_first"] for c in cases]
-    print(f"{len(cases)} cases; KL and its difference to {BASELINE} per case: mean [95 % bootstrap interval]\n")
-    print("| candidate | KL first token | TF agreement | KL - prophet | relative | cases better |")
+    base = [by[args.baseline][c]["kl_first"] for c in cases]
+    print(f"{len(cases)} cases; KL and its difference to {args.baseline} per case: mean [95 % bootstrap interval]\n")
+    print(f"| candidate | KL first token | TF agreement | KL - {args.baseline} | relative | cases better |")
     print("|---|---|---|---|---|---|")
     for name, rows in by.items():
         kl = [rows[c]["kl_first"] for c in cases]
@@ -153,6 +154,7 @@ def main() -> None:
     r.add_argument("--out", required=True)
     p = sub.add_parser("report", help="the paired table of one or more runs' rows")
     p.add_argument("paths", nargs="+")
+    p.add_argument("--baseline", default="prophet", help="the candidate (or eval selector label) others pair with")
     args = ap.parse_args()
     run(args) if args.cmd == "run" else report(args)
 
