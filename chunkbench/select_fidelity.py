@@ -40,17 +40,13 @@ class Probe:
 
     name = "probe"
 
-    def __init__(self, blender):
-        self.blender = blender
+    def __init__(self):
         self.signals: dict[str, torch.Tensor] = {}
 
     def select(self, layout, ratio, features):
-        b, eng = self.blender, features.passes
-        forced = layout.forced_mask().nonzero().flatten()
-        first_query_row = int((forced < layout.query_span[0]).sum())
-        # the engine's query pass, its per-layer record kept (Features.query_attention sums it over layers)
-        _, per_layer = b._forward(eng.ids[None, forced], forced, eng.k_buf, eng.v_buf, record_from=first_query_row)
-        self.signals = {"attention": per_layer.cpu().double(), "layout_ctx": layout.context_mask(),
+        # the reference engine's query pass before it is summed over layers (Features.query_attention)
+        per_layer = features.passes.query_attention_per_layer()
+        self.signals = {"attention": per_layer.double(), "layout_ctx": layout.context_mask(),
                         **{f"dev{l}": features.kv_deviation(l, "v").double() for l in (1, 3)},
                         "true": features.true_deviation(False).double(),
                         "attended": features.true_deviation(True).double()}
@@ -98,7 +94,7 @@ def run(args) -> None:
     with out.open("a") as f:
         for item in tqdm([it for it in pool if it.id not in done], desc=args.workload, unit="case"):
             ref, _ = measure.full(item)
-            probe = Probe(blender)
+            probe = Probe()
             blender.blend(*ref.parts, selector=probe, ratio=args.ratio)
             rows = []
             for name, scores in candidates(probe.signals).items():

@@ -368,6 +368,11 @@ class _Engine:
         return self._fresh
 
     def query_attention(self, requests: Sequence[int]) -> list[torch.Tensor]:
+        return [self.query_attention_per_layer().sum(0) for _ in requests]
+
+    def query_attention_per_layer(self) -> torch.Tensor:
+        """[layers, N] float32: ProphetKV's per-layer attention from the query tokens over the reused KV, before
+        Features.query_attention sums it over layers (chunkbench.select_fidelity weighs layers apart)."""
         # The query tokens' K/V written into the buffers here are rewritten by the final recompute before any
         # token reads them (the query is always recomputed), so the pass leaves no trace in the result.
         b, layout = self.blender, self.plan.layout()
@@ -375,7 +380,7 @@ class _Engine:
         first_query_row = int((forced < layout.query_span[0]).sum())
         sel = forced.to(b.device)
         _, attn = b._forward(self.ids[None, sel], sel, self.k_buf, self.v_buf, record_from=first_query_row)
-        return [attn.sum(0).cpu() for _ in requests]
+        return attn.cpu()
 
     def recompute(self, tokens: list[torch.Tensor]) -> torch.Tensor:
         sel = tokens[0].to(self.blender.device)

@@ -28,7 +28,7 @@ def prompt():
     ("product:layer1", "mix", {"layer": 1}),
 ])
 def test_candidates_blend_as_their_selectors(blender, prompt, candidate, selector, options):
-    probe = Probe(blender)
+    probe = Probe()
     blender.blend(*prompt, selector=probe, ratio=0.2)
     scores = candidates(probe.signals)[candidate]
     for ratio in (0.1, 0.3):
