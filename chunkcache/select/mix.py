@@ -54,8 +54,8 @@ class MixSelector:
     # alone the reverse; deeper check layers predict the truth better (layer 1: 0.871, 3: 0.938 alone) at (layer + 1) /
     # layers of a prefill. Chunk starts add nothing there: the deviation signal already picks them. The product
     # (first-token KL against full recompute at rho 0.15, paired per case with prophet on the same blend): multikey
-    # seeds 1000-1029 -8 %, 21 of 30 cases better; MuSiQue records 0-29 -6 %, 20 of 30; the sum -0 % and +4 %
-    # (docs/bench/eval_select.md, "Product or sum").
+    # seeds 1000-1029 -8 %, 21 of 30 cases better; MuSiQue records 0-29 -6 %, 20 of 30; the sum +1 % and +4 %
+    # (docs/bench/eval_select.md, "Product or sum"); then at 100 cases per family -7 % to -29 %.
     relevance: float = 0.5  # weight of ProphetKV's query attention
     deviation: float = 0.5  # weight of CacheBlend's KV deviation at `layer`
     boundary: float = 0.0  # weight of EPIC's chunk starts (spread evenly over their first `boundary_tokens`)
