@@ -29,10 +29,12 @@ from tqdm import tqdm
 
 from chunkcache.select.base import finish
 from chunkcache.select.budget import rank
-from chunkcache.select.mix import distribution
+from chunkcache.select.mix import MixSelector
 from . import fidelity, intervals
 from .reference_path import ReferenceMeasure, kl_logits
+from .select_study import Stored
 from .workloads import WorkloadConfig, items, phase
+
 
 class Probe:
     """A selector that reads every signal a candidate needs and picks the attended oracle's tokens (any pick will
@@ -41,30 +43,33 @@ class Probe:
     name = "probe"
 
     def __init__(self):
-        self.signals: dict[str, torch.Tensor] = {}
+        self.layout = None
+        self.signals: dict = {}
 
     def select(self, layout, ratio, features):
-        # the reference engine's query pass before it is summed over layers (Features.query_attention)
-        per_layer = features.passes.query_attention_per_layer()
-        self.signals = {"attention": per_layer.double(), "layout_ctx": layout.context_mask(),
-                        **{f"dev{l}": features.kv_deviation(l, "v").double() for l in (1, 3)},
+        self.layout = layout
+        # the reference engine's query pass before it is summed over layers (Features.query_attention); served back
+        # to the selectors as select_study.Stored, whose keys these are
+        self.signals = {"attention": features.passes.query_attention_per_layer().double(),
+                        "dev_v": {layer: features.kv_deviation(layer, "v").double() for layer in (1, 3)},
                         "true": features.true_deviation(False).double(),
                         "attended": features.true_deviation(True).double()}
+        self.signals["qa"] = self.signals["attention"].sum(0)
         return finish(layout, rank(self.signals["attended"], layout.context_mask())[: layout.budget(ratio)], None)
 
 
-def candidates(signals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    ctx, attn = signals["layout_ctx"], signals["attention"]
+def candidates(probe: Probe) -> dict[str, torch.Tensor]:
+    """Each candidate's scores; `mix`'s through MixSelector itself over the probed signals."""
+    attn, stored = probe.signals["attention"], Stored(probe.signals)
     third = max(1, -(-attn.shape[0] // 3))
-    rel = distribution(attn.sum(0), ctx)
     return {
-        "prophet": attn.sum(0),
+        "prophet": probe.signals["qa"],
         "prophet:first_third": attn[:third].sum(0),
-        "sum": 0.5 * rel + 0.5 * distribution(signals["dev3"], ctx),
-        "product": (rel * distribution(signals["dev3"], ctx)).sqrt(),
-        "product:layer1": (rel * distribution(signals["dev1"], ctx)).sqrt(),
-        "oracle:attended": signals["attended"],
-        "oracle": signals["true"],
+        "sum": MixSelector(combine="sum").scores(probe.layout, stored),
+        "product": MixSelector().scores(probe.layout, stored),
+        "product:layer1": MixSelector(layer=1).scores(probe.layout, stored),
+        "oracle:attended": probe.signals["attended"],
+        "oracle": probe.signals["true"],
     }
 
 
@@ -97,7 +102,7 @@ def run(args) -> None:
             probe = Probe()
             blender.blend(*ref.parts, selector=probe, ratio=args.ratio)
             rows = []
-            for name, scores in candidates(probe.signals).items():
+            for name, scores in candidates(probe).items():
                 res = blender.blend(*ref.parts, selector=Fixed(scores), ratio=args.ratio)
                 forced = blender.teacher_forced_logits(res, ref.continuation).argmax(-1).tolist()
                 rows.append({"item": item.id, "candidate": name, "ratio": args.ratio,

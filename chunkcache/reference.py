@@ -368,7 +368,8 @@ class _Engine:
         return self._fresh
 
     def query_attention(self, requests: Sequence[int]) -> list[torch.Tensor]:
-        return [self.query_attention_per_layer().sum(0) for _ in requests]
+        fused = self.query_attention_per_layer().sum(0)  # one pass: the engine holds a single request
+        return [fused for _ in requests]
 
     def query_attention_per_layer(self) -> torch.Tensor:
         """[layers, N] float32: ProphetKV's per-layer attention from the query tokens over the reused KV, before

@@ -30,7 +30,7 @@ def prompt():
 def test_candidates_blend_as_their_selectors(blender, prompt, candidate, selector, options):
     probe = Probe()
     blender.blend(*prompt, selector=probe, ratio=0.2)
-    scores = candidates(probe.signals)[candidate]
+    scores = candidates(probe)[candidate]
     for ratio in (0.1, 0.3):
         ours = blender.blend(*prompt, selector=Fixed(scores), ratio=ratio)
         theirs = blender.blend(*prompt, selector=selector, ratio=ratio, **options)
