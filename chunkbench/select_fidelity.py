@@ -2,15 +2,15 @@
 
 `select_study` measures how much of the oracle's KV deviation a pick removes; this measures what users get: for each
 case one probe blend reads every signal once (ProphetKV's query attention per layer over the reused KV, CacheBlend's
-V deviation at layers 1 and 3, the oracle's true and attended deviation), then every candidate score's top-K at rho is
+K and V deviation at layers 1-3, the oracle's true and attended deviation), then every candidate score's top-K at rho is
 blended and compared with full recompute: first-token KL and teacher-forced agreement over full's greedy answer.
-The report pairs each candidate with a baseline (`prophet`) on the same cases (the difference per case, its mean and 95 %
-bootstrap interval, and how many cases it wins), which separates candidates that unpaired intervals cannot.
+The report pairs each candidate with a baseline (`prophet`) on the same cases (the difference per case, its mean and
+95 % bootstrap interval, and how many cases it wins), which separates candidates that unpaired intervals cannot.
 
 Candidates: `prophet` (all layers, summed), `prophet:first_third` (the first third of the layers only: what the
 `self` draft, a third of the target, would score reading the query over its reused KV), `sum` (mix with
-combine=sum: half relevance, half deviation at layer 3), `product` (mix's default: the geometric mean of relevance
-and deviation at layer 3), `product:layer1`, `oracle:attended`, `oracle`.
+combine=sum: half relevance, half V deviation at layer 3), `product:vL` / `product:kL` (mix by product: the geometric
+mean of relevance and the V or K deviation at layer L; `product:k3` is mix's default), `oracle:attended`, `oracle`.
 
     .venv/bin/python -m chunkbench.select_fidelity run --workload synthetic:multikey --seed 1000 --requests 30 \\
         --out results/fidelity-multikey.jsonl
@@ -36,6 +36,9 @@ from .select_study import Stored
 from .workloads import WorkloadConfig, items, phase
 
 
+LAYERS = (1, 2, 3)  # deviation check layers the probe reads
+
+
 class Probe:
     """A selector that reads every signal a candidate needs and picks the attended oracle's tokens (any pick will
     do: the probe's own blend is not measured)."""
@@ -51,7 +54,8 @@ class Probe:
         # the reference engine's query pass before it is summed over layers (Features.query_attention); served back
         # to the selectors as select_study.Stored, whose keys these are
         self.signals = {"attention": features.passes.query_attention_per_layer().double(),
-                        "dev_v": {layer: features.kv_deviation(layer, "v").double() for layer in (1, 3)},
+                        **{f"dev_{which}": {layer: features.kv_deviation(layer, which).double() for layer in LAYERS}
+                           for which in ("k", "v")},
                         "true": features.true_deviation(False).double(),
                         "attended": features.true_deviation(True).double()}
         self.signals["qa"] = self.signals["attention"].sum(0)
@@ -65,9 +69,9 @@ def candidates(probe: Probe) -> dict[str, torch.Tensor]:
     return {
         "prophet": probe.signals["qa"],
         "prophet:first_third": attn[:third].sum(0),
-        "sum": MixSelector(combine="sum").scores(probe.layout, stored),
-        "product": MixSelector().scores(probe.layout, stored),
-        "product:layer1": MixSelector(layer=1).scores(probe.layout, stored),
+        "sum": MixSelector(combine="sum", which="v").scores(probe.layout, stored),
+        **{f"product:{which}{layer}": MixSelector(which=which, layer=layer).scores(probe.layout, stored)
+           for which in ("k", "v") for layer in LAYERS},
         "oracle:attended": probe.signals["attended"],
         "oracle": probe.signals["true"],
     }

@@ -1,6 +1,6 @@
-"""chunkbench.select_fidelity measures what the selectors do: on a tiny model, its `prophet` and `product`
-candidates' top-K blends equal the `prophet` and `mix` selectors' own (same recomputed tokens, same logits), and
-`sum` equals mix with combine=sum."""
+"""chunkbench.select_fidelity measures what the selectors do: on a tiny model, its `prophet` and `product:*`
+candidates' top-K blends equal the `prophet` and `mix` selectors' own (same recomputed tokens, same logits) at the
+deviation (K or V, layer) each names, and `sum` equals mix with combine=sum."""
 
 import pytest
 import torch
@@ -24,8 +24,9 @@ def prompt():
 
 
 @pytest.mark.parametrize("candidate,selector,options", [
-    ("prophet", "prophet", {}), ("product", "mix", {}), ("sum", "mix", {"combine": "sum"}),
-    ("product:layer1", "mix", {"layer": 1}),
+    ("prophet", "prophet", {}), ("product:k3", "mix", {"which": "k"}), ("product:v3", "mix", {"which": "v"}),
+    ("product:v1", "mix", {"which": "v", "layer": 1}), ("product:k2", "mix", {"which": "k", "layer": 2}),
+    ("sum", "mix", {"combine": "sum", "which": "v"}),
 ])
 def test_candidates_blend_as_their_selectors(blender, prompt, candidate, selector, options):
     probe = Probe()

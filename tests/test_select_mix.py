@@ -89,8 +89,8 @@ def test_scores_are_a_distribution_over_the_context_whatever_the_scales():
 
 
 def test_asks_only_for_the_signals_it_weighs():
-    assert create("mix").needs == (("query_attention", ()), ("kv_deviation", (3, "v")))
-    assert create("mix", relevance=0, layer=3, which="k").needs == (("kv_deviation", (3, "k")),)
+    assert create("mix").needs == (("query_attention", ()), ("kv_deviation", (3, "k")))
+    assert create("mix", relevance=0, layer=3, which="v").needs == (("kv_deviation", (3, "v")),)
     stub = Stub()
     mix(deviation=0).select(LAYOUT, 0.5, stub)
     assert stub.asked == [("query_attention", ())]
@@ -169,7 +169,7 @@ def prompt():
 
 @pytest.mark.parametrize("options,anchor", [
     ({"relevance": 1, "deviation": 0, "boundary": 0}, "prophet"),
-    ({"relevance": 0, "deviation": 1, "boundary": 0, "layer": 1}, "cacheblend"),  # CacheBlend's check layer
+    ({"relevance": 0, "deviation": 1, "boundary": 0, "layer": 1, "which": "v"}, "cacheblend"),  # CacheBlend's layer, V
 ])
 def test_one_signal_alone_picks_what_its_anchor_picks(blender, prompt, options, anchor):
     for ratio in (0.1, 0.3):

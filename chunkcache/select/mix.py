@@ -3,8 +3,8 @@ tokens and mixed.
 
 * relevance: ProphetKV's query attention (the query through all layers over the reused KV) finds the tokens the
   answer reads;
-* deviation: CacheBlend's KV deviation at a shallow check layer finds the tokens whose reused KV is most wrong
-  wherever the query looks;
+* deviation: CacheBlend's KV deviation (of K by default) at a shallow check layer finds the tokens whose reused KV
+  is most wrong wherever the query looks;
 * boundary: EPIC's chunk starts, where each chunk's standalone KV holds an attention sink the blended prompt lacks.
 
 Each signal sums to 1 over the context before mixing (their raw scales differ by orders of magnitude, and per request).
@@ -55,13 +55,15 @@ class MixSelector:
     # layers of a prefill. Chunk starts add nothing there: the deviation signal already picks them. The product
     # (first-token KL against full recompute at rho 0.15, paired per case with prophet on the same blend): multikey
     # seeds 1000-1029 -8 %, 21 of 30 cases better; MuSiQue records 0-29 -6 %, 20 of 30; the sum +1 % and +4 %
-    # (docs/bench/eval_select.md, "Product or sum"); then at 100 cases per family -7 % to -29 %.
+    # (docs/bench/eval_select.md, "Product or sum"); then at 100 cases per family -7 % to -29 %. K's deviation
+    # rather than V's (same 30 cases: -10 % / -14 % vs prophet against V's -8 % / -6 %; at 100 cases MuSiQue -6 % vs
+    # V paired, the synthetic families within +-2 %): K decides which tokens the answer reads.
     relevance: float = 0.5  # weight of ProphetKV's query attention
     deviation: float = 0.5  # weight of CacheBlend's KV deviation at `layer`
     boundary: float = 0.0  # weight of EPIC's chunk starts (spread evenly over their first `boundary_tokens`)
     boundary_tokens: int = 2  # tokens at each chunk's start the boundary weight covers
     layer: int = 3  # deviation check layer (0-based; layers up to it run over every token)
-    which: str = "v"  # deviation of "v" or "k"
+    which: str = "k"  # deviation of "k" or "v"
     combine: str = "product"  # "product": weights are exponents (boundary must be 0); "sum": weights are shares
     # adaptive budget: None spends the request's rho; a share in (0, 1] recomputes the fewest tokens holding that
     # share of the mixed score, between rho_floor and min(rho_cap, the request's rho)
