@@ -52,12 +52,13 @@ class Probe:
     def select(self, layout, ratio, features):
         self.layout = layout
         # the reference engine's query pass before it is summed over layers (Features.query_attention); served back
-        # to the selectors as select_study.Stored, whose keys these are
-        self.signals = {"attention": features.passes.query_attention_per_layer().double(),
+        # to the selectors as select_study.Stored, whose keys these are. The oracle's full prefill first: the
+        # deviation checks then read its layers instead of deepening a partial pass once per check layer.
+        self.signals = {"true": features.true_deviation(False).double(),
+                        "attended": features.true_deviation(True).double(),
+                        "attention": features.passes.query_attention_per_layer().double(),
                         **{f"dev_{which}": {layer: features.kv_deviation(layer, which).double() for layer in LAYERS}
-                           for which in ("k", "v")},
-                        "true": features.true_deviation(False).double(),
-                        "attended": features.true_deviation(True).double()}
+                           for which in ("k", "v")}}
         self.signals["qa"] = self.signals["attention"].sum(0)
         return finish(layout, rank(self.signals["attended"], layout.context_mask())[: layout.budget(ratio)], None)
 
