@@ -117,29 +117,52 @@ def run(args) -> None:
             f.flush()
 
 
+def by_candidate(rows: list[dict]) -> dict[str, dict[str, dict]]:
+    """{candidate: {case: row}} of study or eval rows. An eval selector run at more than one rho in the same files is
+    one candidate per rho, named `label@rho`, so one rho's rows never replace another's."""
+    rhos: dict[str, set] = defaultdict(set)
+    for r in rows:
+        rhos[r.get("candidate") or r["selector"]].add(r.get("ratio"))
+    by: dict[str, dict[str, dict]] = defaultdict(dict)
+    for r in rows:
+        label = r.get("candidate") or r["selector"]
+        by[label if len(rhos[label]) == 1 else f"{label}@{r['ratio']:g}"][r["item"]] = r
+    return by
+
+
+def paired(by: dict[str, dict[str, dict]], baseline: str, names: list[str] | None = None) -> tuple[list[str], list[dict]]:
+    """(the cases every named candidate holds, a row per candidate: mean KL and TF, the per-case KL difference to the
+    baseline, each with its 95 % bootstrap interval, and the cases where the candidate's KL is below the baseline's)."""
+    names = names or list(by)
+    missing = [n for n in {baseline, *names} if n not in by]
+    if missing:
+        raise SystemExit(f"no rows for {', '.join(sorted(missing))}; rows hold: {', '.join(by)}")
+    cases = sorted(set.intersection(*(set(by[n]) for n in {baseline, *names})))
+    base = [by[baseline][c]["kl_first"] for c in cases]
+    table = []
+    for name in names:
+        kl = [by[name][c]["kl_first"] for c in cases]
+        tf = [by[name][c]["tf_agreement"] for c in cases]
+        diff = [a - b for a, b in zip(kl, base)]
+        table.append({"name": name, "kl": (sum(kl) / len(kl), *intervals.mean_interval(kl)),
+                      "tf": (sum(tf) / len(tf), *intervals.mean_interval(tf)),
+                      "diff": (sum(diff) / len(diff), *intervals.mean_interval(diff)),
+                      "relative": sum(diff) / sum(base), "better": sum(x < 0 for x in diff)})
+    return cases, table
+
+
 def report(args) -> None:
     """Also reads `chunkcache eval`'s row files (OUT.jsonl: a row per case and selector), pairing its selectors."""
-    by: dict[str, dict[str, dict]] = defaultdict(dict)
-    for path in args.paths:
-        for line in Path(path).open():
-            r = json.loads(line)
-            if "item" in r:  # not an eval file's identity line
-                by[r.get("candidate") or r["selector"]][r["item"]] = r
-    if args.baseline not in by:
-        raise SystemExit(f"no {args.baseline!r} rows to pair with; rows hold: {', '.join(by)}")
-    cases = sorted(set.intersection(*(set(v) for v in by.values())))
-    base = [by[args.baseline][c]["kl_first"] for c in cases]
+    rows = [r for path in args.paths for r in map(json.loads, Path(path).open())
+            if "item" in r]  # not an eval file's identity line
+    cases, table = paired(by_candidate(rows), args.baseline, args.candidates.split(";") if args.candidates else None)
     print(f"{len(cases)} cases; KL and its difference to {args.baseline} per case: mean [95 % bootstrap interval]\n")
     print(f"| candidate | KL first token | TF agreement | KL - {args.baseline} | relative | cases better |")
     print("|---|---|---|---|---|---|")
-    for name, rows in by.items():
-        kl = [rows[c]["kl_first"] for c in cases]
-        tf = [rows[c]["tf_agreement"] for c in cases]
-        diff = [a - b for a, b in zip(kl, base)]
-        (lo, hi), (tlo, thi), (dlo, dhi) = (intervals.mean_interval(v) for v in (kl, tf, diff))
-        m, t, d = (sum(v) / len(v) for v in (kl, tf, diff))
-        print(f"| {name} | {m:.4f} [{lo:.4f}, {hi:.4f}] | {t:.3f} [{tlo:.3f}, {thi:.3f}] | {d:+.4f} [{dlo:+.4f}, "
-              f"{dhi:+.4f}] | {d / (sum(base) / len(base)):+.0%} | {sum(x < 0 for x in diff)} of {len(cases)} |")
+    for t in table:
+        (m, lo, hi), (tm, tlo, thi), (d, dlo, dhi) = t["kl"], t["tf"], t["diff"]
+        print(f"| {t['name']} | {m:.4f} [{lo:.4f}, {hi:.4f}] | {tm:.3f} [{tlo:.3f}, {thi:.3f}] | {d:+.4f} [{dlo:+.4f}, "
+              f"{dhi:+.4f}] | {t['relative']:+.0%} | {t['better']} of {len(cases)} |")
 
 
 def main() -> None:
@@ -161,6 +184,8 @@ def main() -> None:
     p = sub.add_parser("report", help="the paired table of one or more runs' rows")
     p.add_argument("paths", nargs="+")
     p.add_argument("--baseline", default="prophet", help="the candidate (or eval selector label) others pair with")
+    p.add_argument("--candidates", help="only these, ';'-separated (labels hold commas), on the cases they all hold; "
+                   "a selector run at several rho is LABEL@RHO")
     args = ap.parse_args()
     run(args) if args.cmd == "run" else report(args)
 
