@@ -120,12 +120,12 @@ def run(args) -> None:
 def by_candidate(rows: list[dict]) -> dict[str, dict[str, dict]]:
     """{candidate: {case: row}} of study or eval rows. An eval selector run at more than one rho in the same files is
     one candidate per rho, named `label@rho`, so one rho's rows never replace another's."""
+    labels = [r.get("candidate") or r["selector"] for r in rows]
     rhos: dict[str, set] = defaultdict(set)
-    for r in rows:
-        rhos[r.get("candidate") or r["selector"]].add(r.get("ratio"))
+    for label, r in zip(labels, rows):
+        rhos[label].add(r.get("ratio"))
     by: dict[str, dict[str, dict]] = defaultdict(dict)
-    for r in rows:
-        label = r.get("candidate") or r["selector"]
+    for label, r in zip(labels, rows):
         by[label if len(rhos[label]) == 1 else f"{label}@{r['ratio']:g}"][r["item"]] = r
     return by
 
