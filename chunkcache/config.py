@@ -122,6 +122,33 @@ class LimitsConfig:
 
 
 @dataclass
+class AutoConfig:
+    # automatic chunk detection (README "Prompts nobody marked"): a request without a chunk hint is cut into
+    # content-defined segments (chunkcache/segment.py), the ones the store holds become its chunks; off by default
+    # because it makes unmarked requests approximate, which the server's operator must choose
+    enabled: bool = False
+    min_reuse_tokens: int = 128  # a prompt with fewer stored segment tokens (past the exact prefix) is served as stock
+    segment_mean_tokens: int = 32  # mean distance between content-defined cuts inside a paragraph (a power of two)
+    segment_min_tokens: int = 16  # shortest segment cut inside a paragraph; shorter pieces are never stored
+    segment_max_tokens: int = 256  # a paragraph this long without a content-defined cut is cut here
+    learn: bool = True  # keep the KV of segments this server prefills (hinted or not) for later requests
+    admit_after: int = 1  # a segment is learned once seen in this many prefills (1: first sight; 2: seen twice)
+    seen_keys: int = 1 << 18  # segments whose sightings are counted for admit_after (least recent forgotten first)
+
+    def check(self) -> None:
+        _at_least(self, "min_reuse_tokens", 1)
+        _at_least(self, "segment_min_tokens", 8)  # the content-defined cut's hash window is 8 tokens
+        m = self.segment_mean_tokens
+        if m < 1 or m & (m - 1):
+            raise ConfigError("segment_mean_tokens", f"must be a power of two, got {m}")
+        if self.segment_max_tokens < self.segment_min_tokens:
+            raise ConfigError("segment_max_tokens", f"must be >= segment_min_tokens ({self.segment_min_tokens}), "
+                              f"got {self.segment_max_tokens}")
+        _at_least(self, "admit_after", 1)
+        _at_least(self, "seen_keys", 1)
+
+
+@dataclass
 class SpeCacheConfig:
     # SpeCache decoding (issue 17; sglang_patch/specache.py): low-bit KV in the device pool, full KV as the host copy,
     # top-k full-precision pairs prefetched by a speculative second token; the server refuses, at start-up, what it
@@ -152,6 +179,7 @@ class Config:
     draft: DraftConfig = field(default_factory=DraftConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    auto: AutoConfig = field(default_factory=AutoConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
 
     @classmethod

@@ -50,7 +50,7 @@ def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
             blending[row.index] = plan
         else:  # the radix tree holds every chunk: computed exactly, and said so
             report.blended(reuse.store, row.req, plan, hits=0, reused=0, recomputed=row.seq_len - row.matched,
-                           admitted_compute=admission.charged(row.req))
+                           admitted_compute=admission.charged(row.req), auto=hint.auto)
     if not blending:
         return None
     planned = time.perf_counter()
@@ -67,7 +67,8 @@ def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
     for index, request in zip(blending, done.requests):
         report.blended(reuse.store, rows[index].req, request.plan, hits=request.hits, reused=request.reused_tokens,
                        recomputed=len(request.recomputed), admitted_compute=admission.charged(rows[index].req),
-                       select_s=feature_s + request.select_s, blend_s=blend_s, stages=stages, batch=batch)
+                       select_s=feature_s + request.select_s, blend_s=blend_s, stages=stages, batch=batch,
+                       auto=request_hint.of(rows[index].req).auto)
     return done.output
 
 

@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-chunk-reuse", action="store_true", help="stock SGLang prefix caching (A/B baseline)")
     p.add_argument("--remote-url", help="shared chunk store, redis://[:password@]host:port/db or rediss:// (overrides "
                    "store.remote_url; $CHUNKCACHE_REMOTE_URL keeps a password out of the process list)")
+    p.add_argument("--auto-chunks", action="store_true", help="find reusable chunks in prompts without a chunk hint "
+                   "(config auto.enabled; unmarked requests become approximate)")
 
     for name, summary in (("bench", "A/B benchmark against stock prefix caching: TTFT, throughput, goodput, quality"),
                           ("eval", "quality sweep of selectors x rho, plus the SpecCache analyses")):
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(args: argparse.Namespace, extra: list[str]) -> int:
-    from .launcher import REMOTE_URL_ENV, prepare_environment, server_settings, to_argv
+    from .launcher import AUTO_CHUNKS_ENV, REMOTE_URL_ENV, prepare_environment, server_settings, to_argv
     from .server_process import ServerProcess, wait_healthy
 
     config = Config.load(args.config)
@@ -72,6 +74,8 @@ def serve(args: argparse.Namespace, extra: list[str]) -> int:
     prepare_environment(args.config)
     if args.remote_url:
         os.environ[REMOTE_URL_ENV] = args.remote_url
+    if args.auto_chunks:
+        os.environ[AUTO_CHUNKS_ENV] = "1"
     argv = [sys.executable, "-m", "sglang.launch_server", *to_argv(settings), *config.serve.sglang_args, *extra]
     print("starting:", " ".join(argv), flush=True)
     base = f"http://{config.serve.host}:{config.serve.port}"

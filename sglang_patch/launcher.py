@@ -15,6 +15,7 @@ CONFIG_ENV = "CHUNKCACHE_CONFIG"  # how the scheduler process finds the --config
 # store.remote_url from `chunkcache serve --remote-url` or the environment (keeps a password out of the YAML file);
 # it overrides the config file's
 REMOTE_URL_ENV = "CHUNKCACHE_REMOTE_URL"
+AUTO_CHUNKS_ENV = "CHUNKCACHE_AUTO_CHUNKS"  # "1": automatic chunk detection on, whatever the config says
 
 
 def has_gpu() -> bool:
@@ -61,6 +62,8 @@ def load_server_config() -> Config:
     config = Config.load(os.environ.get(CONFIG_ENV))
     if os.environ.get(REMOTE_URL_ENV):
         config.store.remote_url = os.environ[REMOTE_URL_ENV]
+    if os.environ.get(AUTO_CHUNKS_ENV) == "1":
+        config.auto.enabled = True
     return config
 
 

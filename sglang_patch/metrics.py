@@ -59,6 +59,20 @@ class _Metrics:
                                       "writer behind)", ["reason"], registry=r)
         self.remote_up = Gauge("chunkcache_remote_up", "1 while the remote store works, 0 during an outage",
                                multiprocess_mode="livemin", registry=r)
+        self.auto_requests = Counter("chunkcache_auto_requests", "Requests without a hint seen by automatic chunk "
+                                     "detection, by outcome (blended: stored segments became its chunks; stock: too "
+                                     "few, served as stock)", ["outcome"], registry=r)
+        self.auto_hits = Counter("chunkcache_auto_segment_hits", "Prompt segments found in the chunk store by "
+                                 "automatic detection", registry=r)
+        self.auto_misses = Counter("chunkcache_auto_segment_misses", "Prompt segments looked up and not found",
+                                   registry=r)
+        self.auto_detect_seconds = Histogram("chunkcache_auto_detect_seconds", "Automatic detection time per request "
+                                             "(segmenting, radix match, store lookups)", buckets=SECONDS_BUCKETS,
+                                             registry=r)
+        self.auto_learned = Counter("chunkcache_auto_learned_segments", "Segments stored from prefilled prompts",
+                                    registry=r)
+        self.auto_learned_bytes = Counter("chunkcache_auto_learned_bytes", "Bytes of segments stored from prefilled "
+                                          "prompts", registry=r)
         self.evictions_seen = 0  # the store counts evictions cumulatively; the counter gets the increments
         self.corrupt_seen = self.disk_full_seen = 0  # likewise
         self.remote_seen: dict[str, int] = {}  # likewise for the remote tier's counters
@@ -96,6 +110,23 @@ def record_request(info: dict) -> None:
     m.recomputed_tokens.inc(info["recomputed_tokens"])
     m.select_seconds.observe(info["select_s"])
     m.blend_seconds.observe(info["blend_s"])
+
+
+def record_auto_lookup(hits: int, misses: int, seconds: float) -> None:
+    """One request's automatic detection: segments found and not found past its exact prefix."""
+    m = _metrics
+    if m is None:
+        return
+    m.auto_requests.labels("blended" if hits else "stock").inc()
+    m.auto_hits.inc(hits)
+    m.auto_misses.inc(misses)
+    m.auto_detect_seconds.observe(seconds)
+
+
+def record_auto_learned(segments: int, nbytes: int) -> None:
+    if _metrics is not None:
+        _metrics.auto_learned.inc(segments)
+        _metrics.auto_learned_bytes.inc(nbytes)
 
 
 def record_fallback(reason: str) -> None:

@@ -13,7 +13,7 @@ import multiprocessing
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from . import admission, blend, chat, decode_attention, hint_validation, ingest, metrics, report, request_hint
+from . import admission, auto_chunks, blend, chat, decode_attention, hint_validation, ingest, metrics, report, request_hint
 from .cache import factory, reuse_of
 from .launcher import BACKEND_NAME
 
@@ -65,7 +65,7 @@ def hooks() -> list[tuple[str, object, HookType]]:
 
 
 def _resolve_hint(req, scheduler, *args, **kwargs) -> None:
-    request_hint.attach(reuse_of(scheduler.tree_cache), req)
+    request_hint.attach(reuse_of(scheduler.tree_cache), scheduler.tree_cache, req)
 
 
 def _attach_batch(result, cls, batch, *args, **kwargs):
@@ -77,6 +77,16 @@ def _attach_batch(result, cls, batch, *args, **kwargs):
 
 def _blend_extend(original, runner, forward_batch, pp_proxy_tensors=None):
     reuse, reqs = getattr(forward_batch, "chunkcache_reuse", None), getattr(forward_batch, "chunkcache_reqs", None)
+    out = _extend(original, runner, forward_batch, pp_proxy_tensors, reuse, reqs)
+    if reuse is not None and reqs and reuse.auto is not None and reuse.config.auto.learn:
+        try:
+            auto_chunks.learn(reuse, runner.model_runner, forward_batch, reqs, request_hint.of)
+        except Exception:  # noqa: BLE001 - learning is an optimisation: the request's own output is already computed
+            log.exception("chunkcache: learning the batch's segments failed; they are not stored")
+    return out
+
+
+def _extend(original, runner, forward_batch, pp_proxy_tensors, reuse, reqs):
     if (reuse is None or not reqs or pp_proxy_tensors is not None
             or all(request_hint.of(r) is None for r in reqs)):
         return original(runner, forward_batch, pp_proxy_tensors)

@@ -31,10 +31,12 @@ NO_BATCH = {"requests": 0, "plain": 0, "decodes": 0, "forwards": 0}
 
 def blended(store: ChunkStore, req, plan: RequestPlan, *, hits: int, reused: int, recomputed: int,
             admitted_compute: int | None, select_s: float = 0.0, blend_s: float = 0.0,
-            stages: dict[str, float] | None = None, batch: dict[str, int] | None = None) -> None:
+            stages: dict[str, float] | None = None, batch: dict[str, int] | None = None, auto: bool = False) -> None:
     """A round served from the plan: chunk hits, reused and recomputed tokens, the radix match, the selector, timings
-    (`stages` and `batch` are the whole batch's; none when the radix tree held every chunk and nothing blended)."""
+    (`stages` and `batch` are the whole batch's; none when the radix tree held every chunk and nothing blended).
+    `auto`: the chunks were found by automatic detection, not marked by the client."""
     info = {
+        **({"auto": True} if auto else {}),
         "chunk_hits": hits, "chunk_misses": len(plan.chunks) - hits, "reused_tokens": reused,
         "recomputed_tokens": recomputed, "radix_tokens": plan.matched, "selector": plan.selector, "ratio": plan.ratio,
         "select_s": round(select_s, 6), "blend_s": round(blend_s, 6),
@@ -45,6 +47,21 @@ def blended(store: ChunkStore, req, plan: RequestPlan, *, hits: int, reused: int
     metrics.record_request(info)
     metrics.set_store_stats(store.stats())
     _add_round(req, info)
+
+
+def auto_stock(store: ChunkStore, req, *, radix: int, computed: int, learned: dict[str, int]) -> None:
+    """A request automatic detection served as stock (too few stored segments): what it computed and taught the
+    store."""
+    metrics.set_store_stats(store.stats())
+    _add_round(req, {"auto": True, "chunk_hits": 0, "reused_tokens": 0, "recomputed_tokens": computed,
+                     "radix_tokens": radix, "learned": learned})
+
+
+def add_learned(req, learned: dict[str, int]) -> None:
+    """The segments a blended request's prefill taught the store, added to its last round's report."""
+    info = getattr(req, "chunkcache_info", None)
+    if info is not None:
+        info["learned"] = learned
 
 
 def fallback(store: ChunkStore, req, reason: str, detail: str) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from chunkcache.blend.reuse import ChunkReuse, RequestHint
 from chunkcache.hints import HintError, find_payload
 
-from . import report
+from . import auto_chunks, report
 
 ATTR = "chunkcache_hint"
 # Every hinted request's extra_key starts with this, and the HTTP layer refuses it on any other request
@@ -21,8 +21,10 @@ ATTR = "chunkcache_hint"
 RESERVED_EXTRA_KEY = "chunkcache\x1f"
 
 
-def attach(reuse: ChunkReuse | None, req) -> None:
-    """`reuse`: the scheduler's, None when its tree cache is not chunkcache's (a stock server still partitions)."""
+def attach(reuse: ChunkReuse | None, tree_cache, req) -> None:
+    """`reuse`: the scheduler's, None when its tree cache is not chunkcache's (a stock server still partitions).
+    With automatic detection on, a request without a hint may get one (auto_chunks.detect) and every request's
+    segments are kept for learning."""
     hint = None
     try:
         payload = find_payload(getattr(req, "kv_hints", None))
@@ -30,6 +32,13 @@ def attach(reuse: ChunkReuse | None, req) -> None:
             req.extra_key = radix_partition(payload.get("namespace"), req.extra_key)
             if reuse is not None:
                 hint = reuse.hint(payload, req.origin_input_ids, getattr(req, "cache_salt", None))
+                if reuse.auto is not None:
+                    req.__dict__[auto_chunks.SEGMENTS] = reuse.segments(req.origin_input_ids,
+                                                                        getattr(req, "cache_salt", None))
+        elif reuse is not None and reuse.auto is not None and getattr(req, "to_finish", None) is None:
+            hint = auto_chunks.detect(reuse, tree_cache, req)
+            if hint is not None:
+                req.extra_key = auto_partition(req.extra_key)
     except HintError as exc:  # validated at the HTTP layer; an Engine-side bypass still must not fail the request
         if reuse is not None:
             report.fallback(reuse.store, req, "bad_hint", str(exc))
@@ -50,3 +59,9 @@ def radix_partition(namespace: str | None, extra_key: str | None) -> str:
     LoRA id to it and reads it back from the end)."""
     namespace = namespace or ""
     return f"{RESERVED_EXTRA_KEY}{len(namespace)}\x1f{namespace}\x1f{extra_key or ''}"
+
+
+def auto_partition(extra_key: str | None) -> str:
+    """The extra_key of a request blended by automatic detection: never a hinted partition's (those have a digit
+    after the reserved prefix), never a plain request's."""
+    return f"{RESERVED_EXTRA_KEY}auto\x1f{extra_key or ''}"

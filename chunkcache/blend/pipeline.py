@@ -122,12 +122,11 @@ def run(engine: Engine, store: ChunkStore, plans: Sequence[RequestPlan],
 
 
 def lookup(store: ChunkStore, plans: Sequence[RequestPlan], engine: Engine) -> dict[str, ChunkEntry]:
-    """Each distinct chunk's entry, where the store has one that holds exactly its tokens."""
-    found = {}
-    for plan in plans:
-        for c in plan.chunks:
-            if c.key not in found:
-                found[c.key] = _holding(store.get(c.key), plan.chunk_ids(c), c.key, engine)
+    """Each distinct chunk's entry, where the store has one that holds exactly its tokens (the batch's keys in one
+    store call: one remote round trip at most)."""
+    chunks = {c.key: (plan, c) for plan in plans for c in plan.chunks}
+    entries = store.get_many(list(chunks))
+    found = {key: _holding(entries.get(key), plan.chunk_ids(c), key, engine) for key, (plan, c) in chunks.items()}
     return {key: entry for key, entry in found.items() if entry is not None}
 
 

@@ -17,8 +17,10 @@ from ..config import Config
 from ..hashing import chunk_key, prefix_key
 from ..hints import parse
 from ..rope import RopeSpec
+from ..segment import break_ids
 from ..select import REGISTRY, Selector
 from ..store import ChunkStore, EntryLayout
+from .auto import AutoChunks, Segments
 from .features import Models
 from .plan import RequestPlan, plan_request
 
@@ -31,6 +33,7 @@ class RequestHint:
     selector: str
     ratio: float
     namespace: str
+    auto: bool = False  # found by automatic chunk detection (chunkcache.blend.auto), not marked by the client
 
     def plan(self, matched: int) -> RequestPlan:
         """The blend plan of a prefill round that finds the prompt's first `matched` tokens already exact."""
@@ -48,6 +51,7 @@ class ChunkReuse:
         # it); None: unbounded
         self.prefill_budget: int | None = None
         self._selectors: dict[str, Selector] = {}
+        self.auto = AutoChunks(config.auto, self._break_ids(), self.fingerprint) if config.auto.enabled else None
 
     @property
     def entry_shape(self) -> tuple[int, int, int]:
@@ -72,6 +76,27 @@ class ChunkReuse:
                        for s, e in parsed.token_spans),
             selector=parsed.selector or select.selector, ratio=select.ratio if parsed.ratio is None else parsed.ratio,
             namespace=namespace)
+
+    def segments(self, token_ids: Sequence[int], cache_salt: str | None) -> Segments:
+        """The prompt's reusable segments under the server's namespace (auto detection must be on)."""
+        return self.auto.segments(token_ids, self.config.store.namespace, cache_salt)
+
+    def auto_hint(self, token_ids: Sequence[int], segments: Segments, matched: int) -> RequestHint | None:
+        """A hint whose chunks are the prompt's stored segments past its first `matched` tokens (held exactly), or
+        None when they are too few to blend (the request is then served as stock). The store is asked once for all
+        the segments (the remote tier in one round trip); a remote hit is promoted into memory for the blend."""
+        wanted = [k for (s, _), k in zip(segments.spans, segments.keys) if s >= matched]
+        found = self.auto.detect(segments, len(token_ids), matched, set(self.store.get_many(wanted)) if wanted else set())
+        if found is None:
+            return None
+        return RequestHint(token_ids=torch.as_tensor(list(token_ids), dtype=torch.long), spans=found.spans,
+                           keys=found.keys, selector=self.config.select.selector, ratio=self.config.select.ratio,
+                           namespace=self.config.store.namespace, auto=True)
+
+    def _break_ids(self) -> frozenset[int]:
+        """Token ids whose text holds a line break: every segment ends after one (chunkcache.segment)."""
+        tok = self.models.tokenizer
+        return break_ids(tok.batch_decode([[i] for i in range(len(tok))]))
 
     def _load_draft(self, model: str, layers: int | None):
         """"self" loads the target's HF weights a second time (a serving engine's fused modules cannot run the

@@ -5,7 +5,7 @@ Contract:
   encoding (`disk.encode`). The chunk key already hashes the model, the namespace, the shared prefix and the tokens,
   so tenants and models never share an entry across servers; the fingerprint in the name lets an operator find or
   drop one model's entries (`SCAN MATCH cc:v1:{fingerprint}:*`), and the format version keeps older encodings apart.
-- get is one GET. A value that fails verification (torn, truncated, foreign, another key's) or does not fit the
+- get is one GET; get_many, one MGET for a request's keys. A value that fails verification (torn, truncated, foreign, another key's) or does not fit the
   serving model (`layout`: fingerprint, layers, KV heads, head_dim; anyone who can write to the server can put a
   value there) is a miss, counted in `corrupt`, and deleted so that the next put can store a good one. get never
   raises.
@@ -99,19 +99,32 @@ class RemoteTier:
         threading.Thread(target=self._write_loop, name="chunkcache-remote-writer", daemon=True).start()
 
     def get(self, key: str) -> ChunkEntry | None:
+        return self.get_many([key]).get(key)
+
+    def get_many(self, keys: list[str]) -> dict[str, ChunkEntry]:
+        """The entries the server holds for `keys`, in one round trip (MGET); the others are misses."""
+        if not keys:
+            return {}
         if not self._available():
-            self._count("skipped")
-            return None
-        name = self.prefix + key
+            self._count("skipped", len(keys))
+            return {}
         try:
-            data = self.client.get(name)
+            values = self.client.mget([self.prefix + key for key in keys])
         except redis.RedisError as e:
             self._failed(e)
-            return None
+            return {}
         self._working()
-        if data is None:
-            self._count("misses")
-            return None
+        found = {}
+        for key, data in zip(keys, values):
+            if data is None:
+                self._count("misses")
+            elif (entry := self._verified(key, data)) is not None:
+                self._count("hits")
+                found[key] = entry
+        return found
+
+    def _verified(self, key: str, data: bytes) -> ChunkEntry | None:
+        name = self.prefix + key
         try:
             entry = decode(data)
             if entry.key != key:
@@ -127,7 +140,6 @@ class RemoteTier:
             except redis.RedisError as exc:
                 self._failed(exc)
             return None
-        self._count("hits")
         return entry
 
     def put(self, entry: ChunkEntry) -> None:

@@ -2,7 +2,8 @@
 shared by every chunkcache server).
 
 Contract:
-- get looks in memory, then disk, then remote, and promotes a hit into the tiers in front.
+- get looks in memory, then disk, then remote, and promotes a hit into the tiers in front; get_many does so for a
+  request's keys with one remote round trip for all the keys the local tiers lack.
 - put writes through to every tier (to the remote one in the background, see remote.py) and says whether a local
   tier kept the entry. False: memory refused it (alone over the host budget) and so did the disk (over its budget,
   full) or there is none; a later get finds it only on the remote tier, if at all, and the caller's copy may be the
@@ -74,29 +75,41 @@ class ChunkStore:
         return cls(config.host_bytes, config.disk_dir, config.disk_bytes, model_fingerprint, remote, layout)
 
     def get(self, key: str) -> ChunkEntry | None:
+        return self.get_many([key]).get(key)
+
+    def get_many(self, keys: list[str]) -> dict[str, ChunkEntry]:
+        """The entries any tier holds for `keys` (each looked up once): memory, then disk, then the remote tier in
+        one round trip for all the keys the local tiers lack."""
+        keys = list(dict.fromkeys(keys))
+        found: dict[str, ChunkEntry] = {}
         with self._lock:
-            entry = self.memory.get(key)
-            if entry is not None:
-                self._memory_hits += 1
-            elif self.disk is not None and (entry := self.disk.get(key)) is not None:
-                self._disk_hits += 1
-                self.memory.put(entry)
-        if entry is None and self.remote is not None:
+            for key in keys:
+                entry = self.memory.get(key)
+                if entry is not None:
+                    self._memory_hits += 1
+                elif self.disk is not None and (entry := self.disk.get(key)) is not None:
+                    self._disk_hits += 1
+                    self.memory.put(entry)
+                if entry is not None:
+                    found[key] = entry
+        absent = [key for key in keys if key not in found]
+        if absent and self.remote is not None:
             # outside the lock: a network round trip (at most the remote timeout)
-            if (entry := self.remote.get(key)) is not None:
-                with self._lock:
+            remote = self.remote.get_many(absent)
+            with self._lock:
+                for entry in remote.values():
                     self._remote_hits += 1
                     self.memory.put(entry)
                     if self.disk is not None:
                         self.disk.put(entry)
+            found.update(remote)
         with self._lock:
-            if entry is None:
-                self._misses += 1
-                return None
-            self._hits += 1
+            self._hits += len(found)
+            self._misses += len(keys) - len(found)
         if self.model_fingerprint is not None:
-            entry.check_model(self.model_fingerprint)
-        return entry
+            for entry in found.values():
+                entry.check_model(self.model_fingerprint)
+        return found
 
     def put(self, entry: ChunkEntry) -> bool:
         """Write through to every tier; False if no local tier kept the entry (see the contract above)."""

@@ -1,0 +1,93 @@
+"""Chunks for prompts nobody marked: a prompt's content-defined segments (chunkcache.segment), the stored ones
+turned into a chunk hint, and the policy that decides which segments a prefill teaches the store.
+
+Contract:
+- A segment's key is its token ids' content key (hashing.chunk_key with the AUTO_PREFIX field instead of a shared
+  prefix's digest) with the model, the namespace and the request's `cache_salt`: no tenant finds another's segments,
+  and an auto segment never answers for a hinted chunk (whose KV was computed standalone after a known prefix) or
+  the other way round. Its entry's KV is what some earlier prefill computed for those tokens in its own context, at
+  the positions they had there (`start_pos`): the same kind of deviation a hinted chunk has after other chunks,
+  which the selector repairs.
+- `detect` is pure given the store's answer: the segments the store holds past the exact prefix, and before the
+  prompt's last token, become the hint's chunks when they add up to `min_reuse_tokens`; otherwise None and the
+  request is served as stock.
+- `to_learn` names the segments a finished prefill computed in this prompt's own context that no tier holds, once
+  seen `admit_after` times; the engine copies their KV out of its pool into entries.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..config import AutoConfig
+from ..hashing import chunk_key
+from ..segment import Segmenter
+
+AUTO_PREFIX = "auto-segment"  # never a prefix_key digest (those are 32 hex digits)
+
+
+@dataclass(frozen=True)
+class Segments:
+    """One prompt's segments that may be reused: at least the segmenter's minimum length."""
+
+    spans: tuple[tuple[int, int], ...]
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Detected:
+    spans: tuple[tuple[int, int], ...]  # stored segments past the exact prefix (a hint's chunks)
+    keys: tuple[str, ...]
+    tokens: int  # tokens they cover
+
+    def __bool__(self) -> bool:
+        return bool(self.spans)
+
+
+class AutoChunks:
+    def __init__(self, config: AutoConfig, break_ids: frozenset[int], fingerprint: str):
+        self.config, self.fingerprint = config, fingerprint
+        self.segmenter = Segmenter(break_ids, mean=config.segment_mean_tokens, min_tokens=config.segment_min_tokens,
+                                   max_tokens=config.segment_max_tokens)
+        self._seen: OrderedDict[str, int] = OrderedDict()  # sightings per key, least recent first
+
+    def segments(self, token_ids: Sequence[int], namespace: str, cache_salt: str | None) -> Segments:
+        ids = torch.as_tensor(token_ids, dtype=torch.long)
+        spans = tuple((s, e) for s, e in self.segmenter.spans(ids.numpy())
+                      if e - s >= self.config.segment_min_tokens)
+        keys = tuple(chunk_key(self.fingerprint, namespace, AUTO_PREFIX, ids[s:e], cache_salt) for s, e in spans)
+        return Segments(spans, keys)
+
+    def detect(self, segments: Segments, n: int, matched: int, stored: set[str] | frozenset[str]) -> Detected | None:
+        """The stored segments of a prompt of `n` tokens past its first `matched` (held exactly), ending before its
+        last token; None when they cover fewer than min_reuse_tokens."""
+        picked = [(span, key) for span, key in zip(segments.spans, segments.keys)
+                  if key in stored and span[0] >= matched and span[1] < n]
+        tokens = sum(e - s for (s, e), _ in picked)
+        if tokens < self.config.min_reuse_tokens:
+            return None
+        return Detected(tuple(span for span, _ in picked), tuple(key for _, key in picked), tokens)
+
+    def to_learn(self, segments: Segments, computed: torch.Tensor, stored) -> list[tuple[tuple[int, int], str]]:
+        """(span, key) of each segment whose every token `computed` (bool [N]) marks as computed in this prompt's
+        context, that `stored` (a container of keys) lacks, and that has now been seen admit_after times."""
+        out = []
+        for span, key in zip(segments.spans, segments.keys):
+            if key in stored or not bool(computed[span[0]: span[1]].all()):
+                continue
+            if self._sighted(key) >= self.config.admit_after:
+                out.append((span, key))
+        return out
+
+    def _sighted(self, key: str) -> int:
+        if self.config.admit_after == 1:
+            return 1
+        n = self._seen.pop(key, 0) + 1
+        self._seen[key] = n
+        while len(self._seen) > self.config.seen_keys:
+            self._seen.popitem(last=False)
+        return n
