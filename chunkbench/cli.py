@@ -53,6 +53,10 @@ def _sized(args: argparse.Namespace, preset: dict) -> dict:
 
 
 def bench(argv: list[str]) -> int:
+    if "auto" in (argv[argv.index("--workload") + 1:][:1] if "--workload" in argv else []) or "--workload=auto" in argv:
+        from .auto_bench import main
+
+        return main(argv)
     ap = argparse.ArgumentParser(
         prog="chunkcache bench", description="Stock SGLang prefix caching vs chunkcache, same model and workload. "
         "--mode ab: sequential (TTFT, quality) and Poisson phases, one server after the other. --mode closed: "

@@ -8,10 +8,10 @@ from sglang_patch.server_process import ServerProcess, chunkcache_serve
 
 
 def start_server(log_path: Path, *, chunk_reuse: bool, config: str | None = None, model: str | None = None,
-                 startup_timeout: float = 900) -> ServerProcess:
-    """`chunkcache serve` (stock SGLang prefix caching when chunk_reuse is False), healthy; a context manager that
-    stops it."""
-    args = ["--enable-metrics"] + ([] if chunk_reuse else ["--no-chunk-reuse"])
+                 startup_timeout: float = 900, auto_chunks: bool = False) -> ServerProcess:
+    """`chunkcache serve` (stock SGLang prefix caching when chunk_reuse is False; `auto_chunks`: --auto-chunks),
+    healthy; a context manager that stops it."""
+    args = ["--enable-metrics"] + ([] if chunk_reuse else ["--no-chunk-reuse"]) + (["--auto-chunks"] if auto_chunks else [])
     # paths made absolute: the server runs in the log's directory
     if config:
         args += ["--config", str(Path(config).resolve())]

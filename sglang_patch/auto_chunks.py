@@ -43,6 +43,7 @@ def detect(reuse: ChunkReuse, tree_cache, req):
     matched = exact_prefix(tree_cache, req)
     hint = reuse.auto_hint(ids, segments, matched)
     looked_up = sum(s >= matched for s, _ in segments.spans)
+    req.__dict__[report.AUTO_SEGMENTS] = looked_up
     metrics.record_auto_lookup(hits=len(hint.spans) if hint else 0,
                                misses=looked_up - (len(hint.spans) if hint else 0),
                                seconds=time.perf_counter() - t0)

@@ -26,6 +26,7 @@ from . import metrics
 log = logging.getLogger(__name__)
 KEY = "chunkcache"
 STAGES = ("match_fill", "copy", "features", "select", "prefill")  # stages_s: the batch's blend, in order
+AUTO_SEGMENTS = "chunkcache_auto_segments"  # Req attribute: segments automatic detection looked up past the radix match
 NO_BATCH = {"requests": 0, "plain": 0, "decodes": 0, "forwards": 0}
 
 
@@ -36,7 +37,7 @@ def blended(store: ChunkStore, req, plan: RequestPlan, *, hits: int, reused: int
     (`stages` and `batch` are the whole batch's; none when the radix tree held every chunk and nothing blended).
     `auto`: the chunks were found by automatic detection, not marked by the client."""
     info = {
-        **({"auto": True} if auto else {}),
+        **({"auto": True, "segments": req.__dict__.get(AUTO_SEGMENTS, 0)} if auto else {}),
         "chunk_hits": hits, "chunk_misses": len(plan.chunks) - hits, "reused_tokens": reused,
         "recomputed_tokens": recomputed, "radix_tokens": plan.matched, "selector": plan.selector, "ratio": plan.ratio,
         "select_s": round(select_s, 6), "blend_s": round(blend_s, 6),
@@ -53,7 +54,7 @@ def auto_stock(store: ChunkStore, req, *, radix: int, computed: int, learned: di
     """A request automatic detection served as stock (too few stored segments): what it computed and taught the
     store."""
     metrics.set_store_stats(store.stats())
-    _add_round(req, {"auto": True, "chunk_hits": 0, "reused_tokens": 0, "recomputed_tokens": computed,
+    _add_round(req, {"auto": True, "segments": req.__dict__.get(AUTO_SEGMENTS, 0), "chunk_hits": 0, "reused_tokens": 0, "recomputed_tokens": computed,
                      "radix_tokens": radix, "learned": learned})
 
 

@@ -1,0 +1,229 @@
+"""Automatic chunk detection against stock prefix caching: `chunkcache bench --workload auto`.
+
+Documents are MuSiQue passages (../shared/data/musique_dev.json, 10 per record) pasted as plain text with the
+default templates of two RAG frameworks, alternating (LlamaIndex's text QA template, LangChain's stuff-documents
+prompt), as the user message of the model's chat template; no request carries a chunk hint. Two servers are up, an
+auto one (`--auto-chunks`) and a stock one (`--no-chunk-reuse`); requests go one at a time, so only one scheduler
+works at any moment.
+
+  --phase shuffled  warm documents: each prompt's documents first sent once in another order, then the prompt
+                    without hints (auto), with hints (the same documents marked, its own namespace) and to stock,
+                    the three sides alternating per prompt. Reused tokens auto vs hinted, TTFT ratios to stock.
+  --phase sustained `--requests` prompts whose documents are drawn with Zipf popularity from the whole pool (its KV
+                    several times the store's host budget: set it with --config), all to the auto server; every
+                    tenth also to stock. Per block of 100: hit rate, reused share, TTFT ratio to stock on the
+                    block's paired prompts, the auto scheduler's RSS and the store's bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import requests
+
+from .client import fell_back, generate
+from .servers import start_server
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_dev.json"
+TEMPLATES = {
+    # LlamaIndex's DEFAULT_TEXT_QA_PROMPT; nodes joined by "\n\n"
+    "llamaindex": ("Context information is below.\n---------------------\n{context}\n---------------------\nGiven the "
+                   "context information and not prior knowledge, answer the query.\nQuery: {question}\nAnswer: "),
+    # LangChain's stuff-documents chain (documents joined by "\n\n") in the RAG prompt its tutorials use
+    "langchain": "Answer the question based only on the following context:\n{context}\n\nQuestion: {question}",
+}
+
+
+def passages(path: Path = DATA) -> list[tuple[str, list[str]]]:
+    """(question, its record's passages as "title\\ntext") per MuSiQue record."""
+    return [(r["question"], [f"{c['title']}\n{c['text']}" for c in r["ctxs"]]) for r in json.loads(path.read_text())]
+
+
+class Prompts:
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+
+    def ids(self, docs: list[str], question: str, template: str) -> list[int]:
+        text = TEMPLATES[template].format(context="\n\n".join(docs), question=question)
+        return self.tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                            add_generation_prompt=True, return_dict=False)
+
+    def hinted(self, docs: list[str], question: str, template: str) -> tuple[list[int], list[list[int]]]:
+        """The same prompt's ids with each document's span (documents tokenized in place: the span is where the
+        pasted document's own tokens sit, found by tokenizing the prompt up to its end)."""
+        text = TEMPLATES[template].format(context="\n\n".join(docs), question=question)
+        full = self.tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                            add_generation_prompt=True)
+        ids = self.tok(full, add_special_tokens=False)["input_ids"]
+        spans, at = [], 0
+        for d in docs:
+            start = full.index(d, at)
+            s = len(self.tok(full[:start], add_special_tokens=False)["input_ids"])
+            e = len(self.tok(full[:start + len(d)], add_special_tokens=False)["input_ids"])
+            spans.append([s, e])
+            at = start + len(d)
+        return ids, spans
+
+
+def hints(spans, namespace: str) -> dict:
+    return {"protocol_version": "1", "message_id": "auto-bench", "actions": [{
+        "action_id": "c", "action_type": "chunkcache.chunks", "action_version": "1",
+        "payload": {"token_spans": spans, "namespace": namespace}}]}
+
+
+def scheduler_rss(url: str) -> tuple[int, int]:
+    """(RSS bytes of the server's scheduler, chunk-store host bytes), from /server_info."""
+    state = requests.get(url + "/server_info", timeout=30).json()["internal_states"][0]["chunkcache"]
+    for line in Path(f"/proc/{state['scheduler_pid']}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024, state["store"]["memory_bytes"]
+    raise RuntimeError("no VmRSS for the scheduler")
+
+
+def shuffled(args, prompts: Prompts, auto_url: str, stock_url: str, out) -> None:
+    pool = passages()
+    rng = random.Random(args.seed)
+    for i in range(args.requests):
+        question, docs = pool[i % len(pool)]
+        docs = (docs * 2)[: args.docs]  # ~3K: 5 passages; ~7K: 12 (a record has 10: repeated ones are other copies)
+        docs = [f"[{j}] {d}" if j >= 10 else d for j, d in enumerate(docs)]  # repeats differ from their originals
+        template = list(TEMPLATES)[i % 2]
+        warm = docs[:]
+        rng.shuffle(warm)
+        generate(auto_url, prompts.ids(warm, "Which passage is the longest?", template), 1)  # learns the documents
+        hinted_warm, warm_spans = prompts.hinted(warm, "Which passage is the longest?", template)
+        generate(auto_url, hinted_warm, 1, hints(warm_spans, "hinted"))
+        order = docs[:]
+        rng.shuffle(order)
+        ids = prompts.ids(order, question, template)
+        hinted_ids, spans = prompts.hinted(order, question, template)
+        sides = [("auto", auto_url, ids, None), ("hinted", auto_url, hinted_ids, hints(spans, "hinted")),
+                 ("stock", stock_url, ids, None)]
+        for side, url, side_ids, kv in (sides if i % 2 == 0 else sides[::-1]):
+            o = generate(url, side_ids, args.max_new_tokens, kv)
+            row = {"phase": "shuffled", "i": i, "side": side, "template": template, "prompt_tokens": len(side_ids),
+                   "ttft_s": o.ttft_s, "text": o.text, "report": o.report, "fallback": fell_back(o.report)}
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+            print(side, len(side_ids), round(o.ttft_s, 3), (o.report or {}).get("reused_tokens"), flush=True)
+
+
+def zipf_sample(rng: random.Random, weights: list[float], k: int) -> list[int]:
+    chosen: list[int] = []
+    while len(chosen) < k:
+        i = rng.choices(range(len(weights)), weights)[0]
+        if i not in chosen:
+            chosen.append(i)
+    return chosen
+
+
+def sustained(args, prompts: Prompts, auto_url: str, stock_url: str, out) -> None:
+    pool = passages()
+    docs = [" ".join(d.split(" ")[: args.words]) for _, ds in pool for d in ds]
+    questions = [q for q, _ in pool]
+    rng = random.Random(args.seed)
+    order = list(range(len(docs)))
+    rng.shuffle(order)  # popularity rank independent of the record a passage came from
+    weights = [0.0] * len(docs)
+    for rank, i in enumerate(order):
+        weights[i] = 1.0 / (rank + 1) ** args.zipf
+    from tqdm import tqdm
+
+    for i in tqdm(range(args.requests), desc="requests"):
+        chosen = zipf_sample(rng, weights, args.docs)
+        template = list(TEMPLATES)[i % 2]
+        ids = prompts.ids([docs[j] for j in chosen], rng.choice(questions), template)
+        sides = [("auto", auto_url)] + ([("stock", stock_url)] if i % 10 == 0 else [])
+        for side, url in (sides if (i // 10) % 2 == 0 else sides[::-1]):
+            o = generate(url, ids, args.max_new_tokens)
+            row = {"phase": "sustained", "i": i, "side": side, "prompt_tokens": len(ids), "ttft_s": o.ttft_s,
+                   "report": o.report, "fallback": fell_back(o.report)}
+            if side == "auto" and i % 10 == 0:
+                row["rss"], row["store_bytes"] = scheduler_rss(auto_url)
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+
+
+def summarize(rows: list[dict]) -> str:
+    lines = []
+    sh = [r for r in rows if r["phase"] == "shuffled"]
+    if sh:
+        by = {s: [r for r in sh if r["side"] == s] for s in ("auto", "hinted", "stock")}
+        med = {s: statistics.median(r["ttft_s"] for r in v) for s, v in by.items() if v}
+        reused = {s: sum((r["report"] or {}).get("reused_tokens", 0) for r in by[s]) for s in ("auto", "hinted")}
+        tokens = statistics.median(r["prompt_tokens"] for r in by["auto"])
+        lines += [f"shuffled, warm documents: {len(by['auto'])} prompts, median {tokens:.0f} tokens",
+                  "| side | TTFT median s | vs stock | reused tokens | fallbacks |", "|---|---|---|---|---|"]
+        for s in ("stock", "hinted", "auto"):
+            lines.append(f"| {s} | {med[s]:.3f} | {med['stock'] / med[s]:.2f}x | {reused.get(s, '')} | "
+                         f"{sum(r['fallback'] for r in by[s])} |")
+        lines.append(f"auto reuses {reused['auto'] / max(1, reused['hinted']):.3f} of hinted's tokens; auto's first "
+                     f"token equals stock's in {sum(a['text'] == b['text'] for a, b in zip(by['auto'], by['stock']))} "
+                     f"of {len(by['auto'])}")
+    su = [r for r in rows if r["phase"] == "sustained"]
+    if su:
+        stock = {r["i"]: r["ttft_s"] for r in su if r["side"] == "stock"}
+        auto = [r for r in su if r["side"] == "auto"]
+        lines += ["", f"sustained: {len(auto)} requests, {sum(r['fallback'] for r in auto)} fallbacks",
+                  "| requests | auto blended | reused share | segment hit rate | TTFT auto median s | TTFT ratio to "
+                  "stock (paired) | scheduler RSS MB | store MB |", "|---|---|---|---|---|---|---|---|"]
+        for b in range(0, len(auto), 100):
+            block = auto[b: b + 100]
+            reps = [r["report"] or {} for r in block]
+            paired = [(stock[r["i"]], r["ttft_s"]) for r in block if r["i"] in stock]
+            ratio = statistics.median(s for s, _ in paired) / statistics.median(a for _, a in paired) if paired else 0
+            hits = sum(x.get("chunk_hits", 0) for x in reps)
+            segments = sum(x.get("segments", 0) for x in reps)
+            rss = [r["rss"] for r in block if "rss" in r]
+            lines.append(f"| {b}-{b + len(block) - 1} | {sum('selector' in x for x in reps)} | "
+                         f"{sum(x.get('reused_tokens', 0) for x in reps) / sum(r['prompt_tokens'] for r in block):.3f}"
+                         f" | {hits / max(1, segments):.3f} | "
+                         f"{statistics.median(r['ttft_s'] for r in block):.3f} | {ratio:.2f}x | "
+                         f"{rss[-1] / 2**20 if rss else 0:.0f} | "
+                         f"{[r['store_bytes'] for r in block if 'store_bytes' in r][-1] / 2**20 if rss else 0:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="chunkcache bench --workload auto", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", default="auto")
+    ap.add_argument("--phase", choices=("shuffled", "sustained"), default="sustained")
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--docs", type=int, default=5, help="passages per prompt (sustained 5 of 120 words: ~1.1K tokens; "
+                    "shuffled, whole passages: 5 ~3K, 12 ~7K)")
+    ap.add_argument("--words", type=int, default=120, help="sustained: passages cut to this many words")
+    ap.add_argument("--zipf", type=float, default=1.0, help="popularity exponent over the passage pool")
+    ap.add_argument("--max-new-tokens", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--config", help="auto server's YAML (e.g. store.host_bytes for the sustained run)")
+    ap.add_argument("--out", help="results directory (default results/auto-PHASE-TIME)")
+    ap.add_argument("--report", metavar="DIR", help="only summarize an earlier run's rows.jsonl")
+    args = ap.parse_args(argv)
+    if args.report:
+        print(summarize([json.loads(line) for line in (Path(args.report) / "rows.jsonl").open()]))
+        return 0
+    from transformers import AutoTokenizer
+
+    from chunkcache.models import resolve_model
+
+    out_dir = Path(args.out or f"results/auto-{args.phase}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    prompts = Prompts(AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct")))
+    config = Path(args.config).resolve() if args.config else None
+    auto_yaml = out_dir / "auto.yaml"
+    auto_yaml.write_text((config.read_text() if config else "") + "\n")
+    with start_server(out_dir / "stock.log", chunk_reuse=False) as stock, \
+            start_server(out_dir / "auto.log", chunk_reuse=True, config=str(auto_yaml), auto_chunks=True) as auto:
+        with (out_dir / "rows.jsonl").open("w") as out:
+            (shuffled if args.phase == "shuffled" else sustained)(args, prompts, auto.url, stock.url, out)
+    summary = summarize([json.loads(line) for line in (out_dir / "rows.jsonl").open()])
+    (out_dir / "summary.md").write_text(summary + "\n")
+    print(summary)
+    print(f"results in {out_dir}")
+    return 0
