@@ -11,7 +11,8 @@ def start_server(log_path: Path, *, chunk_reuse: bool, config: str | None = None
                  startup_timeout: float = 900, auto_chunks: bool = False) -> ServerProcess:
     """`chunkcache serve` (stock SGLang prefix caching when chunk_reuse is False; `auto_chunks`: --auto-chunks),
     healthy; a context manager that stops it."""
-    args = ["--enable-metrics"] + ([] if chunk_reuse else ["--no-chunk-reuse"]) + (["--auto-chunks"] if auto_chunks else [])
+    args = ["--enable-metrics"] + ([] if chunk_reuse else ["--no-chunk-reuse"])
+    args += ["--auto-chunks"] if auto_chunks else []
     # paths made absolute: the server runs in the log's directory
     if config:
         args += ["--config", str(Path(config).resolve())]

@@ -23,6 +23,7 @@ import torch
 
 from . import select as selectors
 from .blend import pipeline
+from .blend.auto import AutoChunks
 from .blend.attention import attend_blocks, plan_blocks
 from .blend.features import Models
 from .blend.plan import Placement, RequestPlan, plan_request
@@ -124,17 +125,24 @@ class ReferenceBlender:
         ratio: float = 0.15,
         **selector_options,
     ) -> BlendResult:
-        t_start = time.perf_counter()
+        """Hinted chunks: each keyed by the prefix it follows and its tokens, computed standalone when missing."""
         layout = self._layout(prefix_ids, chunks_ids, query_ids)
+        pkey = prefix_key(layout.token_ids[: layout.prefix_len])
+        keys = [chunk_key(self.fingerprint, self.namespace, pkey, layout.token_ids[s:e]) for s, e in layout.chunk_spans]
+        return self.blend_spans(layout.token_ids, layout.chunk_spans, keys, selector, ratio, **selector_options)
+
+    @torch.inference_mode()
+    def blend_spans(self, token_ids: TokenIds, spans: Sequence[tuple[int, int]], keys: Sequence[str],
+                    selector: str | Selector = "none", ratio: float = 0.15, **selector_options) -> BlendResult:
+        """Chunks already keyed (sorted, disjoint spans before the last token): the exact prefix is everything before
+        the first, the query everything after the last (automatic detection's segments, or a hint's chunks)."""
+        t_start = time.perf_counter()
         if isinstance(selector, str):
             selector = selectors.create(selector, **selector_options)
         elif selector_options:
             raise ValueError("selector options go to the selector's constructor; pass a name, not an instance")
-        P = layout.prefix_len
-        pkey = prefix_key(layout.token_ids[:P])
-        keys = [chunk_key(self.fingerprint, self.namespace, pkey, layout.token_ids[s:e]) for s, e in layout.chunk_spans]
-        plan = plan_request(layout.token_ids, layout.chunk_spans, keys, matched=0, selector=selector.name,
-                            ratio=ratio, shared_prefix_len=P)
+        plan = plan_request(_as_ids(token_ids, "prompt"), spans, keys, matched=0, selector=selector.name,
+                            ratio=ratio)
         engine = _Engine(self, plan)
         run = pipeline.run(engine, self.store, [plan], lambda _: selector)
         done, t = run.requests[0], run.seconds
@@ -143,7 +151,7 @@ class ReferenceBlender:
             recomputed=done.recomputed,
             reused_tokens=done.reused_tokens,
             past_key_values=self._cache(engine.k_buf, engine.v_buf),
-            layout=layout,
+            layout=plan.layout(),
             timings={"prefix": engine.prefix_s, "lookup": t["lookup"], "compute_chunks": t["fill"] - engine.prefix_s,
                      "store": t["learn"], "assemble": t["copy"], "select": t["features"] + t["select"],
                      "recompute": t["recompute"], "total": time.perf_counter() - t_start},
@@ -151,6 +159,34 @@ class ReferenceBlender:
             chunk_misses=len(plan.chunks) - done.hits,
             scores=done.scores,
         )
+
+    @torch.inference_mode()
+    def learn_segments(self, result: BlendResult, auto: AutoChunks) -> int:
+        """What a server does after a prefill with automatic detection on: the prompt's segments that the store
+        lacks, their KV (computed in this prompt's context, at these positions) taken from `result`, which must be
+        a full prefill. Returns the segments stored."""
+        ids = result.layout.token_ids
+        segments = auto.segments(ids, self.namespace, None)
+        todo = auto.to_learn(segments, torch.ones(len(ids), dtype=torch.bool), self.store)
+        layers = [(k[0].transpose(0, 1), v[0].transpose(0, 1)) for k, v, *_ in result.past_key_values]  # [N, H, D]
+        for (s, e), key in todo:
+            self.store.put(ChunkEntry(key=key, token_ids=ids[s:e].clone(),
+                                      k=torch.stack([k[s:e] for k, _ in layers]).cpu().contiguous(),
+                                      v=torch.stack([v[s:e] for _, v in layers]).cpu().contiguous(),
+                                      start_pos=s, model_fingerprint=self.fingerprint))
+        return len(todo)
+
+    @torch.inference_mode()
+    def auto_blend(self, token_ids: TokenIds, auto: AutoChunks, selector: str | Selector = "none",
+                   ratio: float = 0.15, **selector_options) -> BlendResult | None:
+        """A prompt nobody marked, as a server with automatic detection serves it: its stored segments become the
+        chunks; None when they are too few (the server then computes the prompt as stock)."""
+        ids = _as_ids(token_ids, "prompt")
+        segments = auto.segments(ids, self.namespace, None)
+        found = auto.detect(segments, len(ids), 0, set(self.store.get_many(list(segments.keys))))
+        if found is None:
+            return None
+        return self.blend_spans(ids, found.spans, found.keys, selector, ratio, **selector_options)
 
     @torch.inference_mode()
     def generate(self, result: BlendResult, max_new_tokens: int) -> list[int]:

@@ -13,7 +13,8 @@ import multiprocessing
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from . import admission, auto_chunks, blend, chat, decode_attention, hint_validation, ingest, metrics, report, request_hint
+from . import (admission, auto_chunks, blend, chat, decode_attention, hint_validation, ingest, metrics, report,
+               request_hint)
 from .cache import factory, reuse_of
 from .launcher import BACKEND_NAME
 

@@ -26,7 +26,8 @@ from . import metrics
 log = logging.getLogger(__name__)
 KEY = "chunkcache"
 STAGES = ("match_fill", "copy", "features", "select", "prefill")  # stages_s: the batch's blend, in order
-AUTO_SEGMENTS = "chunkcache_auto_segments"  # Req attribute: segments automatic detection looked up past the radix match
+# Req attribute: the segments automatic detection looked up past the radix match (sglang_patch.auto_chunks)
+AUTO_SEGMENTS = "chunkcache_auto_segments"
 NO_BATCH = {"requests": 0, "plain": 0, "decodes": 0, "forwards": 0}
 
 
@@ -54,8 +55,8 @@ def auto_stock(store: ChunkStore, req, *, radix: int, computed: int, learned: di
     """A request automatic detection served as stock (too few stored segments): what it computed and taught the
     store."""
     metrics.set_store_stats(store.stats())
-    _add_round(req, {"auto": True, "segments": req.__dict__.get(AUTO_SEGMENTS, 0), "chunk_hits": 0, "reused_tokens": 0, "recomputed_tokens": computed,
-                     "radix_tokens": radix, "learned": learned})
+    _add_round(req, {"auto": True, "segments": req.__dict__.get(AUTO_SEGMENTS, 0), "chunk_hits": 0,
+                     "reused_tokens": 0, "recomputed_tokens": computed, "radix_tokens": radix, "learned": learned})
 
 
 def add_learned(req, learned: dict[str, int]) -> None:

@@ -86,7 +86,8 @@ class ChunkReuse:
         None when they are too few to blend (the request is then served as stock). The store is asked once for all
         the segments (the remote tier in one round trip); a remote hit is promoted into memory for the blend."""
         wanted = [k for (s, _), k in zip(segments.spans, segments.keys) if s >= matched]
-        found = self.auto.detect(segments, len(token_ids), matched, set(self.store.get_many(wanted)) if wanted else set())
+        stored = set(self.store.get_many(wanted)) if wanted else set()
+        found = self.auto.detect(segments, len(token_ids), matched, stored)
         if found is None:
             return None
         return RequestHint(token_ids=torch.as_tensor(list(token_ids), dtype=torch.long), spans=found.spans,

@@ -1,0 +1,135 @@
+"""Automatic chunk detection's pure parts: content-defined segments (chunkcache.segment), their keys and the
+detect / learn decisions (chunkcache.blend.auto), on the default model's tokenizer and MuSiQue passages."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from chunkcache.blend.auto import AUTO_PREFIX, AutoChunks
+from chunkcache.config import AutoConfig, Config, ConfigError
+from chunkcache.hashing import chunk_key, prefix_key
+from chunkcache.segment import Segmenter, break_ids
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_dev.json"
+FP = "f" * 32
+
+
+@pytest.fixture(scope="module")
+def tok(default_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model)
+
+
+@pytest.fixture(scope="module")
+def auto(tok):
+    return AutoChunks(AutoConfig(enabled=True), break_ids(tok.batch_decode([[i] for i in range(len(tok))])), FP)
+
+
+@pytest.fixture(scope="module")
+def passages():
+    return [f"{c['title']}\n{c['text']}" for r in json.loads(DATA.read_text())[:3] for c in r["ctxs"]]
+
+
+def chat(tok, text):
+    return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True,
+                                   return_dict=False)
+
+
+def passage_keys(auto, tok, ids, passage):
+    """Keys of the segments lying inside `passage`'s own tokens where it sits in `ids`."""
+    own = tok(passage, add_special_tokens=False)["input_ids"]
+    at = next(i for i in range(len(ids)) if ids[i: i + len(own)] == own)
+    segs = auto.segments(ids, "default", None)
+    return [k for (s, e), k in zip(segs.spans, segs.keys) if at <= s and e <= at + len(own)], len(own)
+
+
+def test_segments_cover_the_prompt_and_keep_the_contract():
+    seg = Segmenter(break_ids={7}, mean=4, min_tokens=3, max_tokens=8, window=2)
+    ids = [1, 2, 3, 7, 4, 5, 6, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 7, 7, 18]
+    spans = seg.spans(ids)
+    assert spans[0][0] == 0 and spans[-1][1] == len(ids)
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # no gaps, no overlaps
+    assert all(e - s <= 8 for s, e in spans)
+    ends = {e for _, e in spans}
+    assert {i + 1 for i, t in enumerate(ids) if t == 7} <= ends  # a segment ends after every break token
+
+
+def test_the_same_passage_yields_the_same_keys_at_any_offset(tok, auto, passages):
+    """A passage after other documents, in another template, at another offset: every segment inside it has the
+    same key (joined by "\\n\\n", LlamaIndex's and LangChain's join, the passage keeps its standalone ids)."""
+    target = passages[3]
+    a = chat(tok, "Context information is below.\n---------------------\n" + "\n\n".join(passages[:4]) + "\nQuery: x")
+    b = chat(tok, "Answer the question based only on the following context:\n" + "\n\n".join([passages[7], target,
+                                                                                               passages[1]]))
+    keys_a, n = passage_keys(auto, tok, a, target)
+    keys_b, _ = passage_keys(auto, tok, b, target)
+    assert keys_a and keys_a == keys_b
+    assert sum(e - s for (s, e), k in zip(*_spans_keys(auto, a)) if k in keys_a) >= 0.9 * n
+
+
+def _spans_keys(auto, ids):
+    segs = auto.segments(ids, "default", None)
+    return segs.spans, segs.keys
+
+
+@pytest.mark.parametrize("join", [" ", "\n[2] "])
+def test_a_passage_whose_first_tokens_merge_keeps_its_later_segments(tok, auto, passages, join):
+    """Joined by a space or numbered, the tokenizer merges a passage's first token with what precedes it: only its
+    first segment changes; the content-defined cuts after it come back in step, so the rest is found."""
+    target = passages[5]
+    stored = chat(tok, "Docs:\n\n" + target + "\n\nQuestion: x")
+    merged = chat(tok, "Docs: " + passages[12] + join + target + " Question: x")
+    spans, keys = _spans_keys(auto, merged)
+    template = set(_spans_keys(auto, chat(tok, "Docs: " + passages[12] + " Question: x"))[1])
+    stored_keys = set(_spans_keys(auto, stored)[1]) - template  # the passage's own segments
+    own = len(tok(target, add_special_tokens=False)["input_ids"])
+    found = sum(e - s for (s, e), k in zip(spans, keys) if k in stored_keys)
+    assert 0.75 * own <= found < own  # the edge is lost, the interior found
+
+
+def test_keys_carry_namespace_salt_and_never_meet_hinted_chunks(auto):
+    ids = list(range(100, 180))
+    base = auto.segments(ids, "default", None).keys
+    assert base and not set(base) & set(auto.segments(ids, "other", None).keys)
+    assert not set(base) & set(auto.segments(ids, "default", "tenant-b").keys)
+    s, e = auto.segments(ids, "default", None).spans[0]
+    assert base[0] == chunk_key(FP, "default", AUTO_PREFIX, ids[s:e])
+    assert base[0] != chunk_key(FP, "default", prefix_key([]), ids[s:e])  # a hinted chunk's key of the same tokens
+
+
+def test_detect_needs_enough_stored_tokens_past_the_exact_prefix():
+    config = AutoConfig(enabled=True, min_reuse_tokens=40, segment_min_tokens=8, segment_mean_tokens=1 << 20)
+    seg = AutoChunks(config, frozenset({0}), FP)
+    ids = [5] * 3 + [0] + list(range(10, 30)) + [0] + list(range(40, 70)) + [0] + [99]
+    segs = seg.segments(ids, "ns", None)
+    assert segs.spans == ((4, 25), (25, 56))  # each run ends after its break token (no content cut at this mean)
+    stored = set(segs.keys)
+    found = seg.detect(segs, len(ids), matched=0, stored=stored)
+    assert found.spans == ((4, 25), (25, 56)) and found.tokens == 52
+    assert seg.detect(segs, len(ids), matched=5, stored=stored) is None  # 31 tokens past the match: too few
+    assert seg.detect(segs, len(ids), matched=0, stored={segs.keys[1]}) is None
+    assert seg.detect(segs, 56, matched=0, stored=stored) is None  # the last prompt token is never reused
+
+
+def test_learning_takes_computed_segments_the_store_lacks_once_admitted():
+    config = AutoConfig(enabled=True, segment_min_tokens=8, segment_mean_tokens=1 << 20, admit_after=2)
+    seg = AutoChunks(config, frozenset({0}), FP)
+    ids = list(range(10, 30)) + [0] + list(range(40, 70)) + [0] + [99]
+    segs = seg.segments(ids, "ns", None)
+    computed = torch.ones(len(ids), dtype=torch.bool)
+    assert seg.to_learn(segs, computed, set()) == []  # seen once
+    computed[30] = False  # a token of the second segment was reused, not computed here
+    assert seg.to_learn(segs, computed, set()) == [(segs.spans[0], segs.keys[0])]
+    assert seg.to_learn(segs, torch.ones(len(ids), dtype=torch.bool), {segs.keys[0]}) == [(segs.spans[1],
+                                                                                           segs.keys[1])]
+
+
+def test_auto_config_is_checked(tmp_path):
+    assert Config().auto.enabled is False  # off by default: unmarked requests stay exact
+    bad = tmp_path / "c.yaml"
+    bad.write_text("auto:\n  segment_mean_tokens: 48\n")
+    with pytest.raises(ConfigError, match="segment_mean_tokens: must be a power of two"):
+        Config.load(bad)
