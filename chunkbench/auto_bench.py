@@ -9,6 +9,9 @@ works at any moment.
   --phase shuffled  warm documents: each prompt's documents first sent once in another order, then the prompt
                     without hints (auto), with hints (the same documents marked, its own namespace) and to stock,
                     the three sides alternating per prompt. Reused tokens auto vs hinted, TTFT ratios to stock.
+  --phase cold      never-seen documents (each passage tagged with the request's number, so no segment is stored):
+                    the same prompt to auto and to stock, alternating which goes first. Greedy output equal to
+                    stock's, detection and learning seconds, TTFT ratio (the cost of looking and learning).
   --phase sustained `--requests` prompts whose documents are drawn with Zipf popularity from the whole pool (its KV
                     several times the store's host budget: set it with --config), all to the auto server; every
                     tenth also to stock. Per block of 100: hit rate, reused share, TTFT ratio to stock on the
@@ -113,6 +116,21 @@ def shuffled(args, prompts: Prompts, auto_url: str, stock_url: str, out) -> None
             print(side, len(side_ids), round(o.ttft_s, 3), (o.report or {}).get("reused_tokens"), flush=True)
 
 
+def cold(args, prompts: Prompts, auto_url: str, stock_url: str, out) -> None:
+    pool = passages()
+    for i in range(args.requests):
+        question, docs = pool[(i + 50) % len(pool)]
+        docs = [d.replace(". ", f". ({i}) ") for d in docs[: args.docs]]  # tagged in every sentence: never seen
+        ids = prompts.ids(docs, question, list(TEMPLATES)[i % 2])
+        sides = [("auto", auto_url), ("stock", stock_url)]
+        for side, url in (sides if i % 2 == 0 else sides[::-1]):
+            o = generate(url, ids, args.max_new_tokens)
+            row = {"phase": "cold", "i": i, "side": side, "prompt_tokens": len(ids), "ttft_s": o.ttft_s,
+                   "output_ids": list(o.output_ids), "report": o.report, "fallback": fell_back(o.report)}
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+
+
 def zipf_sample(rng: random.Random, weights: list[float], k: int) -> list[int]:
     chosen: list[int] = []
     while len(chosen) < k:
@@ -165,35 +183,66 @@ def summarize(rows: list[dict]) -> str:
         lines.append(f"auto reuses {reused['auto'] / max(1, reused['hinted']):.3f} of hinted's tokens; auto's first "
                      f"token equals stock's in {sum(a['text'] == b['text'] for a, b in zip(by['auto'], by['stock']))} "
                      f"of {len(by['auto'])}")
-    su = [r for r in rows if r["phase"] == "sustained"]
-    if su:
-        stock = {r["i"]: r["ttft_s"] for r in su if r["side"] == "stock"}
-        auto = [r for r in su if r["side"] == "auto"]
+    co = [r for r in rows if r["phase"] == "cold"]
+    if co:
+        auto = {r["i"]: r for r in co if r["side"] == "auto"}
+        stock = {r["i"]: r for r in co if r["side"] == "stock"}
+        pairs = [(auto[i], stock[i]) for i in auto if i in stock]
+        detect = [a["report"]["detect_s"] for a, _ in pairs]
+        learn = [(a["report"].get("learned") or {}).get("seconds", 0.0) for a, _ in pairs]
+        lines += [f"never-seen documents: {len(pairs)} prompts, median "
+                  f"{statistics.median(a['prompt_tokens'] for a, _ in pairs):.0f} tokens",
+                  f"greedy output identical to stock's: {sum(a['output_ids'] == s['output_ids'] for a, s in pairs)} "
+                  f"of {len(pairs)}; blended or fell back: "
+                  f"{sum('selector' in a['report'] or a['fallback'] for a, _ in pairs)}",
+                  f"TTFT median: auto {statistics.median(a['ttft_s'] for a, _ in pairs):.3f} s, stock "
+                  f"{statistics.median(s['ttft_s'] for _, s in pairs):.3f} s; paired auto/stock median "
+                  f"{statistics.median(a['ttft_s'] / s['ttft_s'] for a, s in pairs):.3f}",
+                  f"detection median {1e3 * statistics.median(detect):.2f} ms "
+                  f"({100 * statistics.median(d / s['ttft_s'] for d, (_, s) in zip(detect, pairs)):.2f} % of stock's "
+                  f"TTFT); learning median {1e3 * statistics.median(learn):.1f} ms "
+                  f"({100 * statistics.median(x / s['ttft_s'] for x, (_, s) in zip(learn, pairs)):.2f} %)"]
+    blocks = sustained_blocks(rows)
+    if blocks:
+        auto = [r for r in rows if r["phase"] == "sustained" and r["side"] == "auto"]
         lines += ["", f"sustained: {len(auto)} requests, {sum(r['fallback'] for r in auto)} fallbacks",
                   "| requests | auto blended | reused share | segment hit rate | TTFT auto median s | TTFT ratio to "
                   "stock (paired) | scheduler RSS MB | store MB |", "|---|---|---|---|---|---|---|---|"]
-        for b in range(0, len(auto), 100):
-            block = auto[b: b + 100]
-            reps = [r["report"] or {} for r in block]
-            paired = [(stock[r["i"]], r["ttft_s"]) for r in block if r["i"] in stock]
-            ratio = statistics.median(s for s, _ in paired) / statistics.median(a for _, a in paired) if paired else 0
-            hits = sum(x.get("chunk_hits", 0) for x in reps)
-            segments = sum(x.get("segments", 0) for x in reps)
-            rss = [r["rss"] for r in block if "rss" in r]
-            lines.append(f"| {b}-{b + len(block) - 1} | {sum('selector' in x for x in reps)} | "
-                         f"{sum(x.get('reused_tokens', 0) for x in reps) / sum(r['prompt_tokens'] for r in block):.3f}"
-                         f" | {hits / max(1, segments):.3f} | "
-                         f"{statistics.median(r['ttft_s'] for r in block):.3f} | {ratio:.2f}x | "
-                         f"{rss[-1] / 2**20 if rss else 0:.0f} | "
-                         f"{[r['store_bytes'] for r in block if 'store_bytes' in r][-1] / 2**20 if rss else 0:.0f} |")
+        for b in blocks:
+            lines.append(f"| {b['first']}-{b['last']} | {b['blended']} | {b['reused']:.3f} | {b['hit_rate']:.3f} | "
+                         f"{b['ttft']:.3f} | {b['ratio']:.2f}x | {b['rss_mb']:.0f} | {b['store_mb']:.0f} |")
     return "\n".join(lines)
+
+
+def sustained_blocks(rows: list[dict], size: int = 100) -> list[dict]:
+    """Per block of `size` sustained requests: blended requests, reused share of prompt tokens, segment hit rate,
+    median TTFT, TTFT ratio to stock on the block's paired prompts, the last RSS and store bytes read."""
+    su = [r for r in rows if r["phase"] == "sustained"]
+    stock = {r["i"]: r["ttft_s"] for r in su if r["side"] == "stock"}
+    auto = [r for r in su if r["side"] == "auto"]
+    out = []
+    for b in range(0, len(auto), size):
+        block = auto[b: b + size]
+        reps = [r["report"] or {} for r in block]
+        paired = [(stock[r["i"]], r["ttft_s"]) for r in block if r["i"] in stock]
+        read = [r for r in block if "rss" in r]
+        out.append({
+            "first": b, "last": b + len(block) - 1, "blended": sum("selector" in x for x in reps),
+            "reused": sum(x.get("reused_tokens", 0) for x in reps) / sum(r["prompt_tokens"] for r in block),
+            "hit_rate": sum(x.get("chunk_hits", 0) for x in reps) / max(1, sum(x.get("segments", 0) for x in reps)),
+            "ttft": statistics.median(r["ttft_s"] for r in block),
+            "ratio": (statistics.median(s for s, _ in paired) / statistics.median(a for _, a in paired)
+                      if paired else float("nan")),
+            "rss_mb": read[-1]["rss"] / 2**20 if read else float("nan"),
+            "store_mb": read[-1]["store_bytes"] / 2**20 if read else float("nan")})
+    return out
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="chunkcache bench --workload auto", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default="auto")
-    ap.add_argument("--phase", choices=("shuffled", "sustained"), default="sustained")
+    ap.add_argument("--phase", choices=("shuffled", "cold", "sustained"), default="sustained")
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--docs", type=int, default=5, help="passages per prompt (sustained 5 of 120 words: ~1.1K tokens; "
                     "shuffled, whole passages: 5 ~3K, 12 ~7K)")
@@ -206,7 +255,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--report", metavar="DIR", help="only summarize an earlier run's rows.jsonl")
     args = ap.parse_args(argv)
     if args.report:
-        print(summarize([json.loads(line) for line in (Path(args.report) / "rows.jsonl").open()]))
+        report(Path(args.report))
         return 0
     from transformers import AutoTokenizer
 
@@ -221,9 +270,47 @@ def main(argv: list[str]) -> int:
     with start_server(out_dir / "stock.log", chunk_reuse=False) as stock, \
             start_server(out_dir / "auto.log", chunk_reuse=True, config=str(auto_yaml), auto_chunks=True) as auto:
         with (out_dir / "rows.jsonl").open("w") as out:
-            (shuffled if args.phase == "shuffled" else sustained)(args, prompts, auto.url, stock.url, out)
-    summary = summarize([json.loads(line) for line in (out_dir / "rows.jsonl").open()])
+            {"shuffled": shuffled, "cold": cold, "sustained": sustained}[args.phase](args, prompts, auto.url,
+                                                                                     stock.url, out)
+    report(out_dir)
+    return 0
+
+
+def report(out_dir: Path) -> None:
+    rows = [json.loads(line) for line in (out_dir / "rows.jsonl").open()]
+    summary = summarize(rows)
     (out_dir / "summary.md").write_text(summary + "\n")
+    if any(r["phase"] == "sustained" for r in rows):
+        plot(rows, out_dir / "sustained.png")
     print(summary)
     print(f"results in {out_dir}")
-    return 0
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Per block of 100 sustained requests: TTFT ratio to stock, reused share, segment hit rate, scheduler RSS."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    blocks = sustained_blocks(rows)
+    x = [(b["first"] + b["last"]) / 2 for b in blocks]
+    ratio, reused, hit, rss = ([b[k] for b in blocks] for k in ("ratio", "reused", "hit_rate", "rss_mb"))
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    a1.plot(x, ratio, "o-", label="TTFT stock / auto (paired, median per block)")
+    a1.set_ylabel("speed-up")
+    a1.legend(loc="lower right")
+    a1.grid(alpha=0.3)
+    a2.plot(x, reused, "s-", label="reused share of prompt tokens")
+    a2.plot(x, hit, "^-", label="segment hit rate")
+    a2.set_ylim(0, 1)
+    a2.set_xlabel("request")
+    a2.grid(alpha=0.3)
+    r2 = a2.twinx()
+    r2.plot(x, rss, "k--", label="scheduler RSS (MB)")
+    r2.set_ylabel("MB")
+    a2.legend(loc="lower left")
+    r2.legend(loc="lower right")
+    fig.suptitle("automatic chunk detection under sustained Zipf traffic")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -44,9 +44,10 @@ def detect(reuse: ChunkReuse, tree_cache, req):
     hint = reuse.auto_hint(ids, segments, matched)
     looked_up = sum(s >= matched for s, _ in segments.spans)
     req.__dict__[report.AUTO_SEGMENTS] = looked_up
+    seconds = time.perf_counter() - t0
+    req.__dict__[report.AUTO_DETECT_S] = seconds
     metrics.record_auto_lookup(hits=len(hint.spans) if hint else 0,
-                               misses=looked_up - (len(hint.spans) if hint else 0),
-                               seconds=time.perf_counter() - t0)
+                               misses=looked_up - (len(hint.spans) if hint else 0), seconds=seconds)
     return hint
 
 
@@ -81,6 +82,7 @@ def learn(reuse: ChunkReuse, model_runner, forward_batch, reqs, hint_of) -> None
 
 def _store(reuse: ChunkReuse, pool, row, todo) -> dict[str, int]:
     """The segments' KV copied (not aliased: the pool's slots are SGLang's to free) into store entries."""
+    t0 = time.perf_counter()
     learned = {"segments": 0, "tokens": 0, "bytes": 0}
     if not todo:
         return learned
@@ -98,4 +100,5 @@ def _store(reuse: ChunkReuse, pool, row, todo) -> dict[str, int]:
             learned["tokens"] += n
             learned["bytes"] += entry.nbytes
     metrics.record_auto_learned(learned["segments"], learned["bytes"])
+    learned["seconds"] = round(time.perf_counter() - t0, 6)
     return learned

@@ -28,6 +28,7 @@ KEY = "chunkcache"
 STAGES = ("match_fill", "copy", "features", "select", "prefill")  # stages_s: the batch's blend, in order
 # Req attribute: the segments automatic detection looked up past the radix match (sglang_patch.auto_chunks)
 AUTO_SEGMENTS = "chunkcache_auto_segments"
+AUTO_DETECT_S = "chunkcache_auto_detect_s"  # Req attribute: seconds automatic detection took
 NO_BATCH = {"requests": 0, "plain": 0, "decodes": 0, "forwards": 0}
 
 
@@ -38,7 +39,7 @@ def blended(store: ChunkStore, req, plan: RequestPlan, *, hits: int, reused: int
     (`stages` and `batch` are the whole batch's; none when the radix tree held every chunk and nothing blended).
     `auto`: the chunks were found by automatic detection, not marked by the client."""
     info = {
-        **({"auto": True, "segments": req.__dict__.get(AUTO_SEGMENTS, 0)} if auto else {}),
+        **(_auto(req) if auto else {}),
         "chunk_hits": hits, "chunk_misses": len(plan.chunks) - hits, "reused_tokens": reused,
         "recomputed_tokens": recomputed, "radix_tokens": plan.matched, "selector": plan.selector, "ratio": plan.ratio,
         "select_s": round(select_s, 6), "blend_s": round(blend_s, 6),
@@ -54,9 +55,16 @@ def blended(store: ChunkStore, req, plan: RequestPlan, *, hits: int, reused: int
 def auto_stock(store: ChunkStore, req, *, radix: int, computed: int, learned: dict[str, int]) -> None:
     """A request automatic detection served as stock (too few stored segments): what it computed and taught the
     store."""
+    log.info("chunkcache: request %s served as stock by automatic detection (too few stored segments); learned %s",
+             getattr(req, "rid", "?"), learned)
     metrics.set_store_stats(store.stats())
-    _add_round(req, {"auto": True, "segments": req.__dict__.get(AUTO_SEGMENTS, 0), "chunk_hits": 0,
-                     "reused_tokens": 0, "recomputed_tokens": computed, "radix_tokens": radix, "learned": learned})
+    _add_round(req, {**_auto(req), "chunk_hits": 0, "reused_tokens": 0, "recomputed_tokens": computed,
+                     "radix_tokens": radix, "learned": learned})
+
+
+def _auto(req) -> dict:
+    return {"auto": True, "segments": req.__dict__.get(AUTO_SEGMENTS, 0),
+            "detect_s": round(req.__dict__.get(AUTO_DETECT_S, 0.0), 6)}
 
 
 def add_learned(req, learned: dict[str, int]) -> None:

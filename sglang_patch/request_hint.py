@@ -5,16 +5,21 @@ into its radix partition and resolves its validated payload against the server's
 chunk keys hashed). Admission (sglang_patch.admission) and the blend (sglang_patch.blend) read it with `of(req)`.
 
 `radix_partition` is the radix-tree namespace (SGLang's `extra_key`) of a hinted request: its KV is approximate past
-the first chunk, so no request without chunks may ever match it as an exact prefix.
+the first chunk, so no request without chunks may ever match it as an exact prefix. With automatic chunk detection
+on, a request without a hint whose stored segments are enough to blend gets an auto hint (sglang_patch.auto_chunks)
+and moves to `auto_partition`, for the same reason.
 """
 
 from __future__ import annotations
+
+import logging
 
 from chunkcache.blend.reuse import ChunkReuse, RequestHint
 from chunkcache.hints import HintError, find_payload
 
 from . import auto_chunks, report
 
+log = logging.getLogger(__name__)
 ATTR = "chunkcache_hint"
 # Every hinted request's extra_key starts with this, and the HTTP layer refuses it on any other request
 # (hint_validation.check_request), so a plain request can never name a hinted request's radix partition.
@@ -36,7 +41,11 @@ def attach(reuse: ChunkReuse | None, tree_cache, req) -> None:
                     req.__dict__[auto_chunks.SEGMENTS] = reuse.segments(req.origin_input_ids,
                                                                         getattr(req, "cache_salt", None))
         elif reuse is not None and reuse.auto is not None and getattr(req, "to_finish", None) is None:
-            hint = auto_chunks.detect(reuse, tree_cache, req)
+            try:
+                hint = auto_chunks.detect(reuse, tree_cache, req)
+            except Exception as exc:  # noqa: BLE001 - e.g. the shared tier failing mid-lookup: serve it as stock
+                log.exception("chunkcache: automatic chunk detection failed for request %s", getattr(req, "rid", "?"))
+                report.fallback(reuse.store, req, "auto_error", f"{type(exc).__name__}: {exc}")
             if hint is not None:
                 req.extra_key = auto_partition(req.extra_key)
     except HintError as exc:  # validated at the HTTP layer; an Engine-side bypass still must not fail the request

@@ -65,6 +65,25 @@ def test_servers_share_entries_through_the_store(valkey, tmp_path):
     assert b.get(key(2)) is None and b.stats().remote.misses == 1 and b.stats().misses == 1
 
 
+def test_a_requests_keys_are_one_round_trip(valkey):
+    """get_many (a blend's lookup, automatic detection's segments): the keys the local tiers lack go to the remote
+    tier in one MGET, not one GET each; hits are promoted, misses counted."""
+    a, b = remote_store(valkey.url), remote_store(valkey.url)
+    for i in range(3):
+        a.put(make_entry(key(i), tokens=4, seed=i))
+    drain(a)
+    b.put(make_entry(key(3), tokens=4, seed=3))  # b holds this one locally
+    valkey.client().config_resetstat()
+    got = b.get_many([key(i) for i in range(6)])
+    assert sorted(got) == [key(i) for i in range(4)]
+    stats = valkey.client().info("commandstats")
+    assert stats["cmdstat_mget"]["calls"] == 1 and "cmdstat_get" not in stats
+    st = b.stats()
+    assert (st.remote.hits, st.remote.misses, st.memory_entries, st.hits, st.misses) == (3, 2, 4, 4, 2)
+    assert b.get_many([key(i) for i in range(3)]).keys() == {key(i) for i in range(3)}
+    assert valkey.client().info("commandstats")["cmdstat_mget"]["calls"] == 1  # served from memory now
+
+
 def test_added_features_reach_other_servers_and_a_put_sends_the_entry_as_it_was(valkey):
     a, b = remote_store(valkey.url), remote_store(valkey.url)
     e = make_entry(key(1), tokens=16)
