@@ -49,7 +49,8 @@ def hooks() -> list[tuple[str, object, HookType]]:
         (f"{_CHAT}._build_chat_response", chat.add_report, AFTER),
         # the request contract: hints validated where SGLang tokenizes (main process)
         (f"{_TOKENIZER}._create_tokenized_object", hint_validation.check_request, AFTER),
-        # scheduler: the hint resolved once per request, chunk-aware admission, the blended forward
+        # scheduler: the hint resolved (or, with auto detection, found) once per request, chunk-aware admission, the
+        # blended forward, then the prefill's new segments learned (sglang_patch.auto_chunks)
         (f"{_SCHEDULER}._create_generation_req", _resolve_hint, AFTER),
         (f"{_SCHEDULER}.init_chunked_prefill", admission.adopt_budget, AFTER),
         (f"{_SCHEDULER}.get_prefill_adder_class", admission.adder_class, AFTER),
