@@ -108,3 +108,17 @@ def test_shuffled_rag_prompts_keep_the_first_answer_token(auto_server, server):
         assert got["meta_info"]["chunkcache"]["chunk_hits"] > 0
         same += got["output_ids"][:1] == plain(server, text, n=1)["output_ids"][:1]
     assert same >= 3
+
+
+def test_blended_kv_never_answers_a_plain_requests_prefix(auto_server, server):
+    """A blended request's KV is approximate: it lives in the auto radix partition. The same prompt sent as a plain
+    request afterwards (output logprobs: never detected) matches none of it and gets stock's exact tokens."""
+    docs = documents(45)
+    plain(auto_server, prompt(docs, "Which is first?"), n=1)  # learns the documents
+    text = prompt(docs[::-1], "Which is last?")
+    blended = plain(auto_server, text, n=1)
+    assert blended["meta_info"]["chunkcache"]["reused_tokens"] > 0
+    exact = plain(auto_server, text, return_logprob=True, logprob_start_len=-1)
+    assert "chunkcache" not in exact["meta_info"] or exact["meta_info"]["chunkcache"]["chunk_hits"] == 0
+    assert exact["meta_info"]["cached_tokens"] < exact["meta_info"]["prompt_tokens"] // 2
+    assert exact["output_ids"] == plain(server, text)["output_ids"]

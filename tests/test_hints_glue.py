@@ -78,6 +78,7 @@ class Reuse:
     """ChunkReuse as a stand-in: a hint is the payload's spans (nothing hashed), a span past the prompt malformed."""
 
     store = SimpleNamespace(stats=lambda: None)
+    auto = None  # automatic chunk detection off
 
     @staticmethod
     def hint(payload, token_ids, cache_salt=None):
@@ -89,12 +90,12 @@ class Reuse:
 def test_hint_is_resolved_once_at_creation_and_kept():
     req = SimpleNamespace(kv_hints=envelope({"token_spans": [[0, 2]], "namespace": "kb"}), origin_input_ids=[5, 6, 7],
                           extra_key=None, cache_salt=None, to_finish=None)
-    request_hint.attach(Reuse(), req)
+    request_hint.attach(Reuse(), None, req)
     hint = request_hint.of(req)
     assert hint.spans == [[0, 2]] and hint.prompt == [5, 6, 7]
     assert req.extra_key == request_hint.radix_partition("kb", None)
     plain = SimpleNamespace(kv_hints=None, extra_key="user", to_finish=None)
-    request_hint.attach(Reuse(), plain)
+    request_hint.attach(Reuse(), None, plain)
     assert request_hint.of(plain) is None and plain.extra_key == "user"
 
 
@@ -102,7 +103,7 @@ def test_malformed_hint_at_creation_is_a_bad_hint_round():
     """A hint the HTTP layer did not validate (an Engine-side bypass): the request is served in full, and says so."""
     req = SimpleNamespace(kv_hints=envelope({"token_spans": [[0, 9]]}), origin_input_ids=[5, 6, 7], extra_key=None,
                           cache_salt=None, to_finish=None)
-    request_hint.attach(Reuse(), req)
+    request_hint.attach(Reuse(), None, req)
     assert request_hint.of(req) is None
     assert req.chunkcache_info == {"fallback": "bad_hint", "detail": "chunkcache hint: span past the prompt"}
 
@@ -112,7 +113,7 @@ def test_aborted_request_is_not_blended():
     it is not served, so it is neither blended nor a malformed hint."""
     req = SimpleNamespace(kv_hints=envelope({"token_spans": [[0, 2]]}), origin_input_ids=[5, 6, 7], extra_key=None,
                           cache_salt=None, to_finish=None)
-    request_hint.attach(Reuse(), req)
+    request_hint.attach(Reuse(), None, req)
     req.origin_input_ids, req.to_finish = [0], "abort"
     assert request_hint.of(req) is None
 
