@@ -98,8 +98,8 @@ def summarize(path: Path) -> str:
              "|---|---|---|---|---|",
              f"| full | 0 | 1 | {acc['full']:.3f} | 100 % |"]
     for s in ("hinted", "auto"):
-        lines.append(f"| {s} | {statistics.mean(kl[s]):.4f} | {tf[s]:.3f} | {acc[s]:.3f} | "
-                     f"{100 * acc[s] / acc['full']:.1f} % |" if acc["full"] else f"| {s} | ... |")
+        vs_full = f"{100 * acc[s] / acc['full']:.1f} %" if acc["full"] else "n/a"
+        lines.append(f"| {s} | {statistics.mean(kl[s]):.4f} | {tf[s]:.3f} | {acc[s]:.3f} | {vs_full} |")
     lines.append(f"auto vs hinted, paired: KL {100 * statistics.mean(diff) / base:+.1f} % "
                  f"[{100 * lo / base:+.1f}, {100 * hi / base:+.1f}] (95 % bootstrap interval of the mean difference, "
                  f"over hinted's mean)")
