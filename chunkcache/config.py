@@ -132,7 +132,9 @@ class AutoConfig:
     segment_min_tokens: int = 16  # shortest segment cut inside a paragraph; shorter pieces are never stored
     segment_max_tokens: int = 256  # a paragraph this long without a content-defined cut is cut here
     learn: bool = True  # keep the KV of segments this server prefills (hinted or not) for later requests
-    admit_after: int = 1  # a segment is learned once seen in this many prefills (1: first sight; 2: seen twice)
+    # once the host tier is full, a segment is learned only when seen in this many prefills (1: always; 2: seen twice,
+    # which keeps one-off segments from evicting popular ones); while it has room every new segment is learned
+    admit_after: int = 2
     seen_keys: int = 1 << 18  # segments whose sightings are counted for admit_after (least recent forgotten first)
 
     def check(self) -> None:

@@ -70,7 +70,9 @@ def learn(reuse: ChunkReuse, model_runner, forward_batch, reqs, hint_of) -> None
         hint = hint_of(row.req)
         computed = torch.zeros(row.seq_len, dtype=torch.bool)
         computed[0 if hint is None else row.matched:] = True
-        todo = reuse.auto.to_learn(segments, computed, reuse.store)
+        per_token = 2 * pool.layer_num * pool.get_key_buffer(0)[0].numel() * pool.get_key_buffer(0).element_size()
+        crowded = reuse.store.room() < int(computed.sum()) * per_token
+        todo = reuse.auto.to_learn(segments, computed, reuse.store, crowded)
         row.req.__dict__.pop(SEGMENTS)  # learned once per prompt, whatever later rounds do
         learned = _store(reuse, pool, row, todo)
         if hint is None:

@@ -114,17 +114,19 @@ def test_detect_needs_enough_stored_tokens_past_the_exact_prefix():
     assert seg.detect(segs, 56, matched=0, stored=stored) is None  # the last prompt token is never reused
 
 
-def test_learning_takes_computed_segments_the_store_lacks_once_admitted():
+def test_learning_takes_computed_segments_the_store_lacks_and_when_crowded_only_those_seen_twice():
     config = AutoConfig(enabled=True, segment_min_tokens=8, segment_mean_tokens=1 << 20, admit_after=2)
     seg = AutoChunks(config, frozenset({0}), FP)
     ids = list(range(10, 30)) + [0] + list(range(40, 70)) + [0] + [99]
     segs = seg.segments(ids, "ns", None)
+    both = [(segs.spans[0], segs.keys[0]), (segs.spans[1], segs.keys[1])]
     computed = torch.ones(len(ids), dtype=torch.bool)
-    assert seg.to_learn(segs, computed, set()) == []  # seen once
+    assert seg.to_learn(segs, computed, set(), crowded=True) == []  # seen once, and learning would evict
+    other = AutoChunks(config, frozenset({0}), FP)
+    assert other.to_learn(segs, computed, set(), crowded=False) == both  # first sight, but the store has room
     computed[30] = False  # a token of the second segment was reused, not computed here
-    assert seg.to_learn(segs, computed, set()) == [(segs.spans[0], segs.keys[0])]
-    assert seg.to_learn(segs, torch.ones(len(ids), dtype=torch.bool), {segs.keys[0]}) == [(segs.spans[1],
-                                                                                           segs.keys[1])]
+    assert seg.to_learn(segs, computed, set(), crowded=True) == both[:1]  # seen twice now
+    assert seg.to_learn(segs, torch.ones(len(ids), dtype=torch.bool), {segs.keys[0]}, crowded=True) == both[1:]
 
 
 def test_auto_config_is_checked(tmp_path):

@@ -11,8 +11,9 @@ Contract:
 - `detect` is pure given the store's answer: the segments the store holds past the exact prefix, and before the
   prompt's last token, become the hint's chunks when they add up to `min_reuse_tokens`; otherwise None and the
   request is served as stock.
-- `to_learn` names the segments a finished prefill computed in this prompt's own context that no tier holds, once
-  seen `admit_after` times; the engine copies their KV out of its pool into entries.
+- `to_learn` names the segments a finished prefill computed in this prompt's own context that no tier holds; when the
+  store is `crowded` (learning would evict), only those seen in `admit_after` prefills (sightings are counted always,
+  for the `seen_keys` most recent keys). The engine copies their KV out of its pool into entries.
 """
 
 from __future__ import annotations
@@ -72,20 +73,20 @@ class AutoChunks:
             return None
         return Detected(tuple(span for span, _ in picked), tuple(key for _, key in picked), tokens)
 
-    def to_learn(self, segments: Segments, computed: torch.Tensor, stored) -> list[tuple[tuple[int, int], str]]:
+    def to_learn(self, segments: Segments, computed: torch.Tensor, stored,
+                 crowded: bool = False) -> list[tuple[tuple[int, int], str]]:
         """(span, key) of each segment whose every token `computed` (bool [N]) marks as computed in this prompt's
-        context, that `stored` (a container of keys) lacks, and that has now been seen admit_after times."""
+        context and that `stored` (a container of keys) lacks; when `crowded`, only those now seen admit_after
+        times."""
         out = []
         for span, key in zip(segments.spans, segments.keys):
             if key in stored or not bool(computed[span[0]: span[1]].all()):
                 continue
-            if self._sighted(key) >= self.config.admit_after:
+            if self._sighted(key) >= self.config.admit_after or not crowded:
                 out.append((span, key))
         return out
 
     def _sighted(self, key: str) -> int:
-        if self.config.admit_after == 1:
-            return 1
         n = self._seen.pop(key, 0) + 1
         self._seen[key] = n
         while len(self._seen) > self.config.seen_keys:

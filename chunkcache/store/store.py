@@ -144,6 +144,11 @@ class ChunkStore:
         on_disk = self.disk is not None and self.disk.put(entry)
         return in_memory or on_disk
 
+    def room(self) -> int:
+        """Bytes the host-memory tier takes before it evicts."""
+        with self._lock:
+            return self.memory.budget_bytes - self.memory.bytes
+
     def __contains__(self, key: str) -> bool:
         """Local tiers only: admission asks this for every chunk of every waiting request, too often for a network
         round trip each; a chunk only the remote tier holds is charged as compute there, and found by get."""
