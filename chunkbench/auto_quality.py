@@ -63,6 +63,8 @@ def run(args) -> None:
             order = list(range(len(item.documents)))
             while order == sorted(order) and len(order) > 1:
                 rng.shuffle(order)
+                if args.warm == "keep-first":  # the first document first in both prompts, the others reordered
+                    order = [0] + [i for i in order if i]
             warm = replace(item, documents=tuple(item.documents[i] for i in order), question=WARM_QUESTION)
             learned = blender.learn_segments(blender.full_prefill(*split(to_request(tok, warm).prompt)), auto)
             ids = ref.result.layout.token_ids
@@ -117,6 +119,9 @@ def main() -> None:
     ap.add_argument("--selector", default="prophet")
     ap.add_argument("--ratio", type=float, default=0.15)
     ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--warm", choices=("shuffle", "keep-first"), default="shuffle",
+                    help="the earlier prompt's document order: any other order, or the same first document (isolates "
+                    "what the first document's context costs)")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--out", required=True, help="JSON Lines of rows; an existing file is resumed")
     ap.add_argument("--report", action="store_true", help="only summarize --out")
