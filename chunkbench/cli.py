@@ -53,7 +53,9 @@ def _sized(args: argparse.Namespace, preset: dict) -> dict:
 
 
 def bench(argv: list[str]) -> int:
-    if "auto" in (argv[argv.index("--workload") + 1:][:1] if "--workload" in argv else []) or "--workload=auto" in argv:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--workload")
+    if pre.parse_known_args(argv)[0].workload == "auto":  # its own phases and options: chunkbench/auto_bench.py
         from .auto_bench import main
 
         return main(argv)

@@ -29,7 +29,6 @@ from . import metrics, report
 
 log = logging.getLogger(__name__)
 SEGMENTS = "chunkcache_segments"  # Req attribute: the prompt's chunkcache.blend.auto.Segments
-AUTO_PARTITION = "auto"  # the radix partition's namespace suffix (request_hint.radix_partition)
 
 
 def detect(reuse: ChunkReuse, tree_cache, req):
@@ -65,6 +64,7 @@ def learn(reuse: ChunkReuse, model_runner, forward_batch, reqs, hint_of) -> None
     if not any(SEGMENTS in r.__dict__ for r in reqs):  # decode rows and prompts already learned: nothing to read
         return
     pool = model_runner.token_to_kv_pool
+    per_token = 2 * pool.layer_num * pool.get_key_buffer(0)[0].numel() * pool.get_key_buffer(0).element_size()
     for row in batch_rows(model_runner, forward_batch, reqs):
         segments = row.req.__dict__.get(SEGMENTS)
         if segments is None or row.seq_len != len(row.req.origin_input_ids) or row.decode:
@@ -72,7 +72,6 @@ def learn(reuse: ChunkReuse, model_runner, forward_batch, reqs, hint_of) -> None
         hint = hint_of(row.req)
         computed = torch.zeros(row.seq_len, dtype=torch.bool)
         computed[0 if hint is None else row.matched:] = True
-        per_token = 2 * pool.layer_num * pool.get_key_buffer(0)[0].numel() * pool.get_key_buffer(0).element_size()
         crowded = reuse.store.room() < int(computed.sum()) * per_token
         todo = reuse.auto.to_learn(segments, computed, reuse.store, crowded)
         row.req.__dict__.pop(SEGMENTS)  # learned once per prompt, whatever later rounds do
@@ -84,12 +83,12 @@ def learn(reuse: ChunkReuse, model_runner, forward_batch, reqs, hint_of) -> None
             report.add_learned(row.req, learned)
 
 
-def _store(reuse: ChunkReuse, pool, row, todo) -> dict[str, int]:
+def _store(reuse: ChunkReuse, pool, row, todo) -> dict:
     """The segments' KV copied (not aliased: the pool's slots are SGLang's to free) into store entries."""
-    t0 = time.perf_counter()
-    learned = {"segments": 0, "tokens": 0, "bytes": 0}
+    learned = {"segments": 0, "tokens": 0, "bytes": 0, "seconds": 0.0}
     if not todo:
         return learned
+    t0 = time.perf_counter()
     slots = torch.cat([row.slots[s:e] for (s, e), _ in todo])
     k = torch.stack([pool.get_key_buffer(layer)[slots] for layer in range(pool.layer_num)]).cpu()
     v = torch.stack([pool.get_value_buffer(layer)[slots] for layer in range(pool.layer_num)]).cpu()

@@ -45,9 +45,6 @@ class Detected:
     keys: tuple[str, ...]
     tokens: int  # tokens they cover
 
-    def __bool__(self) -> bool:
-        return bool(self.spans)
-
 
 class AutoChunks:
     def __init__(self, config: AutoConfig, break_ids: frozenset[int], fingerprint: str):

@@ -5,10 +5,10 @@ Contract:
   encoding (`disk.encode`). The chunk key already hashes the model, the namespace, the shared prefix and the tokens,
   so tenants and models never share an entry across servers; the fingerprint in the name lets an operator find or
   drop one model's entries (`SCAN MATCH cc:v1:{fingerprint}:*`), and the format version keeps older encodings apart.
-- get is one GET; get_many, one MGET for a request's keys. A value that fails verification (torn, truncated, foreign, another key's) or does not fit the
-  serving model (`layout`: fingerprint, layers, KV heads, head_dim; anyone who can write to the server can put a
-  value there) is a miss, counted in `corrupt`, and deleted so that the next put can store a good one. get never
-  raises.
+- get and get_many are one MGET (get_many: all of a request's keys). A value that fails verification (torn,
+  truncated, foreign, another key's) or does not fit the serving model (`layout`: fingerprint, layers, KV heads,
+  head_dim; anyone who can write to the server can put a value there) is a miss, counted in `corrupt`, and deleted
+  so that the next put can store a good one. get never raises.
 - put never blocks and never raises: the entry as it is at the put (its feature dict copied: a selector may add
   features to it while the writer encodes) is queued for one writer thread, which encodes it and stores it with a
   plain SET. A put follows a miss in every tier, so it either fills an absent key or replaces a value its caller
