@@ -101,7 +101,8 @@ def test_keys_carry_namespace_salt_and_never_meet_hinted_chunks(auto):
 
 
 def test_detect_needs_enough_stored_tokens_past_the_exact_prefix():
-    config = AutoConfig(enabled=True, min_reuse_tokens=40, segment_min_tokens=8, segment_mean_tokens=1 << 20)
+    config = AutoConfig(enabled=True, min_reuse_tokens=40, segment_min_tokens=8, segment_mean_tokens=1 << 20,
+                        exact_lead_tokens=0)
     seg = AutoChunks(config, frozenset({0}), FP)
     ids = [5] * 3 + [0] + list(range(10, 30)) + [0] + list(range(40, 70)) + [0] + [99]
     segs = seg.segments(ids, "ns", None)
@@ -112,6 +113,22 @@ def test_detect_needs_enough_stored_tokens_past_the_exact_prefix():
     assert seg.detect(segs, len(ids), matched=5, stored=stored) is None  # 31 tokens past the match: too few
     assert seg.detect(segs, len(ids), matched=0, stored={segs.keys[1]}) is None
     assert seg.detect(segs, 56, matched=0, stored=stored) is None  # the last prompt token is never reused
+
+
+def test_detect_leaves_the_first_tokens_after_the_exact_prefix_to_be_computed():
+    config = AutoConfig(enabled=True, min_reuse_tokens=20, segment_min_tokens=8, segment_mean_tokens=1 << 20,
+                        exact_lead_tokens=21)
+    seg = AutoChunks(config, frozenset({0}), FP)
+    ids = [5] * 3 + [0] + list(range(10, 30)) + [0] + list(range(40, 70)) + [0] + list(range(80, 100)) + [0] + [99]
+    segs = seg.segments(ids, "ns", None)
+    assert segs.spans == ((4, 25), (25, 56), (56, 77))
+    found = seg.detect(segs, len(ids), matched=0, stored=set(segs.keys))
+    assert found.spans == ((25, 56), (56, 77))  # (4, 25) starts within 21 tokens of the first stored segment
+    found = seg.detect(segs, len(ids), matched=0, stored=set(segs.keys[1:]))
+    assert found.spans == ((56, 77),)  # counted from the first stored segment past the exact prefix
+    found = seg.detect(segs, len(ids), matched=5, stored=set(segs.keys))
+    assert found.spans == ((56, 77),)  # a segment the exact prefix reaches into is not reused; the next is the lead
+    assert seg.detect(segs, len(ids), matched=26, stored=set(segs.keys)) is None  # only the lead is left
 
 
 def test_learning_takes_computed_segments_the_store_lacks_and_when_crowded_only_those_seen_twice():

@@ -10,7 +10,9 @@ Contract:
   which the selector repairs.
 - `detect` is pure given the store's answer: the segments the store holds past the exact prefix, and before the
   prompt's last token, become the hint's chunks when they add up to `min_reuse_tokens`; otherwise None and the
-  request is served as stock.
+  request is served as stock. Those starting within `exact_lead_tokens` of the first such segment are left out (the
+  engine computes them after the exact prefix): the first text after a prompt's prefix is where a segment's KV,
+  learned after other text, deviates most from what this prompt gives it.
 - `to_learn` names the segments a finished prefill computed in this prompt's own context that no tier holds; when the
   store is `crowded` (learning would evict), only those seen in `admit_after` prefills (sightings are counted always,
   for the `seen_keys` most recent keys). The engine copies their KV out of its pool into entries.
@@ -65,6 +67,9 @@ class AutoChunks:
         last token; None when they cover fewer than min_reuse_tokens."""
         picked = [(span, key) for span, key in zip(segments.spans, segments.keys)
                   if key in stored and span[0] >= matched and span[1] < n]
+        if picked:
+            lead_end = picked[0][0][0] + self.config.exact_lead_tokens
+            picked = [(span, key) for span, key in picked if span[0] >= lead_end]
         tokens = sum(e - s for (s, e), _ in picked)
         if tokens < self.config.min_reuse_tokens:
             return None
