@@ -2,7 +2,8 @@
 
 With angle(p) = p * inv_freq, rotations compose: R(p + d) = R(d) R(p). A key cached at position p is moved to
 p + d by rotating it by d, exactly, for every RoPE whose frequencies do not depend on the position or the sequence
-length: default, linear (scaled inv_freq) and llama3 (per-frequency scaled inv_freq). Everything else is refused.
+length: default, linear (scaled inv_freq) and llama3 (per-frequency scaled inv_freq), per layer where layers differ
+(a base per layer type; a layer without RoPE has zero frequencies). Everything else is refused.
 
 The frequencies are computed exactly as transformers computes them (float32 ops in the same order), angles in
 float64 and the rotation in float32 (any input dtype). Transformers (and SGLang) round each angle p * inv_freq to
@@ -28,44 +29,68 @@ class UnsupportedRope(ValueError):
 @dataclass(frozen=True)
 class RopeSpec:
     rope_type: str
-    inv_freq: torch.Tensor  # [head_dim // 2] float32, bit-identical to transformers' rotary embedding
+    # float32, bit-identical to transformers' rotary embedding: [head_dim // 2] when every layer rotates alike, else
+    # [layers, head_dim // 2] (each layer's own; zeros for a layer without RoPE, whose keys then never move)
+    inv_freq: torch.Tensor
     head_dim: int
 
     @classmethod
     def from_config(cls, config: Any) -> "RopeSpec":
-        """From a transformers config (5.x `rope_parameters`, or the older `rope_scaling` + `rope_theta`)."""
-        params = _rope_parameters(config)
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type not in SUPPORTED:
-            raise UnsupportedRope(
-                f"RoPE type {rope_type!r} cannot be re-rotated exactly; chunk reuse supports {', '.join(SUPPORTED)}"
-            )
-        if "mrope_section" in params or params.get("mrope_interleaved"):
-            raise UnsupportedRope("RoPE type 'mrope' (multimodal sections) is not supported for chunk reuse")
-        partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None)) or 1.0
-        if partial < 1.0:
-            raise UnsupportedRope(f"RoPE type 'partial rotary' (partial_rotary_factor={partial}) is not supported")
+        """From a transformers config (5.x `rope_parameters`, or the older `rope_scaling` + `rope_theta`). Per-layer
+        RoPE comes from `layer_types` with `rope_parameters` keyed by layer type (Gemma 3: local and global bases)
+        and from `no_rope_layers` (SmolLM3: 0 marks a layer without RoPE)."""
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        base = params.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim))
-        if rope_type == "linear":
-            inv_freq = inv_freq / params["factor"]
-        elif rope_type == "llama3":
-            inv_freq = _llama3(inv_freq, params, config)
-        return cls(rope_type=rope_type, inv_freq=inv_freq, head_dim=head_dim)
+        params = _rope_parameters(config)
+        by_type = {k: v for k, v in params.items() if isinstance(v, dict)}
+        if by_type:
+            layer_types = list(getattr(config, "layer_types", None) or ())
+            missing = sorted(set(layer_types) - set(by_type))
+            if not layer_types or missing:
+                raise UnsupportedRope(f"RoPE type 'per-layer' without parameters for layer types {missing or '?'}")
+            kinds = {name: _inv_freq(p, config, head_dim) for name, p in by_type.items()}
+            rope_type = "+".join(sorted({kinds[t][0] for t in layer_types}))
+            rows = [kinds[t][1] for t in layer_types]
+        else:
+            rope_type, inv_freq = _inv_freq(params, config, head_dim)
+            rows = None
+        use_rope = getattr(config, "no_rope_layers", None)
+        if use_rope is not None and not all(use_rope):
+            rows = rows or [inv_freq] * len(use_rope)
+            rows = [r if on else torch.zeros_like(r) for r, on in zip(rows, use_rope)]
+            rope_type += "+nope"
+        if rows is not None and all(torch.equal(r, rows[0]) for r in rows):
+            inv_freq, rows = rows[0], None
+        return cls(rope_type=rope_type, inv_freq=inv_freq if rows is None else torch.stack(rows), head_dim=head_dim)
+
+    @property
+    def per_layer(self) -> bool:
+        return self.inv_freq.dim() == 2
+
+
+def _inv_freq(params: dict, config: Any, head_dim: int) -> tuple[str, torch.Tensor]:
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED:
+        raise UnsupportedRope(
+            f"RoPE type {rope_type!r} cannot be re-rotated exactly; chunk reuse supports {', '.join(SUPPORTED)}"
+        )
+    if "mrope_section" in params or params.get("mrope_interleaved"):
+        raise UnsupportedRope("RoPE type 'mrope' (multimodal sections) is not supported for chunk reuse")
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None)) or 1.0
+    if partial < 1.0:
+        raise UnsupportedRope(f"RoPE type 'partial rotary' (partial_rotary_factor={partial}) is not supported")
+    base = params.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim))
+    if rope_type == "linear":
+        inv_freq = inv_freq / params["factor"]
+    elif rope_type == "llama3":
+        inv_freq = _llama3(inv_freq, params, config)
+    return rope_type, inv_freq
 
 
 def _rope_parameters(config: Any) -> dict:
     params = getattr(config, "rope_parameters", None)
     if params is None:
         params = dict(getattr(config, "rope_scaling", None) or {})
-    nested = [v for v in params.values() if isinstance(v, dict)]
-    if nested:
-        # per-layer-type RoPE (e.g. sliding vs full attention layers): usable only if every layer type agrees
-        if any(v != nested[0] for v in nested):
-            kinds = sorted({str(v.get("rope_type", "default")) for v in nested})
-            raise UnsupportedRope(f"RoPE type 'per-layer' ({', '.join(kinds)}) is not supported for chunk reuse")
-        params = nested[0]
     return params
 
 
@@ -93,7 +118,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def rerotate(k: torch.Tensor, delta: int | torch.Tensor, spec: RopeSpec,
              positions: torch.Tensor | None = None) -> torch.Tensor:
-    """Keys `k` [..., T, H, D], post-RoPE, moved by `delta` positions (an int, or a [T] tensor per token).
+    """Keys `k` [..., T, H, D], post-RoPE, moved by `delta` positions (an int, or a [T] tensor per token). With
+    per-layer RoPE (`spec.per_layer`) `k` must be the store's [L, T, H, D], every layer rotated by its own frequencies.
 
     With `positions` ([T], where the keys were computed) the result reproduces the model's own rounding: the model
     rotates by float32(p * inv_freq), so the rotation applied is float32(p_new * inv_freq) - float32(p * inv_freq),
@@ -105,13 +131,18 @@ def rerotate(k: torch.Tensor, delta: int | torch.Tensor, spec: RopeSpec,
     if positions is None and not isinstance(delta, torch.Tensor) and delta == 0:
         return k
     inv_freq = spec.inv_freq.to(k.device)
+    if spec.per_layer:
+        if k.dim() != 4 or k.shape[0] != inv_freq.shape[0]:
+            raise ValueError(f"per-layer RoPE moves keys stacked [L, T, H, D] for its {inv_freq.shape[0]} layers; "
+                             f"got {tuple(k.shape)}")
+        inv_freq = inv_freq[:, None, :]  # [L, 1, F]: angles [L, T, F]
     d = torch.as_tensor(delta, device=k.device).reshape(-1, 1)  # [T or 1, 1]
     if positions is None:
         angles = d.double() * inv_freq.double()
     else:
         p = positions.to(k.device).reshape(-1, 1)
         angles = ((p + d).float() * inv_freq).double() - (p.float() * inv_freq).double()
-    cos = angles.cos().float().repeat(1, 2)[:, None, :]  # [T or 1, 1, D]: broadcasts over heads
-    sin = angles.sin().float().repeat(1, 2)[:, None, :]
+    cos = torch.cat([angles.cos()] * 2, -1).float().unsqueeze(-2)  # [(L,) T or 1, 1, D]: broadcasts over heads
+    sin = torch.cat([angles.sin()] * 2, -1).float().unsqueeze(-2)
     x = k.float()
     return (x * cos + rotate_half(x) * sin).to(k.dtype)

@@ -107,6 +107,45 @@ def test_layer_dimensions_broadcast_and_zero_delta_is_identity():
         rerotate(torch.randn(4, 2, 8), 1, spec)
 
 
+def per_layer_model(family: str):
+    """Tiny random models whose layers rotate differently: Gemma 3 (local layers at base 1e4, global at 1e6) and
+    SmolLM3 (every fourth layer without RoPE)."""
+    from transformers import Gemma3TextConfig, SmolLM3Config
+
+    torch.manual_seed(0)
+    dims = dict(vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=8192, initializer_range=0.1,
+                pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = (Gemma3TextConfig(sliding_window=16, **dims) if family == "gemma3" else SmolLM3Config(**dims))
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def every_layers_keys(model, token: int, position: int) -> torch.Tensor:
+    """[L, 1, H, D]: one token alone attends only to itself, so below RoPE every layer's key is the same at any
+    position and the keys at two positions differ by each layer's own rotation."""
+    cache = model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]), use_cache=True)
+    return torch.stack([layer.keys[0].transpose(0, 1) for layer in cache.past_key_values.layers])
+
+
+@pytest.mark.parametrize("family,rope_type", [("gemma3", "default"), ("smollm3", "default+nope")])
+def test_per_layer_rope_moves_each_layers_keys_by_its_own_rotation(family, rope_type):
+    model = per_layer_model(family)
+    spec = RopeSpec.from_config(model.config)
+    assert spec.per_layer and spec.rope_type == rope_type and spec.inv_freq.shape == (6, 8)
+    cached, direct = every_layers_keys(model, 7, 30), every_layers_keys(model, 7, 900)
+    torch.testing.assert_close(rerotate(cached, 870, spec, torch.tensor([30])), direct, atol=1e-5, rtol=0)
+    moved = (cached - direct).flatten(1).abs().amax(1)
+    if family == "smollm3":  # the NoPE layers' keys do not move; the others do
+        assert [bool(m > 1e-2) for m in moved] == list(map(bool, model.config.no_rope_layers))
+    else:  # with one base for every layer, the global layer's keys come out wrong
+        one_base = RopeSpec(spec.rope_type, spec.inv_freq[0], spec.head_dim)
+        wrong = (rerotate(cached, 870, one_base, torch.tensor([30])) - direct).flatten(1).abs().amax(1)
+        assert [bool(w > 1e-2) for w in wrong] == [t == "full_attention" for t in model.config.layer_types]
+    with pytest.raises(ValueError, match="per-layer RoPE"):
+        rerotate(cached[0], 1, spec)
+
+
 @pytest.mark.parametrize("params,name", [
     ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}, "yarn"),
     ({"rope_type": "dynamic", "factor": 2.0}, "dynamic"),
