@@ -62,18 +62,34 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
     return path
 
 
-def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """A deterministic tiny random-weight model (llama or qwen2) with the default model's tokenizer."""
-    from transformers import LlamaConfig, Qwen2Config
+# per family, what its tiny model needs beyond the shared dimensions (a 16-dim head where the config's default is
+# larger; Mistral without the sliding window its config defaults to)
+TINY_ARCHITECTURES = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 16}),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "phi3": ("Phi3Config", {"pad_token_id": 0}),
+    "smollm3": ("SmolLM3Config", {"pad_token_id": 0}),
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": 64}),
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 64}),
+}
 
-    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}.get(arch)
-    if config_cls is None:
-        raise ModelError(f"tiny models exist for llama and qwen2, not {arch!r}")
+
+def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A deterministic tiny random-weight model of a family in TINY_ARCHITECTURES, with the default model's
+    tokenizer."""
+    import transformers
+
+    if arch not in TINY_ARCHITECTURES:
+        raise ModelError(f"tiny models exist for {', '.join(TINY_ARCHITECTURES)}, not {arch!r}")
+    config_name, extra = TINY_ARCHITECTURES[arch]
     params = dict(
         vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=8192, tie_word_embeddings=True,
         bos_token_id=1, eos_token_id=2,
     )
+    params.update(extra)
     params.update(overrides)
     digest = hashlib.sha1(json.dumps([arch, seed, params], sort_keys=True, default=str).encode()).hexdigest()[:12]
 
@@ -82,7 +98,7 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> Path:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config_cls(**params), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(getattr(transformers, config_name)(**params), dtype=torch.float32)
         model.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(resolve_model(DEFAULT_MODEL)).save_pretrained(tmp)
 

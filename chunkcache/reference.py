@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import architectures
 from . import select as selectors
 from .blend import pipeline
 from .blend.auto import AutoChunks
@@ -34,7 +35,9 @@ from .rope import RopeSpec, rerotate, rotate_half
 from .select.base import Layout, Selector
 from .store import ChunkEntry, ChunkStore
 
-SUPPORTED_MODELS = ("llama", "qwen2")
+# transformers model types whose decoder layer `_forward` reproduces: Llama's, with q/k norm before RoPE (Qwen3) and
+# layers without RoPE (SmolLM3); the support table (chunkcache.architectures) decides the rest
+REFERENCE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "smollm3")
 # padded tokens per batch when computing missing chunks; bounds the batch's KV buffer
 CHUNK_BATCH_TOKENS = 8192
 
@@ -57,11 +60,7 @@ class BlendResult:
 class ReferenceBlender:
     def __init__(self, model, model_dir: str | os.PathLike, store: ChunkStore | None = None, namespace: str = "default"):
         config = model.config
-        if config.model_type not in SUPPORTED_MODELS:
-            raise ValueError(f"model type {config.model_type!r} is not supported; expected one of {SUPPORTED_MODELS}")
-        if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-            raise ValueError("sliding-window attention layers are not supported by the reference blender")
-        self.rope = RopeSpec.from_config(config)
+        self.rope = check_reference(config)
         self.model = model.eval()
         self.config = config
         self.model_dir = str(model_dir)
@@ -93,7 +92,7 @@ class ReferenceBlender:
         from .models import resolve_model
 
         path = resolve_model(model_path)
-        RopeSpec.from_config(AutoConfig.from_pretrained(path))  # refuse an unsupported RoPE before loading weights
+        check_reference(AutoConfig.from_pretrained(path))  # refuse an unsupported model before loading its weights
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
         return cls(model, path, store=store, namespace=namespace)
 
@@ -321,8 +320,11 @@ class ReferenceBlender:
             q = attn.q_proj(x).view(B, M, self.n_heads, self.head_dim)
             k = attn.k_proj(x).view(B, M, self.n_kv_heads, self.head_dim)
             v = attn.v_proj(x).view(B, M, self.n_kv_heads, self.head_dim)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            if hasattr(attn, "q_norm"):  # Qwen3: per-head RMS norm before RoPE
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            if getattr(attn, "use_rope", True):  # SmolLM3's NoPE layers keep their positions out of q and k
+                q = q * cos + rotate_half(q) * sin
+                k = k * cos + rotate_half(k) * sin
             k_buf[l][:, pos] = k
             v_buf[l][:, pos] = v
             o = torch.empty_like(q)
@@ -423,6 +425,16 @@ class _Engine:
         sel = tokens[0].to(self.blender.device)
         h = self.blender._forward(self.ids[None, sel], sel, self.k_buf, self.v_buf)
         return self.blender._logits(h[:, -1])
+
+
+def check_reference(config) -> RopeSpec:
+    """The model's RoPE if the reference blender computes its layers exactly (architectures.check on the reference
+    path), else UnsupportedModel."""
+    rope = architectures.check(config, path="reference")
+    if config.model_type not in REFERENCE_MODEL_TYPES:
+        raise architectures.UnsupportedModel(f"model type {config.model_type!r} has no reference-path layer loop; "
+                                             f"it has {', '.join(REFERENCE_MODEL_TYPES)}")
+    return rope
 
 
 def _as_ids(ids: TokenIds, what: str) -> torch.Tensor:

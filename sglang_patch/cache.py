@@ -20,7 +20,7 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from chunkcache.blend.reuse import ChunkReuse
 from chunkcache.hashing import model_fingerprint
-from chunkcache.rope import RopeSpec
+from chunkcache import architectures
 from chunkcache.store import ChunkStore, EntryLayout
 
 from .launcher import BACKEND_NAME, load_server_config
@@ -32,13 +32,15 @@ class ChunkRadixCache(UnifiedRadixCache):
     def __init__(self, params, *, model_config, model_path: str, **kwargs):
         super().__init__(params, **kwargs)
         config = load_server_config()
+        # a model the blend would serve wrong stops the server here (`chunkcache serve` refuses it before launching)
+        rope = architectures.check(model_config.hf_config, "sglang", model_config.context_len)
         pool = params.token_to_kv_pool_allocator.get_kvcache()
         fingerprint = model_fingerprint(model_path)
         # disk and remote entries are checked against this model's KV layout when read (a misfit is dropped, not used)
         _, kv_heads, head_dim = pool.get_key_buffer(0).shape
         layout = EntryLayout(fingerprint, pool.layer_num, kv_heads, head_dim)
-        self.reuse = ChunkReuse(config, ChunkStore.from_config(config.store, fingerprint, layout), layout,
-                                RopeSpec.from_config(model_config.hf_config), model_path, pool.device)
+        self.reuse = ChunkReuse(config, ChunkStore.from_config(config.store, fingerprint, layout), layout, rope,
+                                model_path, pool.device)
         log.info("chunkcache: radix cache backend %r active in scheduler pid %d", BACKEND_NAME, os.getpid())
 
     def chunkcache_state(self) -> dict:

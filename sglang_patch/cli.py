@@ -70,7 +70,20 @@ def serve(args: argparse.Namespace, extra: list[str]) -> int:
     for key in ("model", "host", "port"):
         if getattr(args, key) is not None:
             setattr(config.serve, key, getattr(args, key))
-    settings = server_settings(resolve_model(config.serve.model), config, chunk_reuse=not args.no_chunk_reuse)
+    model_dir = resolve_model(config.serve.model)
+    if not args.no_chunk_reuse:
+        from transformers import AutoConfig
+
+        from chunkcache.architectures import UnsupportedModel, check
+
+        try:
+            check(AutoConfig.from_pretrained(model_dir))
+        except UnsupportedModel as exc:
+            print(f"chunkcache: error: {model_dir} cannot be served with chunk reuse: {exc}. "
+                  f"Serve it without chunk reuse (--no-chunk-reuse) or pick a model from README 'Models'.",
+                  file=sys.stderr)
+            return 2
+    settings = server_settings(model_dir, config, chunk_reuse=not args.no_chunk_reuse)
     prepare_environment(args.config)
     if args.remote_url:
         os.environ[REMOTE_URL_ENV] = args.remote_url

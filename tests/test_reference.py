@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from chunkcache.hashing import chunk_key, prefix_key
 from chunkcache.models import resolve_model, tiny_model
 from chunkcache.reference import ReferenceBlender
-from chunkcache.rope import UnsupportedRope, rerotate
+from chunkcache.architectures import UnsupportedModel
+from chunkcache.rope import rerotate
 from chunkcache.select import REGISTRY
 from chunkcache.select.base import Layout, Selection, finish
 from chunkcache.select.budget import rank
@@ -45,7 +46,9 @@ class LargestValueDeviation:
         return finish(layout, rank(scores, layout.context_mask())[: layout.budget(ratio)], scores)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+# every family the reference path blends (chunkcache.architectures): Qwen3's q/k norm and SmolLM3's NoPE layers are
+# the reference loop's own code, checked here against transformers' forward
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mistral", "smollm3"])
 def model_dir(request):
     return tiny_model(request.param, **TINY)
 
@@ -351,11 +354,15 @@ def test_entry_from_another_model_is_refused(blender):
         blender.blend(p, c, q)
 
 
-def test_unsupported_rope_is_refused_at_load():
+def test_unsupported_models_are_refused_at_load():
     yarn = tiny_model("llama", rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                 "original_max_position_embeddings": 2048})
-    with pytest.raises(UnsupportedRope, match="'yarn'"):
+    with pytest.raises(UnsupportedModel, match="'yarn'"):
         ReferenceBlender.from_pretrained(yarn)
+    with pytest.raises(UnsupportedModel, match="sliding window"):  # Gemma 3's local layers
+        ReferenceBlender.from_pretrained(tiny_model("gemma3"))
+    with pytest.raises(UnsupportedModel, match="fused qkv"):  # Phi-3: the SGLang path only
+        ReferenceBlender.from_pretrained(tiny_model("phi3"))
 
 
 # ---- the default model -------------------------------------------------------------------------------------------
