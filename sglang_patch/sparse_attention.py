@@ -70,6 +70,10 @@ class SparseAttention:
         self.plans = [_SegmentPlan(s, device) for s in segments]
 
     def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        # the start-up check (chunkcache.architectures, in sglang_patch.cache) refuses models with either
+        assert not layer.logit_cap and getattr(layer, "sliding_window_size", -1) in (None, -1), (
+            f"layer {layer.layer_id}: soft-cap {layer.logit_cap} / sliding window {layer.sliding_window_size} "
+            f"reached the blend, which computes neither")
         hq, hk, d, dv = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim
         q, k, v = q.view(-1, hq, d), k.view(-1, hk, d), v.view(-1, hk, dv)
         pool = self.token_to_kv_pool

@@ -1,0 +1,142 @@
+"""The model support table (chunkcache.architectures): every family either blended correctly or refused with its
+reason, by the server, the CLI and the reference path alike."""
+
+import json
+import random
+import subprocess
+import sys
+import types
+
+import pytest
+import transformers
+from conftest import Rag, gen, hints, sglang_engine
+
+from chunkcache import architectures
+from chunkcache.architectures import FAMILIES, UnsupportedModel, check
+from chunkcache.models import TINY_ARCHITECTURES, tiny_model
+
+TINY = dict(initializer_range=0.1)  # random weights whose greedy continuation depends on the context
+DIMS = dict(vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=8192, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+# family -> (tiny architecture, where it is blended, what its refusal names)
+EXPECTED = {
+    "LlamaForCausalLM": ("llama", ("sglang", "reference"), None),
+    "Qwen2ForCausalLM": ("qwen2", ("sglang", "reference"), None),
+    "Qwen3ForCausalLM": ("qwen3", ("sglang", "reference"), None),
+    "MistralForCausalLM": ("mistral", ("sglang", "reference"), None),
+    "Phi3ForCausalLM": ("phi3", ("sglang",), "fused qkv"),
+    "SmolLM3ForCausalLM": ("smollm3", ("reference",), "no SmolLM3 model"),
+    "Gemma2ForCausalLM": ("gemma2", (), "soft-capping"),
+    "Gemma3ForCausalLM": ("gemma3", (), "sliding"),
+}
+
+
+def config_of(arch: str, **overrides):
+    name, extra = TINY_ARCHITECTURES[arch]
+    config = getattr(transformers, name)(**{**DIMS, **extra, "head_dim": 16, **overrides})
+    config.architectures = [next(a for a, (t, _, _) in EXPECTED.items() if t == arch)]
+    return config
+
+
+def test_every_family_in_the_table_is_decided_as_documented():
+    assert {a for f in FAMILIES for a in f.architectures} == set(EXPECTED) | {"DeepseekV2ForCausalLM",
+                                                                              "DeepseekV3ForCausalLM"}
+    for architecture, (arch, paths, refusal) in EXPECTED.items():
+        config = config_of(arch)
+        for path in architectures.PATHS:
+            if path in paths:
+                assert check(config, path).head_dim == 16, (architecture, path)
+            else:
+                with pytest.raises(UnsupportedModel, match=refusal) as exc:
+                    check(config, path)
+                assert architecture in str(exc.value)
+
+
+def test_mla_and_unknown_architectures_are_refused():
+    mla = types.SimpleNamespace(architectures=["DeepseekV3ForCausalLM"], kv_lora_rank=512)
+    with pytest.raises(UnsupportedModel, match="latent attention"):
+        check(mla)
+    with pytest.raises(UnsupportedModel, match="FalconForCausalLM is not in chunkcache's support table"):
+        check(types.SimpleNamespace(architectures=["FalconForCausalLM"]))
+    with pytest.raises(UnsupportedModel, match="none in config.json"):
+        check(types.SimpleNamespace())
+
+
+@pytest.mark.parametrize("arch,overrides,reason", [
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 1024, "max_window_layers": 0}, "sliding window of 1024"),
+    ("mistral", {"sliding_window": 4096}, "sliding window of 4096 tokens \\(context 8192\\)"),
+    ("phi3", {"sliding_window": 2047}, "sliding window of 2047"),
+    ("llama", {"attn_logit_softcapping": 50.0}, "soft-capping"),
+    ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "'yarn'"),
+    ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
+                                  "long_factor": [2.0] * 8, "original_max_position_embeddings": 4096}}, "'longrope'"),
+])
+def test_a_supported_family_with_a_feature_the_blend_lacks_is_refused(arch, overrides, reason):
+    with pytest.raises(UnsupportedModel, match=reason):
+        check(config_of(arch, **overrides))
+
+
+def test_a_window_the_context_never_reaches_is_no_window():
+    assert check(config_of("mistral", sliding_window=8192)).head_dim == 16
+    assert check(config_of("mistral", sliding_window=4096), context_len=4096).head_dim == 16
+
+
+def test_chunkcache_serve_refuses_an_unsupported_model_before_starting_sglang():
+    proc = subprocess.run([sys.executable, "-m", "sglang_patch.cli", "serve", "--model", str(tiny_model("gemma3"))],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "cannot be served with chunk reuse" in proc.stderr and "sliding" in proc.stderr
+    assert "Traceback" not in proc.stderr and "sglang.launch_server" not in proc.stdout
+
+
+# ---- every family the server blends, on SGLang's CPU engine against stock SGLang ------------------------------------
+
+SERVED = [arch for arch, paths, _ in EXPECTED.values() if "sglang" in paths and arch != "llama"]  # llama: the default
+
+
+@pytest.fixture(scope="module", params=SERVED)
+def family(request, tmp_path_factory):
+    model = tiny_model(request.param, **TINY)
+    with sglang_engine(model, tmp_path_factory.mktemp("cfg"), "select:\n  ratio: 0.15\n", max_total_tokens=4000,
+                       dtype="float32") as engine:
+        yield request.param, model, engine
+
+
+@pytest.fixture(scope="module")
+def rag(default_model):
+    return Rag(transformers.AutoTokenizer.from_pretrained(default_model), n_docs=4, words=60)
+
+
+@pytest.mark.slow
+def test_full_selector_equals_stock_on_every_served_family(family, rag):
+    arch, _, engine = family
+    rng = random.Random(2)
+    outputs = set()
+    for k in range(3):
+        order = rng.sample(range(4), 3)
+        ids, spans = rag.build(order, f"What is the code of document {order[k]}?")
+        stock = gen(engine, ids)
+        blended = gen(engine, ids, hints(spans, selector="full", namespace=f"full-{k}"))
+        info = blended["meta_info"]["chunkcache"]
+        assert info["selector"] == "full" and info["chunk_misses"] == 3, info
+        assert blended["output_ids"] == stock["output_ids"], (arch, order)
+        outputs.add(json.dumps(stock["output_ids"]))
+    assert len(outputs) > 1  # the tiny model's answer depends on the prompt: equality above means something
+
+
+@pytest.mark.slow
+def test_reused_chunks_match_the_reference_blender_where_it_runs(family, rag):
+    """`none` reuses every chunk token: SGLang's blend (each chunk computed after the prefix, its KV copied into the
+    pool and re-rotated to the chunk's place, the query computed over it) against the reference blender's."""
+    arch, model, engine = family
+    if "reference" not in next(paths for a, paths, _ in EXPECTED.values() if a == arch):
+        pytest.skip(f"{arch} has no reference path (the table says so)")
+    from chunkcache.reference import ReferenceBlender
+
+    ids, spans = rag.build([2, 0, 1], "What is the code of document 0?")
+    served = gen(engine, ids, hints(spans, selector="none", namespace="reference"), n=8)
+    info = served["meta_info"]["chunkcache"]
+    assert info["radix_tokens"] == 0 and info["reused_tokens"] == spans[-1][1] - spans[0][0], info
+    ref = ReferenceBlender.from_pretrained(model)
+    result = ref.blend(ids[: spans[0][0]], [ids[s:e] for s, e in spans], ids[spans[-1][1]:], selector="none")
+    assert ref.generate(result, 8) == served["output_ids"], arch
