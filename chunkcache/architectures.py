@@ -42,23 +42,24 @@ FAMILIES = (
     Family("Llama (Llama 2/3, 3.1 `llama3` RoPE scaling, SmolLM2)", ("LlamaForCausalLM",), PATHS,
            "the default model"),
     Family("Qwen2 / Qwen2.5", ("Qwen2ForCausalLM",), PATHS,
-           "refused with `use_sliding_window: true`"),
+           "the reference path refuses `use_sliding_window: true` (SGLang's Qwen2 attends without the window, and "
+           "the blend does as SGLang's layers do)"),
     Family("Qwen3 (dense)", ("Qwen3ForCausalLM",), PATHS,
            "q/k norm runs before RoPE, so stored keys are post-RoPE as for Llama"),
     Family("Mistral", ("MistralForCausalLM",), PATHS,
-           "refused when `sliding_window` is shorter than the context (Mistral 7B "
-           "v0.1): the blend's attention has no sliding window"),
+           "the reference path refuses a `sliding_window` shorter than the context (Mistral 7B v0.1); SGLang's "
+           "Mistral attends without it, and the blend does as SGLang's layers do"),
     Family("Phi-3", ("Phi3ForCausalLM",), ("sglang",),
-           "SGLang only (the reference path has no fused qkv); the released checkpoints are refused: `longrope` "
-           "(128k) or a sliding window of 2047 (4k)"),
+           "SGLang only (the reference path has no fused qkv); the 128k checkpoints are refused (`longrope`)"),
     Family("SmolLM3", ("SmolLM3ForCausalLM",), ("reference",),
            "reference path only: its NoPE layers are re-rotated correctly (per-layer RoPE); SGLang has no SmolLM3 "
            "model of its own to blend in"),
     Family("Gemma 2", ("Gemma2ForCausalLM",), (),
-           "attention logit soft-capping and sliding-window layers: the blend's attention does neither"),
-    Family("Gemma 3 (text)", ("Gemma3ForCausalLM",), (),
-           "sliding-window layers (512 tokens on 5 of 6 layers): the blend's attention has no sliding window yet; "
-           "its two RoPE bases are re-rotated correctly (per-layer RoPE, tested)"),
+           "attention logit soft-capping on every layer (`attn_logit_softcapping`): the blend's attention does not "
+           "cap"),
+    Family("Gemma 3 (text)", ("Gemma3ForCausalLM",), ("sglang",),
+           "SGLang only: local layers' sliding window in the blend's masks, each layer's RoPE base in re-rotation, "
+           "q/k norm and scaled embeddings in SGLang's model; the reference path has no Gemma layer loop"),
     Family("DeepSeek V2/V3 (MLA)", ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"), (),
            "multi-head latent attention: the pool holds a compressed latent and a shared RoPE key, not per-head K/V"),
 )
@@ -88,7 +89,7 @@ def check(config: Any, path: str = "sglang", context_len: int | None = None) -> 
     if path not in family.paths:
         where = f" (it is blended on the {' and '.join(family.paths)} path)" if family.paths else ""
         raise UnsupportedModel(f"{what} is not supported for chunk reuse on the {path} path{where}: {family.note}")
-    problem = next(_features(config, context_len or getattr(config, "max_position_embeddings", None)), None)
+    problem = next(_features(config, path, context_len or getattr(config, "max_position_embeddings", None)), None)
     if problem:
         raise UnsupportedModel(f"{what} with {problem}: chunk reuse would serve it wrong")
     try:
@@ -97,15 +98,14 @@ def check(config: Any, path: str = "sglang", context_len: int | None = None) -> 
         raise UnsupportedModel(f"{what}: {exc}") from exc
 
 
-def _features(config: Any, context_len: int | None):
-    """What an accepted family's config may still switch on that the blend does not compute."""
+def _features(config: Any, path: str, context_len: int | None):
+    """What an accepted family's config may still switch on that the blend does not compute. On the SGLang path the
+    blend reads each layer's sliding window from SGLang's attention layer; the reference loop has none."""
     window = getattr(config, "sliding_window", None)
     use_window = getattr(config, "use_sliding_window", True)  # Qwen2/3 carry a window they do not use by default
-    if window and use_window and (context_len is None or window < context_len):
-        yield (f"a sliding window of {window} tokens (context {context_len}): the blend's attention has no sliding "
+    if path == "reference" and window and use_window and (context_len is None or window < context_len):
+        yield (f"a sliding window of {window} tokens (context {context_len}): the reference path has no sliding "
                f"window")
-    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-        yield "sliding-window attention layers: the blend's attention has no sliding window"
     for key in ("attn_logit_softcapping", "attention_logit_softcapping"):
         if getattr(config, key, None):
             yield f"attention logit soft-capping ({key}={getattr(config, key)}): the blend's attention does not cap"

@@ -31,9 +31,9 @@ class Segment:
 
 
 class _SegmentPlan:
-    """What attending for one segment needs, computed once per pass."""
+    """What attending for one segment needs, computed once per pass (per sliding window, in a model with some)."""
 
-    def __init__(self, s: Segment, device: torch.device):
+    def __init__(self, s: Segment, device: torch.device, window: int | None = None):
         self.segment = s
         slots = s.ctx_slots
         # A request's slots are usually one contiguous run of the pool: read the context as a view, not a gather.
@@ -44,7 +44,7 @@ class _SegmentPlan:
         k_pos = torch.arange(c, device=device)
         if not s.to_pool:  # the segment's own fresh keys come after its context
             k_pos = torch.cat([k_pos, s.q_pos.to(device)])
-        self.blocks = plan_blocks(s.q_pos.to(device), k_pos, s.attention_sum is not None)
+        self.blocks = plan_blocks(s.q_pos.to(device), k_pos, s.attention_sum is not None, window)
 
 
 class SparseAttention:
@@ -68,12 +68,15 @@ class SparseAttention:
             segments = [s for s in segments if not (s.to_pool and s.attention_sum is None)]
             self.paged = paged or None  # the FlashInfer plan is made at the first layer (head counts, dtypes)
         self.plans = [_SegmentPlan(s, device) for s in segments]
+        self.device = device
+        # sliding-window layers (Gemma 3's local ones): every segment on the torch path, planned at the first such
+        # layer of the pass; FlashInfer's paged plan above is for full-attention layers
+        self.windowed: dict[int, list[_SegmentPlan]] = {}
 
     def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        # the start-up check (chunkcache.architectures, in sglang_patch.cache) refuses models with either
-        assert not layer.logit_cap and getattr(layer, "sliding_window_size", -1) in (None, -1), (
-            f"layer {layer.layer_id}: soft-cap {layer.logit_cap} / sliding window {layer.sliding_window_size} "
-            f"reached the blend, which computes neither")
+        # the start-up check (chunkcache.architectures, in sglang_patch.cache) refuses soft-capped models
+        assert not layer.logit_cap, f"layer {layer.layer_id}: soft-cap {layer.logit_cap} reached the blend"
+        window = layer.sliding_window_size if layer.sliding_window_size > -1 else None
         hq, hk, d, dv = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim
         q, k, v = q.view(-1, hq, d), k.view(-1, hk, d), v.view(-1, hk, dv)
         pool = self.token_to_kv_pool
@@ -82,12 +85,18 @@ class SparseAttention:
             pool.set_kv_buffer(layer, self.write_loc, k if rows is None else k[rows], v if rows is None else v[rows])
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         out = q.new_empty(q.shape[0], hq, dv)
-        if isinstance(self.paged, list):
-            self.paged = paged_attention.PagedSparsePrefill(
-                self.paged, hq, hk, d, dv, layer.scaling, q.dtype, k_buf.dtype, q.device)
-        if self.paged is not None:
-            out[self.paged.rows] = self.paged.run(q, k_buf, v_buf).to(q.dtype)
-        for p in self.plans:
+        plans = self.plans
+        if window is not None:
+            plans = self.windowed.get(window)
+            if plans is None:
+                plans = self.windowed[window] = [_SegmentPlan(s, self.device, window) for s in self.segments]
+        else:
+            if isinstance(self.paged, list):
+                self.paged = paged_attention.PagedSparsePrefill(
+                    self.paged, hq, hk, d, dv, layer.scaling, q.dtype, k_buf.dtype, q.device)
+            if self.paged is not None:
+                out[self.paged.rows] = self.paged.run(q, k_buf, v_buf).to(q.dtype)
+        for p in plans:
             s = p.segment
             keys, values = k_buf[p.context], v_buf[p.context]
             if not s.to_pool:

@@ -27,7 +27,7 @@ EXPECTED = {
     "Phi3ForCausalLM": ("phi3", ("sglang",), "fused qkv"),
     "SmolLM3ForCausalLM": ("smollm3", ("reference",), "no SmolLM3 model"),
     "Gemma2ForCausalLM": ("gemma2", (), "soft-capping"),
-    "Gemma3ForCausalLM": ("gemma3", (), "sliding"),
+    "Gemma3ForCausalLM": ("gemma3", ("sglang",), "no Gemma layer loop"),
 }
 
 
@@ -63,9 +63,6 @@ def test_mla_and_unknown_architectures_are_refused():
 
 
 @pytest.mark.parametrize("arch,overrides,reason", [
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 1024, "max_window_layers": 0}, "sliding window of 1024"),
-    ("mistral", {"sliding_window": 4096}, "sliding window of 4096 tokens \\(context 8192\\)"),
-    ("phi3", {"sliding_window": 2047}, "sliding window of 2047"),
     ("llama", {"attn_logit_softcapping": 50.0}, "soft-capping"),
     ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "'yarn'"),
     ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
@@ -76,16 +73,24 @@ def test_a_supported_family_with_a_feature_the_blend_lacks_is_refused(arch, over
         check(config_of(arch, **overrides))
 
 
-def test_a_window_the_context_never_reaches_is_no_window():
-    assert check(config_of("mistral", sliding_window=8192)).head_dim == 16
-    assert check(config_of("mistral", sliding_window=4096), context_len=4096).head_dim == 16
+@pytest.mark.parametrize("arch,overrides,reason", [
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 1024, "max_window_layers": 0}, "sliding window of 1024"),
+    ("mistral", {"sliding_window": 4096}, "sliding window of 4096 tokens \\(context 8192\\)"),
+])
+def test_the_reference_path_refuses_a_window_the_sglang_path_takes_from_sglangs_layers(arch, overrides, reason):
+    config = config_of(arch, **overrides)
+    with pytest.raises(UnsupportedModel, match=reason):
+        check(config, "reference")
+    assert check(config, "sglang").head_dim == 16
+    assert check(config_of("mistral", sliding_window=8192), "reference").head_dim == 16  # the context never reaches
+    assert check(config_of("mistral", sliding_window=4096), "reference", context_len=4096).head_dim == 16
 
 
 def test_chunkcache_serve_refuses_an_unsupported_model_before_starting_sglang():
-    proc = subprocess.run([sys.executable, "-m", "sglang_patch.cli", "serve", "--model", str(tiny_model("gemma3"))],
+    proc = subprocess.run([sys.executable, "-m", "sglang_patch.cli", "serve", "--model", str(tiny_model("gemma2"))],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "cannot be served with chunk reuse" in proc.stderr and "sliding" in proc.stderr
+    assert "cannot be served with chunk reuse" in proc.stderr and "soft-capping" in proc.stderr
     assert "Traceback" not in proc.stderr and "sglang.launch_server" not in proc.stdout
 
 

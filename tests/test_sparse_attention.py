@@ -5,11 +5,14 @@ import torch
 from chunkcache.blend.attention import QUERY_BLOCK, attend
 
 
-def dense(q, keys, values, q_pos, k_pos, scale):
+def dense(q, keys, values, q_pos, k_pos, scale, window=None):
     group = q.shape[1] // keys.shape[1]
     k, v = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
     scores = torch.einsum("mhd,chd->hmc", q, k) * scale
-    scores = scores.masked_fill(~(k_pos[None, None, :] <= q_pos[None, :, None]), float("-inf"))
+    visible = k_pos[None, None, :] <= q_pos[None, :, None]
+    if window is not None:  # SGLang's sliding_window_size: keys q - window .. q
+        visible &= k_pos[None, None, :] >= q_pos[None, :, None] - window
+    scores = scores.masked_fill(~visible, float("-inf"))
     return torch.einsum("hmc,chd->mhd", scores.softmax(-1), v)
 
 
@@ -27,6 +30,20 @@ def test_blocks_over_ordered_and_unordered_keys_match_dense_attention():
     record = torch.zeros(n)
     attend(q, keys, values, q_pos, ordered, 0.2, record)
     assert torch.allclose(record.sum(), torch.tensor(1.0), atol=1e-4)  # mean attention over queries and heads
+
+
+def test_a_sliding_window_hides_keys_further_back_than_the_window():
+    torch.manual_seed(2)
+    m, n, window = 3 * QUERY_BLOCK + 5, 900, 37
+    q_pos = torch.cat([torch.randperm(n - 10)[: m - 10].sort().values, torch.arange(n - 10, n)])
+    q, keys, values = torch.randn(m, 6, 32), torch.randn(n, 2, 32), torch.randn(n, 2, 32)
+    for k_pos in (torch.arange(n), torch.randperm(n)):  # ordered (range per block) and unordered (mask only)
+        want = dense(q, keys, values, q_pos, k_pos, 0.2, window)
+        torch.testing.assert_close(attend(q, keys, values, q_pos, k_pos, 0.2, window=window), want)
+        assert (want - dense(q, keys, values, q_pos, k_pos, 0.2)).abs().max() > 0.1  # the window changes the answer
+    record = torch.zeros(n)  # the query tail alone: no key more than `window` behind its first row is attended
+    attend(q[-10:], keys, values, q_pos[-10:], torch.arange(n), 0.2, record, window=window)
+    assert record[: n - 10 - window].sum() == 0 and abs(record.sum().item() - 1) < 1e-4
 
 
 def test_bfloat16_split_blocks_are_as_accurate_as_one_masked_call():

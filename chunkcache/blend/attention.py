@@ -1,5 +1,5 @@
 """Position-causal attention: queries at arbitrary positions of one request, each attending to the keys at or before
-its own position. Both engines run every blended pass through it: the reference blender (chunkcache.reference) on
+its own position (and, in a sliding-window layer, no more than `window` positions before it). Both engines run every blended pass through it: the reference blender (chunkcache.reference) on
 its per-request buffers, the SGLang glue (sglang_patch.sparse_attention) on the KV pool. Cost is O(queries x keys)
 per layer, not the O(N^2) of a padded square.
 
@@ -24,9 +24,10 @@ QUERY_BLOCK = 64
 @dataclass
 class _Block:
     rows: slice  # rows of the segment (relative to its first row)
-    n_keys: int  # keys [0, n_keys) of the segment's key axis are visible to some row of the block
+    n_keys: int  # keys [first, n_keys) of the segment's key axis are visible to some row of the block
     mask: torch.Tensor | None  # [b, n_keys - shared] bool over keys [shared, n_keys); None: every key visible
-    shared: int = 0  # keys [0, shared) are visible to every row of the block: attended without a mask
+    shared: int = 0  # keys [first, shared) are visible to every row of the block: attended without a mask
+    first: int = 0  # keys before it are visible to no row (behind a sliding window)
     _bias: dict = field(default_factory=dict)  # (dtype, group) -> the mask as an additive bias, made once per pass
 
     def bias(self, dtype: torch.dtype, group: int = 1) -> torch.Tensor | None:
@@ -40,27 +41,33 @@ class _Block:
         return self._bias[dtype, group]
 
 
-def plan_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, whole_context: bool) -> list[_Block]:
+def plan_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, whole_context: bool,
+                window: int | None = None) -> list[_Block]:
     """Query blocks of QUERY_BLOCK rows (q_pos sorted) with their masks. When the keys sit at positions 0..c-1 in
-    order, a block needs only a prefix of them, unless `whole_context` (recording attention to every key), and on CPU
-    the keys before its first row's position are `shared` (only the rest needs a mask)."""
+    order, a block needs only a range of them, unless `whole_context` (recording attention to every key), and on CPU
+    the keys before its first row's position are `shared` (only the rest needs a mask). `window`: a sliding-window
+    layer's, as SGLang's RadixAttention.sliding_window_size counts it (a query sees keys q - window .. q)."""
     ordered = not whole_context and torch.equal(k_pos, torch.arange(len(k_pos), device=k_pos.device))
     blocks = []
     for start in range(0, len(q_pos), QUERY_BLOCK):
         blk = slice(start, start + QUERY_BLOCK)
         qp = q_pos[blk]
         n_keys = int(qp.max()) + 1 if ordered else len(k_pos)
+        first = max(0, int(qp.min()) - window) if ordered and window is not None else 0
         # the split is the CPU strategy (attend_blocks); every row sees at least its own position in the masked
-        # part, so no row of it is empty
-        shared = int(qp.min()) if ordered and q_pos.device.type == "cpu" else 0
-        allowed = k_pos[None, shared:n_keys] <= qp[:, None]
-        blocks.append(_Block(blk, n_keys, None if bool(allowed.all()) else allowed, shared))
+        # part, so no row of it is empty. Behind a window the block's keys are few: all of them masked.
+        shared = int(qp.min()) if ordered and window is None and q_pos.device.type == "cpu" else first
+        keys = k_pos[None, shared:n_keys]
+        allowed = keys <= qp[:, None]
+        if window is not None:
+            allowed &= keys >= qp[:, None] - window
+        blocks.append(_Block(blk, n_keys, None if bool(allowed.all()) else allowed, shared, first))
     return blocks
 
 
-def attend(q, keys, values, q_pos, k_pos, scale, record=None):
+def attend(q, keys, values, q_pos, k_pos, scale, record=None, window=None):
     """q [m, Hq, D] at positions q_pos (sorted); keys/values [c, Hk, D] at k_pos. One-shot form of attend_blocks."""
-    return attend_blocks(q, keys, values, plan_blocks(q_pos, k_pos, record is not None), scale, record)
+    return attend_blocks(q, keys, values, plan_blocks(q_pos, k_pos, record is not None, window), scale, record)
 
 
 def attend_blocks(q, keys, values, blocks: list[_Block], scale, record=None):
@@ -75,7 +82,7 @@ def attend_blocks(q, keys, values, blocks: list[_Block], scale, record=None):
     kt_all = keys.transpose(0, 1)  # [Hk, c, D]
     vt_all = values.transpose(0, 1)
     for b in blocks:
-        kt, vt = kt_all[:, : b.n_keys], vt_all[:, : b.n_keys]
+        kt, vt = kt_all[:, b.first: b.n_keys], vt_all[:, b.first: b.n_keys]
         if record is not None:
             out[b.rows] = _attend_recording(q[b.rows].transpose(0, 1), kt, vt, b, scale, group, record, q.shape)
         elif q.device.type == "cpu":
@@ -93,12 +100,12 @@ def _attend_split(q, kt, vt, b: _Block, scale, group):
     bulk of the keys; CPU flash attention with a mask ran ~25 % slower than without (6.4K keys, bf16)."""
     rows, hk, d = q.shape[0], kt.shape[0], q.shape[-1]
     qs = q.view(rows, hk, group, d).permute(1, 2, 0, 3).reshape(1, hk, group * rows, d)  # row (g, r) of KV head h
-    parts = []
-    if b.shared:
-        parts.append(_flash(qs, kt[None, :, : b.shared], vt[None, :, : b.shared], None, scale))
+    parts, shared = [], b.shared - b.first  # kt, vt start at key b.first
+    if shared:
+        parts.append(_flash(qs, kt[None, :, :shared], vt[None, :, :shared], None, scale))
     if b.n_keys > b.shared:
         bias = b.bias(q.dtype, group)
-        parts.append(_flash(qs, kt[None, :, b.shared:], vt[None, :, b.shared:], None if bias is None else bias, scale))
+        parts.append(_flash(qs, kt[None, :, shared:], vt[None, :, shared:], None if bias is None else bias, scale))
     if len(parts) == 1:
         o = parts[0][0]
     else:
@@ -118,8 +125,9 @@ def _attend_recording(qb, kt, vt, b: _Block, scale, group, record, q_shape):
     """Explicit softmax, so the mean attention of the queries to each context key can be added to `record`."""
     kg, vg = kt.repeat_interleave(group, 0), vt.repeat_interleave(group, 0)
     logits = (qb @ kg.transpose(1, 2)) * scale
+    shared = b.shared - b.first  # kt, vt start at key b.first (0 when recording: plan_blocks' whole context)
     if b.mask is not None:
-        logits[:, :, b.shared:] = logits[:, :, b.shared:].masked_fill(~b.mask, float("-inf"))
+        logits[:, :, shared:] = logits[:, :, shared:].masked_fill(~b.mask, float("-inf"))
     probs = logits.softmax(-1)
     record += probs[:, :, : record.shape[0]].float().sum((0, 1)) / (q_shape[0] * q_shape[1])
     return (probs @ vg).transpose(0, 1)
