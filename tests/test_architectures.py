@@ -145,3 +145,21 @@ def test_reused_chunks_match_the_reference_blender_where_it_runs(family, rag):
     ref = ReferenceBlender.from_pretrained(model)
     result = ref.blend(ids[: spans[0][0]], [ids[s:e] for s, e in spans], ids[spans[-1][1]:], selector="none")
     assert ref.generate(result, 8) == served["output_ids"], arch
+
+
+@pytest.mark.slow
+def test_gemma_3_270m_blends_with_full_to_stocks_greedy_output(tmp_path):
+    """The second real model (chunkcache model gemma-3-270m): local layers' windows of 512 and two RoPE bases, on
+    prompts longer than the window."""
+    from chunkcache.models import resolve_model
+
+    model = resolve_model("gemma-3-270m")
+    rag = Rag(transformers.AutoTokenizer.from_pretrained(model), n_docs=6, words=120)
+    with sglang_engine(model, tmp_path, "", max_total_tokens=6000, dtype="float32") as engine:
+        for k, order in enumerate(([0, 1, 2, 3, 4], [4, 2, 0, 5, 1])):
+            ids, spans = rag.build(order, f"What is the code of document {order[2]}?")
+            assert len(ids) > 600  # past the local layers' window
+            stock = gen(engine, ids)
+            blended = gen(engine, ids, hints(spans, selector="full", namespace=f"gemma-{k}"))
+            assert blended["meta_info"]["chunkcache"]["selector"] == "full"
+            assert blended["output_ids"] == stock["output_ids"], (order, blended["text"], stock["text"])
