@@ -39,7 +39,9 @@ def chunk_ids(tokenizer, text: str) -> list[int]:
 
 def build(tokenizer, documents: Sequence[str], question: str, *, system: str | None = DEFAULT_SYSTEM,
           instruction: str = DEFAULT_INSTRUCTION, sep: str = "\n\n") -> RagPrompt:
-    """The chat-template prompt `system` + user(`instruction` + documents + `question`) + assistant header."""
+    """The chat-template prompt `system` + user(`instruction` + documents + `question`) + assistant header; for a
+    tokenizer without a chat template (a base model: gemma-3-270m), the plain text BOS + `system` + blank line +
+    `instruction` + documents + `question`."""
     if not documents:
         raise ValueError("a RAG prompt needs at least one document")
     # the placeholder must occur once in the rendered text: a client's text that contains it gets another one
@@ -49,7 +51,10 @@ def build(tokenizer, documents: Sequence[str], question: str, *, system: str | N
         slot = f"{_SLOT[:-1]}_{n}\x01"
     messages = ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": f"{instruction}{slot}{question}"}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:
+        text = (tokenizer.bos_token or "") + (f"{system}\n\n" if system else "") + messages[-1]["content"]
     head, tail = text.split(slot)
     ids = tokenizer.encode(head, add_special_tokens=False)
     spans = []

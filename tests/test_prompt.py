@@ -35,6 +35,16 @@ def test_prompt_is_the_chat_template_with_the_documents(tok):
     assert text == expected
 
 
+def test_a_base_model_without_a_chat_template_gets_bos_and_plain_text(tok):
+    base = AutoTokenizer.from_pretrained(tok.name_or_path)
+    base.chat_template = None
+    base.bos_token = "<|endoftext|>"  # the default model's id 0: a stand-in for a base model's BOS
+    p = build(base, DOCS, "Where is Bern?", system="Be brief.")
+    assert p.input_ids[0] == base.bos_token_id
+    assert base.decode(p.input_ids[1:]) == "Be brief.\n\nDocuments:\n\n" + "".join(d + "\n\n" for d in DOCS) + "Where is Bern?"
+    assert [base.decode(p.input_ids[s:e]) for s, e in p.token_spans] == [d + "\n\n" for d in DOCS]
+
+
 def test_hint_is_valid_and_carries_options(tok):
     p = build(tok, DOCS, "Where is Bern?")
     hint = parse(find_payload(p.kv_hints(selector="epic", ratio=0.2)), len(p.input_ids))
