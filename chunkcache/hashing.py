@@ -75,6 +75,15 @@ def model_fingerprint(model_dir: str | os.PathLike) -> str:
     return _digest(*fields)
 
 
+def shard_fingerprint(fingerprint: str, tp_rank: int, tp_size: int) -> str:
+    """The fingerprint of one tensor-parallel rank's KV (its slice of the KV heads): with a shared disk or remote
+    tier, a rank must never read another rank's slice, so both its chunk keys and its entries' model check carry the
+    rank. One rank (tp_size 1) keeps the model's fingerprint, which the reference blender shares."""
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tensor-parallel rank {tp_rank} is not in [0, {tp_size})")
+    return fingerprint if tp_size == 1 else f"{fingerprint}:tp{tp_rank}of{tp_size}"
+
+
 def _file_identity(path: Path) -> bytes:
     size = path.stat().st_size
     h = xxhash.xxh3_128()

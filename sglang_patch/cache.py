@@ -19,7 +19,7 @@ from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_unified_
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from chunkcache.blend.reuse import ChunkReuse
-from chunkcache.hashing import model_fingerprint
+from chunkcache.hashing import model_fingerprint, shard_fingerprint
 from chunkcache import architectures
 from chunkcache.store import ChunkStore, EntryLayout
 
@@ -29,13 +29,13 @@ log = logging.getLogger(__name__)
 
 
 class ChunkRadixCache(UnifiedRadixCache):
-    def __init__(self, params, *, model_config, model_path: str, **kwargs):
+    def __init__(self, params, *, model_config, model_path: str, tp_rank: int = 0, tp_size: int = 1, **kwargs):
         super().__init__(params, **kwargs)
         config = load_server_config()
         # a model the blend would serve wrong stops the server here (`chunkcache serve` refuses it before launching)
         rope = architectures.check(model_config.hf_config, "sglang", model_config.context_len)
         pool = params.token_to_kv_pool_allocator.get_kvcache()
-        fingerprint = model_fingerprint(model_path)
+        fingerprint = shard_fingerprint(model_fingerprint(model_path), tp_rank, tp_size)
         # disk and remote entries are checked against this model's KV layout when read (a misfit is dropped, not used)
         _, kv_heads, head_dim = pool.get_key_buffer(0).shape
         layout = EntryLayout(fingerprint, pool.layer_num, kv_heads, head_dim)
@@ -57,7 +57,15 @@ def reuse_of(tree_cache) -> ChunkReuse | None:
 
 
 def factory(ctx: TreeCacheBuildContext) -> ChunkRadixCache:
+    from sglang.srt.runtime_context import get_disagg
+
+    if getattr(get_disagg(), "enable_pdmux", False):
+        # PD multiplexing runs extends layer by layer (ForwardMode.SPLIT_PREFILL), outside the hooked eager runner
+        raise ValueError("chunkcache: PD multiplexing (enable_pdmux) splits prefills by layer outside the blended "
+                         "forward; serve without it or without --radix-cache-backend chunkcache")
+
     def build(params):
-        return ChunkRadixCache(params, model_config=ctx.model_config, model_path=ctx.server_args.model_path)
+        return ChunkRadixCache(params, model_config=ctx.model_config, model_path=ctx.server_args.model_path,
+                               tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
 
     return create_unified_radix_cache(ctx, cache_class=build)

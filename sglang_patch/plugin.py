@@ -56,6 +56,9 @@ def hooks() -> list[tuple[str, object, HookType]]:
         (f"{_SCHEDULER}.get_prefill_adder_class", admission.adder_class, AFTER),
         ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", _attach_batch, AFTER),
         ("sglang.srt.model_executor.runner.eager_runner.EagerRunner._execute_extend", _blend_extend, AROUND),
+        # a batch with chunks never replays the prefill CUDA graph, which would bypass the blend
+        ("sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner.can_run_graph",
+         _eager_for_blends, AFTER),
         # the chunk report: scheduler -> detokenizer -> main process meta_info["chunkcache"]
         (f"{_STREAMER}._GenerationStreamAccumulator.accept", report.attach, BEFORE),
         (f"{_STREAMER}.SchedulerOutputStreamer.is_request_level_customized_info_key", report.request_level, AFTER),
@@ -75,6 +78,11 @@ def _attach_batch(result, cls, batch, *args, **kwargs):
     result.chunkcache_reqs = batch.reqs
     result.chunkcache_reuse = reuse_of(batch.tree_cache)
     return result
+
+
+def _eager_for_blends(result, graph_runner, forward_batch, *args, **kwargs) -> bool:
+    reqs = getattr(forward_batch, "chunkcache_reqs", None) or ()
+    return result and not any(request_hint.of(r) is not None for r in reqs)
 
 
 def _blend_extend(original, runner, forward_batch, pp_proxy_tensors=None):

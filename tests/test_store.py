@@ -293,3 +293,23 @@ def test_two_processes_writing_the_same_key_never_corrupt_it(tmp_path):
     assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == [f"{key(42)}.kv"]
     assert_same(expected[int(reader.get(key(42)).token_ids[0])], reader.get(key(42)))
     assert os.path.getsize(reader.path(key(42))) == len(encode(expected[1]))
+
+
+def test_a_tensor_parallel_rank_never_reads_another_ranks_kv_slice(tmp_path):
+    """Ranks of one model share a disk (or remote) tier; each holds its own slice of the KV heads."""
+    from chunkcache.hashing import chunk_key, shard_fingerprint
+    from chunkcache.store import EntryLayout
+
+    ids = list(range(20, 28))
+    fps = [shard_fingerprint(FP, rank, 2) for rank in (0, 1)]
+    assert shard_fingerprint(FP, 0, 1) == FP and len(set(fps)) == 2
+    stores = [ChunkStore(disk_dir=str(tmp_path), model_fingerprint=fp, layout=EntryLayout(fp, 2, 2, 4))
+              for fp in fps]
+    keys = [chunk_key(fp, "default", "p" * 32, ids) for fp in fps]
+    assert keys[0] != keys[1]  # the same chunk has another key on each rank
+    stores[0].put(make_entry(keys[0], fp=fps[0]))
+    assert stores[0].get(keys[0]) is not None
+    assert stores[1].get(keys[1]) is None  # rank 1 looks for its own key: a miss
+    assert stores[1].get(keys[0]) is None  # and rank 0's entry, read by its key from the shared disk, does not fit
+    with pytest.raises(ValueError, match="tensor-parallel rank 2"):
+        shard_fingerprint(FP, 2, 2)
