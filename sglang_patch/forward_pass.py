@@ -126,13 +126,23 @@ class Runner:
 
 @contextmanager
 def _first_layers(model, n: int):
-    """Run only the first `n` decoder layers (SGLang's models loop over `model.model.start_layer..end_layer`)."""
+    """Run only the first `n` decoder layers: most SGLang models loop over `model.model.start_layer..end_layer`;
+    those without (Gemma 3) over `model.model.layers`, which is cut for the pass (its output is not used)."""
     inner = model.model
-    if not hasattr(inner, "end_layer"):
-        raise NotImplementedError(f"{type(inner).__name__} has no end_layer: cannot stop its forward early")
-    end = inner.end_layer
-    inner.end_layer = min(end, inner.start_layer + n)
-    try:
-        yield
-    finally:
-        inner.end_layer = end
+    if hasattr(inner, "end_layer"):
+        end = inner.end_layer
+        inner.end_layer = min(end, inner.start_layer + n)
+        try:
+            yield
+        finally:
+            inner.end_layer = end
+    elif isinstance(getattr(inner, "layers", None), torch.nn.ModuleList):
+        layers = inner.layers
+        inner.layers = layers[:n]
+        try:
+            yield
+        finally:
+            inner.layers = layers
+    else:
+        raise NotImplementedError(f"{type(inner).__name__} has neither end_layer nor layers: cannot stop its forward "
+                                  f"early")

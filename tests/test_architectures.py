@@ -163,3 +163,15 @@ def test_gemma_3_270m_blends_with_full_to_stocks_greedy_output(tmp_path):
             blended = gen(engine, ids, hints(spans, selector="full", namespace=f"gemma-{k}"))
             assert blended["meta_info"]["chunkcache"]["selector"] == "full"
             assert blended["output_ids"] == stock["output_ids"], (order, blended["text"], stock["text"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("selector", ["epic", "prophet", "mix"])
+def test_every_selector_blends_on_every_served_family(family, rag, selector):
+    """Their feature passes run inside SGLang's model too (mix's stops after its first layers): a blend, never the
+    fallback to full compute."""
+    arch, _, engine = family
+    ids, spans = rag.build([1, 3, 0], "What is the code of document 3?")
+    info = gen(engine, ids, hints(spans, selector=selector, namespace=f"sel-{selector}"), n=2)["meta_info"]["chunkcache"]
+    assert "fallback" not in info and info["selector"] == selector, (arch, info)
+    assert 0 < info["recomputed_tokens"] < len(ids) and info["reused_tokens"] > 0, (arch, info)
