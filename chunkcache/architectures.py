@@ -106,8 +106,6 @@ def _features(config: Any, path: str, context_len: int | None):
     if path == "reference" and window and use_window and (context_len is None or window < context_len):
         yield (f"a sliding window of {window} tokens (context {context_len}): the reference path has no sliding "
                f"window")
-    for key in ("attn_logit_softcapping", "attention_logit_softcapping"):
-        if getattr(config, key, None):
-            yield f"attention logit soft-capping ({key}={getattr(config, key)}): the blend's attention does not cap"
-    if getattr(config, "kv_lora_rank", None):
-        yield "multi-head latent attention (kv_lora_rank): no per-head K/V to reuse"
+    if getattr(config, "attn_logit_softcapping", None):
+        yield (f"attention logit soft-capping (attn_logit_softcapping={config.attn_logit_softcapping}): the blend's "
+               f"attention does not cap")

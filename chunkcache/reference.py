@@ -31,13 +31,10 @@ from .blend.plan import Placement, RequestPlan, plan_request
 from .draft import Draft
 from .draft import load as load_draft
 from .hashing import chunk_key, model_fingerprint, prefix_key
-from .rope import RopeSpec, rerotate, rotate_half
+from .rope import rerotate, rotate_half
 from .select.base import Layout, Selector
 from .store import ChunkEntry, ChunkStore
 
-# transformers model types whose decoder layer `_forward` reproduces: Llama's, with q/k norm before RoPE (Qwen3) and
-# layers without RoPE (SmolLM3); the support table (chunkcache.architectures) decides the rest
-REFERENCE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "smollm3")
 # padded tokens per batch when computing missing chunks; bounds the batch's KV buffer
 CHUNK_BATCH_TOKENS = 8192
 
@@ -60,7 +57,9 @@ class BlendResult:
 class ReferenceBlender:
     def __init__(self, model, model_dir: str | os.PathLike, store: ChunkStore | None = None, namespace: str = "default"):
         config = model.config
-        self.rope = check_reference(config)
+        # the support table's "reference" families are those whose decoder layer `_forward` reproduces: Llama's, with
+        # q/k norm before RoPE (Qwen3) and layers without RoPE (SmolLM3)
+        self.rope = architectures.check(config, "reference")
         self.model = model.eval()
         self.config = config
         self.model_dir = str(model_dir)
@@ -92,7 +91,7 @@ class ReferenceBlender:
         from .models import resolve_model
 
         path = resolve_model(model_path)
-        check_reference(AutoConfig.from_pretrained(path))  # refuse an unsupported model before loading its weights
+        architectures.check(AutoConfig.from_pretrained(path), "reference")  # refused before its weights load
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
         return cls(model, path, store=store, namespace=namespace)
 
@@ -425,16 +424,6 @@ class _Engine:
         sel = tokens[0].to(self.blender.device)
         h = self.blender._forward(self.ids[None, sel], sel, self.k_buf, self.v_buf)
         return self.blender._logits(h[:, -1])
-
-
-def check_reference(config) -> RopeSpec:
-    """The model's RoPE if the reference blender computes its layers exactly (architectures.check on the reference
-    path), else UnsupportedModel."""
-    rope = architectures.check(config, path="reference")
-    if config.model_type not in REFERENCE_MODEL_TYPES:
-        raise architectures.UnsupportedModel(f"model type {config.model_type!r} has no reference-path layer loop; "
-                                             f"it has {', '.join(REFERENCE_MODEL_TYPES)}")
-    return rope
 
 
 def _as_ids(ids: TokenIds, what: str) -> torch.Tensor:

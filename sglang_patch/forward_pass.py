@@ -130,19 +130,15 @@ def _first_layers(model, n: int):
     those without (Gemma 3) over `model.model.layers`, which is cut for the pass (its output is not used)."""
     inner = model.model
     if hasattr(inner, "end_layer"):
-        end = inner.end_layer
-        inner.end_layer = min(end, inner.start_layer + n)
-        try:
-            yield
-        finally:
-            inner.end_layer = end
+        name, cut = "end_layer", min(inner.end_layer, inner.start_layer + n)
     elif isinstance(getattr(inner, "layers", None), torch.nn.ModuleList):
-        layers = inner.layers
-        inner.layers = layers[:n]
-        try:
-            yield
-        finally:
-            inner.layers = layers
+        name, cut = "layers", inner.layers[:n]
     else:
         raise NotImplementedError(f"{type(inner).__name__} has neither end_layer nor layers: cannot stop its forward "
                                   f"early")
+    whole = getattr(inner, name)
+    setattr(inner, name, cut)
+    try:
+        yield
+    finally:
+        setattr(inner, name, whole)
