@@ -1,7 +1,7 @@
 """chunkbench: the benchmark harness beside chunkcache (engine-agnostic core) and sglang_patch (SGLang glue).
 
-It imports both; chunkcache never imports it, sglang_patch only where its CLI dispatches `chunkcache bench` /
-`chunkcache eval`. Two kinds of modules:
+It imports both; neither imports it: the `chunkcache` CLI finds `chunkcache bench` / `chunkcache eval` through the
+`chunkcache.commands` entry points (pyproject.toml). Two kinds of modules:
 
 - the harness of `chunkcache bench` / `chunkcache eval` (`cli` parses their arguments): the A/B harness against
   stock prefix caching (`ab`, `closed_loop`, `load`, `client`, `report`, `closed_report`, `plots`), the

@@ -1,4 +1,6 @@
-"""Arguments of `chunkcache bench` and `chunkcache eval` (sglang_patch/cli.py dispatches here)."""
+"""`chunkcache bench` and `chunkcache eval`: the `chunkcache.commands` entry points (pyproject.toml) through which
+the `chunkcache` CLI finds them. Loaded to list them in its --help, so the harness itself is imported only when one
+runs."""
 
 from __future__ import annotations
 
@@ -7,10 +9,6 @@ import json
 import sys
 import time
 from pathlib import Path
-
-from .ab import Arm, BenchConfig
-from .quality import RATIOS, EvalConfig
-from .workloads import WorkloadConfig
 
 # --smoke: a few minutes on a 2-core CPU, end to end (CI); the defaults are the full size, run by hand
 SMOKE = {"requests": 3, "docs": 2, "words": 60, "pool": 4, "rates": "0.5", "load_requests": 3, "max_new_tokens": 16,
@@ -53,6 +51,10 @@ def _sized(args: argparse.Namespace, preset: dict) -> dict:
 
 
 def bench(argv: list[str]) -> int:
+    """A/B benchmark against stock prefix caching: TTFT, throughput, goodput, quality."""
+    from .ab import Arm, BenchConfig
+    from .workloads import WorkloadConfig
+
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--workload")
     if pre.parse_known_args(argv)[0].workload == "auto":  # its own phases and options: chunkbench/auto_bench.py
@@ -123,6 +125,10 @@ def _report(out: Path) -> int:
 
 
 def evaluate(argv: list[str]) -> int:
+    """Quality sweep of selectors x rho, plus the SpecCache analyses."""
+    from .quality import RATIOS, EvalConfig, markdown, run
+    from .workloads import WorkloadConfig
+
     ap = argparse.ArgumentParser(prog="chunkcache eval", description="Quality of selectors x rho against gold "
                                  "answers and full recompute (reference blender or a live server): accuracy, "
                                  "agreement, teacher-forced agreement and first-token KL, each with a 95 % "
@@ -157,8 +163,6 @@ def evaluate(argv: list[str]) -> int:
         path=args.path, analyses=args.analyses, max_new_tokens=size["max_new_tokens"], model=args.model,
         server_config=args.config, server_url=args.server_url, top_logprobs=args.top_logprobs,
         out=Path(args.out) if args.out else None, resume=args.resume)
-    from .quality import markdown, run
-
     result = run(config)
     if args.json:
         json.dump(result, sys.stdout, indent=1, default=str)

@@ -10,7 +10,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 
@@ -67,21 +67,21 @@ class SelectConfig:
     options: dict[str, Any] = field(default_factory=dict)
 
     def check(self) -> None:
-        from .select import REGISTRY  # here, not at module level: the selectors import torch and transformers
-
-        known = REGISTRY.names()
-        _one_of(self, "selector", known)
+        """What needs no selector: the names and their options are the registry's to judge (Config.load's
+        `selectors`)."""
         if not 0.0 <= self.ratio <= 1.0:
             raise ConfigError("ratio", f"must be in [0, 1], got {self.ratio}")
         for name, opts in self.options.items():
-            if name not in known:
-                raise ConfigError("options", f"{name!r} is not a selector; known: {', '.join(known)}")
             if not isinstance(opts, dict):
                 raise ConfigError(f"options:{name}", f"must be a mapping of keyword options, got {opts!r}")
-            try:  # an unknown option or a value the selector refuses fails at load, not on every request
-                REGISTRY.create(name, **opts)
-            except (TypeError, ValueError) as exc:
-                raise ConfigError(f"options:{name}", str(exc)) from None
+
+
+class Selectors(Protocol):
+    """The selector registry (chunkcache.select.REGISTRY) as Config.load sees it. Passed in, not imported: the
+    selectors depend on modules that depend on this one (select -> draft -> models -> config)."""
+
+    def check(self, select: SelectConfig) -> None:
+        """ConfigError (key relative to the select section) for a selector name or options it refuses."""
 
 
 @dataclass
@@ -191,7 +191,10 @@ class Config:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
 
     @classmethod
-    def load(cls, path: str | Path | None = None) -> "Config":
+    def load(cls, path: str | Path | None = None, selectors: Selectors | None = None) -> "Config":
+        """The config at `path` (None: the defaults). `selectors` judges the select section's selector names and
+        options; without it they are first tried when a selector is built (a server loads with
+        chunkcache.select.REGISTRY, so that a bad name stops it before it serves)."""
         if path is None:
             return cls()
         raw = yaml.safe_load(Path(path).read_text()) or {}
@@ -199,6 +202,11 @@ class Config:
             raise ValueError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
         errors: list[ConfigError] = []
         config = _build(cls, raw, str(path), errors)
+        if selectors is not None:
+            try:
+                selectors.check(config.select)
+            except ConfigError as exc:
+                errors.append(ConfigError(f"{path}:select:{exc.key}", exc.reason))
         if errors:  # every bad value at once, not one per start-up attempt
             raise ValueError("; ".join(map(str, errors))) if len(errors) > 1 else errors[0]
         return config

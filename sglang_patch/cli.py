@@ -1,4 +1,5 @@
-"""`chunkcache` console script: `model`, `serve`, `bench` and `eval` subcommands."""
+"""`chunkcache` console script: `model`, `serve` and `ingest`, and the subcommands installed packages add through
+the `chunkcache.commands` entry points (the benchmark harness: `bench` and `eval`)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
+from importlib.metadata import entry_points
 
-from chunkcache.config import Config
 from chunkcache.models import DEFAULT_MODEL, ModelError, resolve_model
+
+COMMANDS = "chunkcache.commands"  # entry-point group: NAME = "module:function", function(argv) -> exit status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,9 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--auto-chunks", action="store_true", help="find reusable chunks in prompts without a chunk hint "
                    "(config auto.enabled; unmarked requests become approximate)")
 
-    for name, summary in (("bench", "A/B benchmark against stock prefix caching: TTFT, throughput, goodput, quality"),
-                          ("eval", "quality sweep of selectors x rho, plus the SpecCache analyses")):
-        sub.add_parser(name, help=summary, add_help=False)  # arguments: chunkbench/cli.py
+    commands = installed_commands()
+    for name, command in commands.items():
+        summary = (f"unavailable (`chunkcache {name}` says why)" if isinstance(command, str)
+                   else (command.__doc__ or "").split("\n")[0])
+        sub.add_parser(name, help=summary, add_help=False)  # it parses its own arguments, --help included
 
     p = sub.add_parser("ingest", help="precompute and store the chunk KV of documents on a running server")
     p.add_argument("file", help='JSON Lines: one document per line, a JSON string or {"text": ...}')
@@ -44,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args, extra = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if extra and args.command not in ("serve", "bench", "eval"):
+    if extra and args.command != "serve" and args.command not in commands:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.command == "model":
@@ -52,21 +58,36 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "ingest":
             return ingest(args)
-        if args.command in ("bench", "eval"):
-            from chunkbench import cli as bench_cli
-
-            return (bench_cli.bench if args.command == "bench" else bench_cli.evaluate)(extra)
+        if args.command in commands:
+            command = commands[args.command]
+            if isinstance(command, str):
+                print(f"chunkcache: error: `chunkcache {args.command}` is unavailable: {command}", file=sys.stderr)
+                return 2
+            return command(extra)
         return serve(args, extra)
     except (ModelError, ValueError, OSError) as exc:
         print(f"chunkcache: error: {exc}", file=sys.stderr)
         return 2
 
 
+def installed_commands() -> dict[str, Callable[[list[str]], int] | str]:
+    """The subcommands of the `chunkcache.commands` entry points by name, each loaded (for its summary) or, where
+    that fails, why: the other subcommands work without it."""
+    commands: dict[str, Callable[[list[str]], int] | str] = {}
+    for ep in entry_points(group=COMMANDS):
+        try:
+            commands[ep.name] = ep.load()
+        except (ImportError, AttributeError) as exc:
+            dist = f" (distribution {ep.dist.name})" if ep.dist else ""
+            commands[ep.name] = f"{ep.value}{dist} cannot be loaded: {type(exc).__name__}: {exc}"
+    return commands
+
+
 def serve(args: argparse.Namespace, extra: list[str]) -> int:
-    from .launcher import AUTO_CHUNKS_ENV, REMOTE_URL_ENV, prepare_environment, server_settings, to_argv
+    from .launcher import AUTO_CHUNKS_ENV, REMOTE_URL_ENV, load_config, prepare_environment, server_settings, to_argv
     from .server_process import ServerProcess, wait_healthy
 
-    config = Config.load(args.config)
+    config = load_config(args.config)
     for key in ("model", "host", "port"):
         if getattr(args, key) is not None:
             setattr(config.serve, key, getattr(args, key))

@@ -57,9 +57,17 @@ def prepare_environment(config_path: str | Path | None) -> None:
         os.environ[CONFIG_ENV] = str(Path(config_path).resolve())
 
 
+def load_config(path: str | Path | None) -> Config:
+    """A server's config: the selector names and options checked too, so that a bad one stops the server at start
+    instead of making every request that names it fall back."""
+    from chunkcache.select import REGISTRY  # torch and transformers: not for the modules that only need constants
+
+    return Config.load(path, selectors=REGISTRY)
+
+
 def load_server_config() -> Config:
     """The config the server was started with, as seen from any SGLang process."""
-    config = Config.load(os.environ.get(CONFIG_ENV))
+    config = load_config(os.environ.get(CONFIG_ENV))
     if os.environ.get(REMOTE_URL_ENV):
         config.store.remote_url = os.environ[REMOTE_URL_ENV]
     if os.environ.get(AUTO_CHUNKS_ENV) == "1":

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from chunkcache.config import Config, ConfigError
+from chunkcache.select import REGISTRY
 
 ROOT_CONFIGS = ["configs/default.yaml", "configs/bench-cpu.yaml"]
 
@@ -41,7 +42,7 @@ def test_bad_values_are_refused_with_the_key(tmp_path, body, message):
     path = tmp_path / "bad.yaml"
     path.write_text(body)
     with pytest.raises(ValueError) as info:
-        Config.load(path)
+        Config.load(path, selectors=REGISTRY)
     assert message in str(info.value) and str(path) in str(info.value)
 
 

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
+from ..config import ConfigError, SelectConfig
+
 if TYPE_CHECKING:
     from ..draft import Draft
 
@@ -162,6 +164,22 @@ class Registry:
         if name not in self._classes:
             raise ValueError(f"unknown selector {name!r}; known: {', '.join(self.names())}")
         return self._classes[name](**options)
+
+    def check(self, select: SelectConfig) -> None:
+        """ConfigError for a config's select section naming a selector not registered, or options its class refuses
+        (an unknown option, a value out of range): Config.load(..., selectors=REGISTRY) reports them at load, not
+        every request that uses them. Options that are not a mapping are SelectConfig.check's to report."""
+        known = self.names()
+        if select.selector not in self._classes:
+            raise ConfigError("selector", f"{select.selector!r} is not one of {', '.join(known)}")
+        for name, opts in select.options.items():
+            if name not in self._classes:
+                raise ConfigError("options", f"{name!r} is not a selector; known: {', '.join(known)}")
+            if isinstance(opts, dict):
+                try:
+                    self.create(name, **opts)
+                except (TypeError, ValueError) as exc:
+                    raise ConfigError(f"options:{name}", str(exc)) from None
 
 
 REGISTRY = Registry()

@@ -1,0 +1,118 @@
+"""The import graph the packages promise (issue 29, item 2), read from the source with `ast`, nothing imported:
+`chunkcache` (the core) never imports SGLang, the glue or the harness, and has no cycle among its modules;
+`sglang_patch` (the glue) never imports `chunkbench` (the harness), which reaches the CLI through the
+`chunkcache.commands` entry points instead.
+
+Every import statement counts, the ones inside functions too: a function-level import only defers the same
+dependency to the first call, and a cycle through it is still a cycle. Importing `a.b.c` also runs `a/__init__.py`
+and `a/b/__init__.py`, so those are edges too, except for the importer's own packages (a module inside
+`chunkcache.select` needs `chunkcache/select/__init__.py` run, or at least started, whatever it imports)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("chunkcache", "sglang_patch", "chunkbench")
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the three packages by dotted name (a package by its own name: its __init__.py)."""
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imported(module: str, path: Path) -> set[str]:
+    """Absolute names of what `module` imports, with the packages importing each one runs first."""
+    is_package = path.name == "__init__.py"
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                anchor = module.split(".")
+                anchor = anchor[: len(anchor) - node.level + (1 if is_package else 0)]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            else:
+                base = node.module
+            names.add(base)
+            # `from pkg import mod` imports the submodule pkg.mod when there is one
+            names.update(f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in MODULES)
+    own = {".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 1 + is_package)}
+    with_parents = set()
+    for name in names:
+        parts = name.split(".")
+        with_parents.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return with_parents - own - {module}
+
+
+GRAPH = {module: _imported(module, path) for module, path in MODULES.items()}
+
+
+def _offenders(importer: str, forbidden: tuple[str, ...]) -> list[str]:
+    return sorted(f"{module} imports {name}" for module, names in GRAPH.items() if module.split(".")[0] == importer
+                  for name in names if name.split(".")[0] in forbidden)
+
+
+def test_the_glue_never_imports_the_harness():
+    assert _offenders("sglang_patch", ("chunkbench",)) == []
+
+
+def test_the_core_never_imports_sglang_the_glue_or_the_harness():
+    assert _offenders("chunkcache", ("sglang", "sgl_kernel", "sglang_patch", "chunkbench")) == []
+
+
+def _cycle(nodes: dict[str, set[str]]) -> list[str]:
+    """One cycle of the graph as [a, b, ..., a], or [] when it has none (iterative depth-first search)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    for start in sorted(nodes):
+        if start in state:
+            continue
+        path, stack = [start], [iter(sorted(nodes[start]))]
+        state[start] = 1
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            elif nxt not in state:
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(sorted(nodes[nxt])))
+    return []
+
+
+def test_the_core_has_no_import_cycle():
+    core = {m: {n for n in names if n in GRAPH and n.startswith("chunkcache")}
+            for m, names in GRAPH.items() if m.startswith("chunkcache")}
+    assert _cycle(core) == []
+
+
+@pytest.mark.parametrize("graph, cycle", [
+    ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, ["a", "b", "c", "a"]),
+    ({"a": {"b", "c"}, "b": {"c"}, "c": set()}, []),
+    ({"a": {"a"}}, ["a", "a"]),
+])
+def test_cycle_finder(graph, cycle):
+    assert _cycle(graph) == cycle
+
+
+def test_graph_reads_relative_and_function_level_imports():
+    """The parser itself: a cycle test over a graph with no edges would pass whatever the code imports."""
+    assert "chunkcache.select.base" in GRAPH["chunkcache.select.cacheblend"]  # from .base import ...
+    assert "chunkcache.models" in GRAPH["chunkcache.draft"]  # inside a function
+    assert "chunkcache.select" in GRAPH["chunkcache.blend.pipeline"]  # a package's __init__ runs first
+    assert "chunkcache.select" not in GRAPH["chunkcache.select.base"]  # not its own package
