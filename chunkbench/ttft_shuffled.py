@@ -44,8 +44,8 @@ def main() -> None:
     ap.add_argument("--selectors", default="none,epic,prophet")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", help="model dtype on both sides (default: the server's, see chunkcache.config)")
-    ap.add_argument("--config", help="server YAML (configs/default.yaml's keys), e.g. selector options "
-                    "(select.options.spec.per_chunk)")
+    ap.add_argument("--config", help="server YAML, a path or a packaged name (chunkcache/configs/default.yaml's "
+                    "keys), e.g. selector options (select.options.spec.per_chunk)")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer

@@ -1,4 +1,5 @@
-"""Typed configuration, loaded from configs/*.yaml. Every knob has a default and a doc line (the field comment).
+"""Typed configuration, loaded from YAML (chunkcache/configs/*.yaml are packaged with the code: `default`, the one a
+server without --config runs on, and named variants). Every knob has a default and a doc line (the field comment).
 
 A value of the wrong type or out of range is refused when the file is loaded (ValueError naming the key and the
 reason), so a server never starts on a config that would make it fall back on every request.
@@ -13,6 +14,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import yaml
+
+PACKAGED = Path(__file__).with_name("configs")  # package data: shipped in the wheel beside this module
 
 
 def home() -> Path:
@@ -192,12 +195,11 @@ class Config:
 
     @classmethod
     def load(cls, path: str | Path | None = None, selectors: Selectors | None = None) -> "Config":
-        """The config at `path` (None: the defaults). `selectors` judges the select section's selector names and
-        options; without it they are first tried when a selector is built (a server loads with
-        chunkcache.select.REGISTRY, so that a bad name stops it before it serves)."""
-        if path is None:
-            return cls()
-        raw = yaml.safe_load(Path(path).read_text()) or {}
+        """The config `path` names (see `config_file`); None is the packaged `default`. `selectors` judges the
+        select section's selector names and options; without it they are first tried when a selector is built (a
+        server loads with chunkcache.select.REGISTRY, so that a bad name stops it before it serves)."""
+        path = config_file(path)
+        raw = yaml.safe_load(path.read_text()) or {}
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
         errors: list[ConfigError] = []
@@ -213,6 +215,19 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def config_file(name: str | Path | None) -> Path:
+    """The YAML file behind a --config value: a bare name (no directory, no suffix) is a packaged config,
+    chunkcache/configs/NAME.yaml; anything else is a path. None is `default`. A missing file is an error, never the
+    built-in defaults: a server must not start on other settings than the ones it was given."""
+    path = Path("default" if name is None else name)
+    if path.parent == Path(".") and not path.suffix:
+        path = PACKAGED / f"{path}.yaml"
+    if not path.is_file():
+        packaged = ", ".join(sorted(p.stem for p in PACKAGED.glob("*.yaml"))) or "none (an incomplete install)"
+        raise FileNotFoundError(f"config {str(name or 'default')!r}: no file {path}; packaged configs: {packaged}")
+    return path
 
 
 class ConfigError(ValueError):

@@ -25,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("name", nargs="?", default=DEFAULT_MODEL)
 
     p = sub.add_parser("serve", help="start SGLang's HTTP server with chunk reuse (CPU when no GPU is present)")
-    p.add_argument("--config", help="YAML config (see configs/default.yaml)")
+    p.add_argument("--config", help="YAML config: a path, or a packaged name (default, bench-cpu, eval-fp32: "
+                   "chunkcache/configs/)")
     p.add_argument("--model", help=f"model name or HF directory (default: from config, else {DEFAULT_MODEL})")
     p.add_argument("--host")
     p.add_argument("--port", type=int)

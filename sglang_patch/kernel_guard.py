@@ -4,7 +4,8 @@ SGLang imports a few `*_cpu` names from `sgl_kernel` at module level even in CPU
 on the Llama path without AMX. This module installs a meta-path finder that, on the first `import sgl_kernel`, tries
 the real package; only if that fails does it serve a stand-in whose attributes raise a clear error when *called*.
 A host where the real module loads gets it untouched. The finder must be in place before sglang is imported in every
-process (the scheduler is a spawned subprocess), so `install_pth()` writes a .pth file into site-packages.
+process (the scheduler is a spawned subprocess), so the package ships a .pth file that calls `install()` at every
+interpreter start (setup.py puts it at the top of the wheel, editable or not).
 """
 
 from __future__ import annotations
@@ -15,12 +16,10 @@ import importlib.machinery
 import importlib.util
 import logging
 import sys
-import sysconfig
 import types
 from pathlib import Path
 
 NAME = "sgl_kernel"
-PTH_NAME = "chunkcache_sgl_kernel_guard.pth"
 log = logging.getLogger(__name__)
 
 
@@ -137,14 +136,3 @@ def install() -> None:
 
 def is_stand_in(module: types.ModuleType) -> bool:
     return isinstance(module, _StandIn)
-
-
-def install_pth() -> Path:
-    """Write the .pth hook that calls install() at every interpreter start in this environment."""
-    path = Path(sysconfig.get_paths()["purelib"]) / PTH_NAME
-    path.write_text("import sglang_patch.kernel_guard as _g; _g.install()\n")
-    return path
-
-
-if __name__ == "__main__":
-    print(install_pth())

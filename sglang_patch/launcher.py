@@ -7,7 +7,7 @@ import logging
 import os
 from pathlib import Path
 
-from chunkcache.config import Config, LimitsConfig
+from chunkcache.config import Config, LimitsConfig, config_file
 
 log = logging.getLogger(__name__)
 BACKEND_NAME = "chunkcache"  # --radix-cache-backend name registered by the plugin
@@ -54,7 +54,7 @@ def prepare_environment(config_path: str | Path | None) -> None:
     if not has_gpu():
         os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
     if config_path is not None:
-        os.environ[CONFIG_ENV] = str(Path(config_path).resolve())
+        os.environ[CONFIG_ENV] = str(config_file(config_path).resolve())
 
 
 def load_config(path: str | Path | None) -> Config:

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from chunkcache.config import Config, ConfigError
+from chunkcache import config as config_module
+from chunkcache.config import PACKAGED, Config, ConfigError
 from chunkcache.select import REGISTRY
 
-ROOT_CONFIGS = ["configs/default.yaml", "configs/bench-cpu.yaml"]
 
 
 @pytest.mark.parametrize("body, message", [
@@ -54,9 +54,25 @@ def test_good_values_load_and_ints_become_floats(tmp_path):
     assert config.select.ratio == 1.0 and isinstance(config.select.ratio, float) and config.store.host_bytes == 0
 
 
-@pytest.mark.parametrize("path", ROOT_CONFIGS)
-def test_shipped_configs_load(path):
-    Config.load(path)
+@pytest.mark.parametrize("name", sorted(p.stem for p in PACKAGED.glob("*.yaml")))
+def test_packaged_configs_load_by_name(name):
+    assert Config.load(name).to_dict() == Config.load(PACKAGED / f"{name}.yaml").to_dict()
+
+
+def test_packaged_configs_are_found():  # else the test above runs on none
+    assert {p.stem for p in PACKAGED.glob("*.yaml")} == {"default", "bench-cpu", "eval-fp32"}
+
+
+@pytest.mark.parametrize("name", ["bench-gpu", "configs/bench-cpu.yaml"])
+def test_a_missing_config_is_an_error_naming_the_packaged_ones(name):
+    with pytest.raises(FileNotFoundError, match=f"config '{name}': no file .*packaged configs: bench-cpu, default"):
+        Config.load(name)
+
+
+def test_no_packaged_default_is_an_error_not_the_built_in_defaults(monkeypatch, tmp_path):
+    monkeypatch.setattr(config_module, "PACKAGED", tmp_path)
+    with pytest.raises(FileNotFoundError, match="config 'default'.*packaged configs: none"):
+        Config.load()
 
 
 def test_config_error_names_key_and_reason():

@@ -1,14 +1,11 @@
 """The SGLang settings `chunkcache serve` starts both sides of the A/B comparison with."""
 
 import argparse
-from pathlib import Path
 
 import pytest
 
 from chunkcache.config import Config
 from sglang_patch import launcher
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -37,8 +34,8 @@ def test_gpu_leaves_the_dtype_to_sglang(monkeypatch):
     assert settings["dtype"] == "auto" and "device" not in settings
 
 
-def test_default_yaml_is_the_built_in_default():
-    assert Config.load(ROOT / "configs" / "default.yaml").to_dict() == Config().to_dict()
+def test_packaged_default_is_the_built_in_default():
+    assert Config.load().to_dict() == Config().to_dict()
 
 
 def test_sglang_parses_every_setting_back(cpu):
