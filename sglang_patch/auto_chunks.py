@@ -77,8 +77,7 @@ def learn(reuse: ChunkReuse, model_runner, forward_batch, reqs, hint_of) -> None
         row.req.__dict__.pop(SEGMENTS)  # learned once per prompt, whatever later rounds do
         learned = _store(reuse, pool, row, todo)
         if hint is None:
-            report.auto_stock(reuse.store, row.req, radix=row.matched, computed=row.seq_len - row.matched,
-                              learned=learned)
+            report.auto_stock(row.req, radix=row.matched, computed=row.seq_len - row.matched, learned=learned)
         elif learned:
             report.add_learned(row.req, learned)
 

@@ -38,18 +38,18 @@ def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
         return None
     if forward_batch.return_logprob:
         for row, _ in hinted:
-            report.fallback(reuse.store, row.req, "logprobs", "input logprobs need every prompt token's logits")
+            report.fallback(row.req, "logprobs", "input logprobs need every prompt token's logits")
         return None
     blending: dict[int, RequestPlan] = {}  # batch row -> its plan
     for row, hint in hinted:
         prompt = len(row.req.origin_input_ids)
         if row.seq_len != prompt:
-            report.fallback(reuse.store, row.req, "partial_prefill", f"tokens [{row.matched}, {row.seq_len}) of "
+            report.fallback(row.req, "partial_prefill", f"tokens [{row.matched}, {row.seq_len}) of "
                             f"{prompt} (chunked prefill or a retracted request): this round is computed in full")
         elif (plan := hint.plan(row.matched)).blends:
             blending[row.index] = plan
         else:  # the radix tree holds every chunk: computed exactly, and said so
-            report.blended(reuse.store, row.req, plan, hits=0, reused=0, recomputed=row.seq_len - row.matched,
+            report.blended(row.req, plan, hits=0, reused=0, recomputed=row.seq_len - row.matched,
                            admitted_compute=admission.charged(row.req), auto=hint.auto)
     if not blending:
         return None
@@ -65,7 +65,7 @@ def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
     feature_s = s["features"] / len(blending)  # a batched feature pass is shared evenly by its requests
     blend_s = time.perf_counter() - t0 - s["features"] - s["select"]
     for index, request in zip(blending, done.requests):
-        report.blended(reuse.store, rows[index].req, request.plan, hits=request.hits, reused=request.reused_tokens,
+        report.blended(rows[index].req, request.plan, hits=request.hits, reused=request.reused_tokens,
                        recomputed=len(request.recomputed), admitted_compute=admission.charged(rows[index].req),
                        select_s=feature_s + request.select_s, blend_s=blend_s, stages=stages, batch=batch,
                        auto=request_hint.of(rows[index].req).auto)

@@ -23,6 +23,7 @@ from chunkcache.hashing import model_fingerprint, shard_fingerprint
 from chunkcache import architectures
 from chunkcache.store import ChunkStore, EntryLayout
 
+from . import metrics
 from .launcher import BACKEND_NAME, load_server_config
 
 log = logging.getLogger(__name__)
@@ -39,8 +40,8 @@ class ChunkRadixCache(UnifiedRadixCache):
         # disk and remote entries are checked against this model's KV layout when read (a misfit is dropped, not used)
         _, kv_heads, head_dim = pool.get_key_buffer(0).shape
         layout = EntryLayout(fingerprint, pool.layer_num, kv_heads, head_dim)
-        self.reuse = ChunkReuse(config, ChunkStore.from_config(config.store, fingerprint, layout), layout, rope,
-                                model_path, pool.device)
+        store = ChunkStore.from_config(config.store, fingerprint, layout, on_change=metrics.set_store_stats)
+        self.reuse = ChunkReuse(config, store, layout, rope, model_path, pool.device)
         log.info("chunkcache: radix cache backend %r active in scheduler pid %d", BACKEND_NAME, os.getpid())
 
     def chunkcache_state(self) -> dict:

@@ -9,6 +9,8 @@ the same request twice; until then, and when metrics are off, every function her
 
 from __future__ import annotations
 
+import threading
+
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 TIERS = ("host", "disk")  # the chunk store's tiers, as `tier` label values
@@ -73,9 +75,10 @@ class _Metrics:
                                     registry=r)
         self.auto_learned_bytes = Counter("chunkcache_auto_learned_bytes", "Bytes of segments stored from prefilled "
                                           "prompts", registry=r)
-        self.evictions_seen = 0  # the store counts evictions cumulatively; the counter gets the increments
-        self.corrupt_seen = self.disk_full_seen = 0  # likewise
-        self.remote_seen: dict[str, int] = {}  # likewise for the remote tier's counters
+        # the store counts cumulatively, the counters get the increments: the totals already counted
+        self.store_seen: dict[str, int] = {}
+        # snapshots come from the scheduler and the forward thread, either one first
+        self.store_lock = threading.Lock()
         for tier in TIERS:
             self.store_bytes.labels(tier).set(0)  # series visible from startup, not only after the first chunk
 
@@ -140,31 +143,31 @@ def set_store_bytes(tier: str, n: int) -> None:
         _metrics.store_bytes.labels(tier).set(n)
 
 
-def record_evictions(n: int = 1) -> None:
-    if _metrics is not None and n > 0:
-        _metrics.evictions.inc(n)
-
-
 def set_store_stats(stats) -> None:
     """Store gauges, evictions, dropped entries and refused disk writes from a `chunkcache.store.StoreStats`
-    snapshot."""
+    snapshot: the store's `on_change` (sglang_patch.cache)."""
     m = _metrics
     if m is None:
         return
-    set_store_bytes("host", stats.memory_bytes)
-    set_store_bytes("disk", stats.disk_bytes)
-    record_evictions(stats.evictions - m.evictions_seen)
-    m.evictions_seen = stats.evictions
-    m.corrupt.inc(max(0, stats.corrupt - m.corrupt_seen))
-    m.corrupt_seen = stats.corrupt
-    m.disk_full.inc(max(0, stats.disk_full - m.disk_full_seen))
-    m.disk_full_seen = stats.disk_full
-    remote = stats.remote
-    if remote is None:
-        return
-    m.remote_up.set(int(remote.up))
-    for field in (*REMOTE_COUNTERS, *REMOTE_SKIPS):
-        n = getattr(remote, field) - m.remote_seen.get(field, 0)
-        m.remote_seen[field] = getattr(remote, field)
-        if n > 0:
-            (m.remote[field] if field in REMOTE_COUNTERS else m.remote_skipped.labels(REMOTE_SKIPS[field])).inc(n)
+    with m.store_lock:
+        set_store_bytes("host", stats.memory_bytes)
+        set_store_bytes("disk", stats.disk_bytes)
+        _count_new(m, "evictions", stats.evictions, m.evictions)
+        _count_new(m, "corrupt", stats.corrupt, m.corrupt)
+        _count_new(m, "disk_full", stats.disk_full, m.disk_full)
+        remote = stats.remote
+        if remote is None:
+            return
+        m.remote_up.set(int(remote.up))
+        for field in REMOTE_COUNTERS:
+            _count_new(m, f"remote.{field}", getattr(remote, field), m.remote[field])
+        for field, reason in REMOTE_SKIPS.items():
+            _count_new(m, f"remote.{field}", getattr(remote, field), m.remote_skipped.labels(reason))
+
+
+def _count_new(m: _Metrics, name: str, total: int, counter) -> None:
+    """Add what `total` has beyond the largest total counted so far: an older snapshot arriving late adds nothing."""
+    seen = m.store_seen.get(name, 0)
+    if total > seen:
+        counter.inc(total - seen)
+        m.store_seen[name] = total

@@ -107,7 +107,7 @@ def _extend(original, runner, forward_batch, pp_proxy_tensors, reuse, reqs):
         log.exception("chunkcache: blended prefill failed; computing the batch in full")
         for r in reqs:
             if request_hint.of(r) is not None:
-                report.fallback(reuse.store, r, "error", f"{type(exc).__name__}: {exc}")
+                report.fallback(r, "error", f"{type(exc).__name__}: {exc}")
         out = None
     return original(runner, forward_batch, pp_proxy_tensors) if out is None else out
 

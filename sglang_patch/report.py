@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 
 from chunkcache.blend.plan import RequestPlan
-from chunkcache.store import ChunkStore
 
 from . import metrics
 
@@ -32,7 +31,7 @@ AUTO_DETECT_S = "chunkcache_auto_detect_s"  # Req attribute: seconds automatic d
 NO_BATCH = {"requests": 0, "plain": 0, "decodes": 0, "forwards": 0}
 
 
-def blended(store: ChunkStore, req, plan: RequestPlan, *, hits: int, reused: int, recomputed: int,
+def blended(req, plan: RequestPlan, *, hits: int, reused: int, recomputed: int,
             admitted_compute: int | None, select_s: float = 0.0, blend_s: float = 0.0,
             stages: dict[str, float] | None = None, batch: dict[str, int] | None = None, auto: bool = False) -> None:
     """A round served from the plan: chunk hits, reused and recomputed tokens, the radix match, the selector, timings
@@ -48,16 +47,14 @@ def blended(store: ChunkStore, req, plan: RequestPlan, *, hits: int, reused: int
     }
     log.info("chunkcache: request %s %s", getattr(req, "rid", "?"), info)
     metrics.record_request(info)
-    metrics.set_store_stats(store.stats())
     _add_round(req, info)
 
 
-def auto_stock(store: ChunkStore, req, *, radix: int, computed: int, learned: dict[str, int]) -> None:
+def auto_stock(req, *, radix: int, computed: int, learned: dict[str, int]) -> None:
     """A request automatic detection served as stock (too few stored segments): what it computed and taught the
     store."""
     log.info("chunkcache: request %s served as stock by automatic detection (too few stored segments); learned %s",
              getattr(req, "rid", "?"), learned)
-    metrics.set_store_stats(store.stats())
     _add_round(req, {**_auto(req), "chunk_hits": 0, "reused_tokens": 0, "recomputed_tokens": computed,
                      "radix_tokens": radix, "learned": learned})
 
@@ -74,11 +71,10 @@ def add_learned(req, learned: dict[str, int]) -> None:
         info["learned"] = learned
 
 
-def fallback(store: ChunkStore, req, reason: str, detail: str) -> None:
+def fallback(req, reason: str, detail: str) -> None:
     """A round computed in full instead of blended: said in the log, a metric and its meta_info."""
     log.warning("chunkcache: request %s computed in full (%s): %s", getattr(req, "rid", "?"), reason, detail)
     metrics.record_fallback(reason)
-    metrics.set_store_stats(store.stats())  # e.g. an entry dropped while looking it up
     _add_round(req, {"fallback": reason, "detail": detail})
 
 

@@ -45,12 +45,12 @@ def attach(reuse: ChunkReuse | None, tree_cache, req) -> None:
                 hint = auto_chunks.detect(reuse, tree_cache, req)
             except Exception as exc:  # noqa: BLE001 - e.g. the shared tier failing mid-lookup: serve it as stock
                 log.exception("chunkcache: automatic chunk detection failed for request %s", getattr(req, "rid", "?"))
-                report.fallback(reuse.store, req, "auto_error", f"{type(exc).__name__}: {exc}")
+                report.fallback(req, "auto_error", f"{type(exc).__name__}: {exc}")
             if hint is not None:
                 req.extra_key = auto_partition(req.extra_key)
     except HintError as exc:  # validated at the HTTP layer; an Engine-side bypass still must not fail the request
         if reuse is not None:
-            report.fallback(reuse.store, req, "bad_hint", str(exc))
+            report.fallback(req, "bad_hint", str(exc))
     req.__dict__[ATTR] = hint
 
 

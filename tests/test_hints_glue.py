@@ -4,11 +4,13 @@
 from types import SimpleNamespace
 
 import pytest
+import torch
 from prometheus_client import CollectorRegistry
 from sglang.srt.managers.kv_hints import decode_kv_hints_envelope
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
 from chunkcache.hints import ACTION_TYPE, HintError
+from chunkcache.store import ChunkEntry, ChunkStore
 from sglang_patch import hint_validation, metrics, report, request_hint
 
 
@@ -262,6 +264,24 @@ def test_store_and_fallback_metrics(registry):
     metrics.record_fallback("logprobs")
     metrics.record_fallback("logprobs")
     assert value("chunkcache_fallbacks_total", {"reason": "logprobs"}) == 2
+
+
+def test_store_series_follow_the_store_without_a_request_report(registry):
+    """The store reports its own changes (ChunkStore on_change, wired in sglang_patch.cache), not the request
+    reports: a put that evicts shows in /metrics before any request is reported."""
+    def entry(i):
+        return ChunkEntry(f"{i:032x}", torch.arange(4), torch.zeros(1, 4, 1, 2), torch.zeros(1, 4, 1, 2), 0, "f" * 32)
+
+    store = ChunkStore(host_bytes=entry(0).nbytes, on_change=metrics.set_store_stats)
+    value = registry.get_sample_value
+    store.put(entry(0))
+    assert value("chunkcache_store_bytes", {"tier": "host"}) == entry(0).nbytes
+    old = store.stats()
+    store.put(entry(1))
+    assert value("chunkcache_evictions_total") == 1
+    metrics.set_store_stats(old)  # a snapshot from another thread, arriving late
+    store.put(entry(2))
+    assert value("chunkcache_evictions_total") == 2
 
 
 def test_metrics_off_is_a_no_op():

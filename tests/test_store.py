@@ -130,6 +130,23 @@ def test_add_features_to_an_entry_no_local_tier_holds_is_refused():
     assert key(5) not in store and store.stats().memory_bytes == 0
 
 
+def test_on_change_gets_a_snapshot_after_each_operation(tmp_path):
+    """What the server's store metrics follow (sglang_patch.cache): every change, from whichever operation made it."""
+    size = make_entry(key(0)).nbytes
+    seen = []
+    store = ChunkStore(host_bytes=size, disk_dir=str(tmp_path), on_change=seen.append)
+    store.put(make_entry(key(0)))
+    assert seen[-1].memory_bytes == size and seen[-1].disk_entries == 1
+    store.put(make_entry(key(1)))
+    assert seen[-1].evictions == 1
+    store.get(key(0))  # from disk, back into memory: key(1) evicted
+    assert (seen[-1].disk_hits, seen[-1].evictions) == (1, 2)
+    store.add_features(key(0), {"x": torch.zeros(1)})
+    assert seen[-1].memory_bytes == 0  # grown past the host budget alone: kept on disk only
+    assert store.add_features(key(9), {}) is False and len(seen) == 5  # a miss too (the disk drops corrupt entries)
+    assert seen[-1] == store.stats()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_disk_round_trip_bit_exact(tmp_path, dtype):
     e = make_entry(key(7), dtype=dtype, features={"draft_scores": torch.rand(8), "draft_k": torch.randn(3, 8, 1, 2)})

@@ -13,11 +13,15 @@ Contract:
   add_features, which charges them and writes the grown entry through to disk and remote. Features written but not
   yet added are neither charged nor seen by another process.
 - A store bound to a model raises FingerprintMismatch for another model's entry, on put and on get.
+- `on_change`, if given, gets a stats snapshot after every get_many, put and add_features (the operations that move
+  bytes, evict, drop corrupt entries or count), from whichever thread made the call; what the remote tier's writer
+  thread does in the background shows in the snapshot after the next operation.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -55,24 +59,27 @@ class ChunkStore:
         model_fingerprint: str | None = None,
         remote: RemoteTier | None = None,
         layout: EntryLayout | None = None,
+        on_change: Callable[[StoreStats], None] | None = None,
     ):
         """`model_fingerprint`, if given, binds the store to one model: entries of any other are refused. `layout`,
-        if given, is the model's KV layout: a disk or remote entry that does not fit it is dropped on read."""
+        if given, is the model's KV layout: a disk or remote entry that does not fit it is dropped on read.
+        `on_change`: see the contract above."""
         self.memory = MemoryTier(host_bytes)
         self.disk = DiskTier(disk_dir, disk_bytes, layout) if disk_dir else None
         self.remote = remote
         self.model_fingerprint = model_fingerprint
+        self.on_change = on_change
         self._lock = threading.Lock()
         self._hits = self._misses = self._memory_hits = self._disk_hits = self._remote_hits = 0
 
     @classmethod
-    def from_config(cls, config: StoreConfig, model_fingerprint: str | None = None,
-                    layout: EntryLayout | None = None) -> "ChunkStore":
+    def from_config(cls, config: StoreConfig, model_fingerprint: str | None = None, layout: EntryLayout | None = None,
+                    on_change: Callable[[StoreStats], None] | None = None) -> "ChunkStore":
         remote = None
         if config.remote_url:
             remote = RemoteTier(config.remote_url, key_prefix(model_fingerprint), config.remote_timeout_s,
                                 config.remote_retry_s, config.remote_max_value_bytes, config.remote_write_queue, layout)
-        return cls(config.host_bytes, config.disk_dir, config.disk_bytes, model_fingerprint, remote, layout)
+        return cls(config.host_bytes, config.disk_dir, config.disk_bytes, model_fingerprint, remote, layout, on_change)
 
     def get(self, key: str) -> ChunkEntry | None:
         return self.get_many([key]).get(key)
@@ -106,6 +113,7 @@ class ChunkStore:
         with self._lock:
             self._hits += len(found)
             self._misses += len(keys) - len(found)
+        self._changed()
         if self.model_fingerprint is not None:
             for entry in found.values():
                 entry.check_model(self.model_fingerprint)
@@ -119,6 +127,7 @@ class ChunkStore:
             kept = self._put_local(entry)
         if self.remote is not None:
             self.remote.put(entry)
+        self._changed()
         return kept
 
     def add_features(self, key: str, features: dict[str, torch.Tensor]) -> bool:
@@ -127,22 +136,27 @@ class ChunkStore:
         this one if it no longer fits alone), rewritten on disk, re-sent to the remote tier. False if no local tier
         holds `key` any more (the features are lost and recomputed when next asked for) or none kept the grown
         entry."""
+        kept = False
         with self._lock:
             entry = self.memory.get(key)
             if entry is None and self.disk is not None:
                 entry = self.disk.get(key)
-            if entry is None:
-                return False
-            entry.features.update(features)
-            kept = self._put_local(entry)
-        if self.remote is not None:
+            if entry is not None:
+                entry.features.update(features)
+                kept = self._put_local(entry)
+        if entry is not None and self.remote is not None:
             self.remote.put(entry)
+        self._changed()  # a miss too: the disk drops a corrupt entry while looking
         return kept
 
     def _put_local(self, entry: ChunkEntry) -> bool:
         in_memory = self.memory.put(entry)
         on_disk = self.disk is not None and self.disk.put(entry)
         return in_memory or on_disk
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self.stats())
 
     def room(self) -> int:
         """Bytes the host-memory tier takes before it evicts."""
