@@ -49,6 +49,29 @@ def server_settings(model_path: str | Path, config: Config, *, chunk_reuse: bool
     return settings
 
 
+def cpu_engine_for_stock_command(server_args, *args, **kwargs) -> None:
+    """Before SGLang resolves a chunkcache server's arguments on a host without a GPU (plugin.hooks()): what
+    `chunkcache serve` sets for this host, for a server started by SGLang's own command (`python -m
+    sglang.launch_server --radix-cache-backend chunkcache`). Each field of `server_settings` the command left at
+    SGLang's default takes the setting's value; the ones it gave win. SGLANG_USE_CPU_ENGINE is set here, in the main
+    process before the scheduler is spawned: the scheduler's platform (CPU kernels, rotary embedding) is chosen from
+    it when its modules are imported."""
+    if server_args.radix_cache_backend != BACKEND_NAME or has_gpu():
+        return
+    import msgspec
+
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    defaults = {f.name: f.default for f in msgspec.structs.fields(type(server_args))}
+    applied = {}
+    for key, value in server_settings(server_args.model_path, load_server_config()).items():
+        if key not in ("model_path", "host", "port") and getattr(server_args, key) == defaults[key] != value:
+            setattr(server_args, key, value)
+            applied[key] = value
+    if applied:
+        log.info("chunkcache: no GPU, SGLang's CPU engine with %s (what `chunkcache serve` passes)",
+                 " ".join(to_argv(applied)))
+
+
 def prepare_environment(config_path: str | Path | None) -> None:
     """Environment every SGLang process inherits (the scheduler is a spawned child)."""
     if not has_gpu():

@@ -16,7 +16,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 from . import (admission, auto_chunks, blend, chat, decode_attention, hint_validation, ingest, metrics, report,
                request_hint)
 from .cache import factory, reuse_of
-from .launcher import BACKEND_NAME
+from .launcher import BACKEND_NAME, cpu_engine_for_stock_command
 
 log = logging.getLogger(__name__)
 AFTER, AROUND, BEFORE = HookType.AFTER, HookType.AROUND, HookType.BEFORE
@@ -41,6 +41,10 @@ def hooks() -> list[tuple[str, object, HookType]]:
     """(target, hook, kind) for every SGLang function chunkcache hooks, in the order a request meets them."""
     main_process = multiprocessing.parent_process() is None
     return [
+        # server start-up without a GPU: the CPU engine's settings, before SGLang resolves its arguments and spawns
+        # the scheduler (main process: a child gets the resolved arguments)
+        *([("sglang.srt.server_args.ServerArgs.resolve_once", cpu_engine_for_stock_command, BEFORE)]
+          if main_process else []),
         # HTTP server (main process only: resolving its module in a spawned child would import the whole server)
         *([("sglang.srt.entrypoints.http_server.launch_server", ingest.add_route, BEFORE)] if main_process else []),
         # OpenAI chat with documents (main process)

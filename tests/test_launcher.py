@@ -1,6 +1,7 @@
 """The SGLang settings `chunkcache serve` starts both sides of the A/B comparison with."""
 
 import argparse
+import os
 
 import pytest
 
@@ -58,3 +59,36 @@ def test_cpu_attention_backend_comes_from_the_config(cpu, tmp_path):
     path.write_text("serve:\n  cpu_attention: flashinfer\n")
     with pytest.raises(ValueError, match="cpu_attention"):
         Config.load(path)
+
+
+def stock_command_args(*argv: str):
+    """ServerArgs as `python -m sglang.launch_server ARGV` has them when it resolves them (plugins loaded first)."""
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+
+    load_plugins()
+    return prepare_server_args(["--model-path", "/models/m", *argv])
+
+
+def test_stock_command_on_cpu_gets_the_cpu_engine_and_keeps_its_own_flags(cpu, monkeypatch):
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
+    monkeypatch.delenv(launcher.CONFIG_ENV, raising=False)
+    args = stock_command_args("--radix-cache-backend", "chunkcache", "--dtype", "float32")
+    launcher.cpu_engine_for_stock_command(args)
+    assert os.environ["SGLANG_USE_CPU_ENGINE"] == "1"
+    expected = launcher.server_settings("/models/m", Config.load())
+    for key in ("device", "attention_backend", "disable_cuda_graph", "disable_overlap_schedule",
+                "mem_fraction_static", "sleep_on_idle"):
+        assert getattr(args, key) == expected[key], key
+    assert args.dtype == "float32"  # given on the command line: not the CPU default (bfloat16)
+    assert (args.host, args.port) == ("127.0.0.1", 30000)
+
+
+@pytest.mark.parametrize("gpu, argv", [(True, ["--radix-cache-backend", "chunkcache"]), (False, [])])
+def test_stock_command_is_left_alone_on_gpu_or_without_chunk_reuse(monkeypatch, gpu, argv):
+    monkeypatch.setattr(launcher, "has_gpu", lambda: gpu)
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
+    args = stock_command_args(*argv)
+    before = repr(args)
+    launcher.cpu_engine_for_stock_command(args)
+    assert repr(args) == before and "SGLANG_USE_CPU_ENGINE" not in os.environ
