@@ -11,7 +11,8 @@
     sgl.set_default_backend(lang.ChunkcacheEndpoint("http://127.0.0.1:30000"))
 
 A chunk is program text (an `SglConstantText`), so roles, `fork`, tracing and the stock interpreter handle it as
-text; the interpreter also records where it lands in the program's text. `ChunkcacheEndpoint` sends a program that
+text; two hooks on the interpreter (`hooks()`, part of plugin.hooks()'s table) record where it lands in the
+program's text. `ChunkcacheEndpoint` sends a program that
 holds chunks as token ids, each chunk tokenized on its own (so it maps to the same ids wherever it sits), with a
 `chunkcache.chunks` hint; a program without chunks is sent exactly as `RuntimeEndpoint` sends it. The shared prefix
 of the chunks is everything the program wrote before its first chunk.
@@ -19,22 +20,28 @@ of the chunks is everything the program wrote before its first chunk.
 
 from __future__ import annotations
 
-import functools
+import threading
 from typing import Any, Iterator, Sequence
 
 import requests
 from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 from sglang.lang.interpreter import StreamExecutor
 from sglang.lang.ir import SglConstantText, SglExprList
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from chunkcache.prompt import assemble
 
 SPANS = "chunkcache_spans"  # StreamExecutor attribute: character spans of the chunks in its text_
 _SELECTING = "chunkcache_selecting"  # StreamExecutor attribute: set while select() runs
+_EXECUTOR = "sglang.lang.interpreter.StreamExecutor"
 
 
 class Chunk(SglConstantText):
     """Program text to reuse as a chunk."""
+
+    def __init__(self, value: str):
+        _install_hooks()
+        super().__init__(value)
 
     def __repr__(self) -> str:
         return f"Chunk({self.value!r})"
@@ -60,32 +67,43 @@ def chunk_spans(executor: StreamExecutor) -> list[tuple[int, int]]:
     return executor.__dict__.setdefault(SPANS, [])
 
 
-def _track_chunks() -> None:
-    """Make SGLang's interpreter remember where chunks land: its `_execute` is a closed isinstance chain (a Chunk
-    runs as the text it is), and `fork` copies a program's state field by field."""
-    execute, fork = StreamExecutor._execute, StreamExecutor.fork
-    if getattr(execute, "_chunkcache", False):
-        return
-
-    @functools.wraps(execute)
-    def _execute(self: StreamExecutor, expr: Any) -> None:
-        start = len(self.text_)
-        execute(self, expr)
-        if isinstance(expr, Chunk) and len(self.text_) > start:
-            chunk_spans(self).append((start, len(self.text_)))
-
-    @functools.wraps(fork)
-    def _fork(self: StreamExecutor, *args: Any, **kwargs: Any) -> list[StreamExecutor]:
-        children = fork(self, *args, **kwargs)
-        for child in children:
-            setattr(child, SPANS, list(chunk_spans(self)))
-        return children
-
-    _execute._chunkcache = True
-    StreamExecutor._execute, StreamExecutor.fork = _execute, _fork
+def hooks() -> list[tuple[str, object, HookType]]:
+    """The interpreter's hooks, (target, hook, kind) as in plugin.hooks(), which lists them with the server's: its
+    `_execute` is a closed isinstance chain (a Chunk runs as the text it is), and `fork` copies a program's state
+    field by field."""
+    return [(f"{_EXECUTOR}._execute", _record_chunk, HookType.AROUND),
+            (f"{_EXECUTOR}.fork", _copy_spans, HookType.AFTER)]
 
 
-_track_chunks()
+def _record_chunk(execute, executor: StreamExecutor, expr: Any) -> None:
+    start = len(executor.text_)
+    execute(executor, expr)
+    if isinstance(expr, Chunk) and len(executor.text_) > start:
+        chunk_spans(executor).append((start, len(executor.text_)))
+
+
+def _copy_spans(children: list[StreamExecutor], executor: StreamExecutor, *args: Any, **kwargs: Any) -> None:
+    for child in children:
+        setattr(child, SPANS, list(chunk_spans(executor)))
+
+
+_installed = False
+_install_lock = threading.Lock()
+
+
+def _install_hooks() -> None:
+    """Register and apply `hooks()` once per process, when its first chunk is made. A frontend program runs no
+    SGLang plugin loader, so nothing else would; a chunk is what needs them, and by the time one exists no loader is
+    half-way through (applying hooks then would apply other plugins' before they are all registered). In a process
+    that also runs the loader (an in-process Engine), it installs them from plugin.hooks() too, and whichever of
+    the two comes second finds the targets patched: SGLang applies a target once."""
+    global _installed
+    with _install_lock:
+        if not _installed:
+            for target, hook, kind in hooks():
+                HookRegistry.register(target, hook, kind)
+            HookRegistry.apply_hooks()
+            _installed = True
 
 
 class ChunkcacheEndpoint(RuntimeEndpoint):

@@ -2,8 +2,9 @@
 
 It registers the `chunkcache` radix-cache backend (sglang_patch.cache) and the `chunkcache_torch` attention backend
 (sglang_patch.decode_attention), and hooks the SGLang functions listed in `hooks()`: that table is every place chunk
-reuse enters SGLang. Two modules still register their own hooks: metrics (its scheduler start-up) and
-decode_attention (SpeCache's decode step, sglang_patch.specache).
+reuse enters SGLang, the frontend interpreter's included (sglang_patch.lang, which also installs its entries itself
+in a frontend program: no plugin loader runs there). Two modules still register their own hooks: metrics (its
+scheduler start-up) and decode_attention (SpeCache's decode step, sglang_patch.specache).
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import multiprocessing
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from . import (admission, auto_chunks, blend, chat, decode_attention, hint_validation, ingest, metrics, report,
-               request_hint)
+from . import (admission, auto_chunks, blend, chat, decode_attention, hint_validation, ingest, lang, metrics,
+               report, request_hint)
 from .cache import factory, reuse_of
 from .launcher import BACKEND_NAME, cpu_engine_for_stock_command
 
@@ -41,6 +42,8 @@ def hooks() -> list[tuple[str, object, HookType]]:
     """(target, hook, kind) for every SGLang function chunkcache hooks, in the order a request meets them."""
     main_process = multiprocessing.parent_process() is None
     return [
+        # frontend program (sglang.lang): where the chunks land in the program's text, and forks keep them
+        *lang.hooks(),
         # server start-up without a GPU: the CPU engine's settings, before SGLang resolves its arguments and spawns
         # the scheduler (main process: a child gets the resolved arguments)
         *([("sglang.srt.server_args.ServerArgs.resolve_once", cpu_engine_for_stock_command, BEFORE)]

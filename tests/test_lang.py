@@ -9,6 +9,7 @@ import pytest
 import requests
 import sglang as sgl
 from sglang.lang.backend.base_backend import BaseBackend
+from sglang.srt.plugins.hook_registry import HookRegistry
 from transformers import AutoTokenizer
 
 from chunkcache.hints import find_payload, parse
@@ -54,6 +55,15 @@ def test_chunks_are_tracked_through_roles_and_forks():
     assert [fork1[s:e] for s, e in spans1] == [d + "\n\n" for d in DOCS]
     assert spans1 == spans2 and fork1.endswith("Q1?\nASSISTANT:") and fork2.endswith("Q2?\nASSISTANT:")
     assert [tail[s:e] for s, e in spans3] == [d + "\n\n" for d in DOCS] + ["A chunk of its own."]
+
+
+def test_hooks_installed_by_the_plugin_loader_and_by_the_first_chunk_record_each_chunk_once():
+    """A process that runs SGLang's plugin loader (an in-process Engine) installs the interpreter's hooks from
+    plugin.hooks(), and its first chunk installs them too: either way round, one wrapper."""
+    for target, hook, kind in lang.hooks():  # what load_plugins() does with the plugin's table
+        HookRegistry.register(target, hook, kind)
+    HookRegistry.apply_hooks()
+    test_chunks_are_tracked_through_roles_and_forks()
 
 
 @pytest.mark.parametrize("docs, message", [

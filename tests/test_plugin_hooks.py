@@ -7,7 +7,7 @@ import types
 import pytest
 from sglang.srt.plugins.hook_registry import HookRegistry
 
-from sglang_patch import plugin, request_hint, specache
+from sglang_patch import lang, plugin, request_hint, specache
 
 
 def resolve(target: str):
@@ -30,6 +30,7 @@ def test_every_hook_target_exists_in_the_installed_sglang(monkeypatch):
     monkeypatch.setattr(specache, "_registered", False)
     plugin.register()  # the plugin table, metrics' and SpeCache's own hooks
     assert len(targets) >= len(plugin.hooks()) + 3
+    assert {target for target, _, _ in lang.hooks()} <= set(targets)  # the frontend interpreter's, in the table
     missing = []
     for target in targets:
         try:
