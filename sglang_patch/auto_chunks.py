@@ -26,6 +26,7 @@ from chunkcache.blend.reuse import ChunkReuse
 from chunkcache.store import ChunkEntry
 
 from . import metrics, report
+from .forward_pass import batch_rows
 
 log = logging.getLogger(__name__)
 SEGMENTS = "chunkcache_segments"  # Req attribute: the prompt's chunkcache.blend.auto.Segments
@@ -59,8 +60,6 @@ def exact_prefix(tree_cache, req) -> int:
 
 def learn(reuse: ChunkReuse, model_runner, forward_batch, reqs, hint_of) -> None:
     """Store the new segments of every request whose prompt prefill finished in this forward."""
-    from .blend import batch_rows  # here: blend -> request_hint -> auto_chunks at import time
-
     if not any(SEGMENTS in r.__dict__ for r in reqs):  # decode rows and prompts already learned: nothing to read
         return
     pool = model_runner.token_to_kv_pool

@@ -26,7 +26,7 @@ from chunkcache.rope import rerotate
 from chunkcache.store import ChunkEntry
 
 from . import admission, report, request_hint
-from .forward_pass import Pass, Row, Runner
+from .forward_pass import Pass, Row, Runner, batch_rows
 
 
 def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
@@ -70,17 +70,6 @@ def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
                        select_s=feature_s + request.select_s, blend_s=blend_s, stages=stages, batch=batch,
                        auto=request_hint.of(rows[index].req).auto)
     return done.output
-
-
-def batch_rows(model_runner, forward_batch, reqs) -> list[Row]:
-    table = model_runner.req_to_token_pool.req_to_token
-    rows = []
-    for i, req in enumerate(reqs):
-        seq_len = int(forward_batch.seq_lens_cpu[i])
-        tokens = (list(req.origin_input_ids) + list(req.output_ids))[:seq_len]
-        rows.append(Row(req, i, table[forward_batch.req_pool_indices[i], :seq_len].long(),
-                        torch.as_tensor(tokens, dtype=torch.long), int(forward_batch.extend_prefix_lens_cpu[i])))
-    return rows
 
 
 class BatchEngine:

@@ -37,6 +37,18 @@ class Row:
         return self.seq_len - self.matched == 1 and self.seq_len > len(self.req.origin_input_ids)
 
 
+def batch_rows(model_runner, forward_batch, reqs) -> list[Row]:
+    """The extend batch's requests as `Row`s, in batch order."""
+    table = model_runner.req_to_token_pool.req_to_token
+    rows = []
+    for i, req in enumerate(reqs):
+        seq_len = int(forward_batch.seq_lens_cpu[i])
+        tokens = (list(req.origin_input_ids) + list(req.output_ids))[:seq_len]
+        rows.append(Row(req, i, table[forward_batch.req_pool_indices[i], :seq_len].long(),
+                        torch.as_tensor(tokens, dtype=torch.long), int(forward_batch.extend_prefix_lens_cpu[i])))
+    return rows
+
+
 class Pass:
     """The tokens of one forward, as segments with their ids, positions and pool slots; built first, then run once."""
 
