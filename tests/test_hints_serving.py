@@ -81,6 +81,11 @@ def test_plain_request_has_no_report(server):
 
 
 def test_metrics_exposed(server):
+    generate(server, text=rag_prompt()[0], kv_hints=kv_hints({"char_spans": rag_prompt()[1]}))  # chunks stored
     text = requests.get(server.url + "/metrics", timeout=30).text
-    for name in ("chunkcache_chunk_hits_total", "chunkcache_reused_tokens_total", 'chunkcache_store_bytes{tier="host"}'):
+    for name in ("chunkcache_chunk_hits_total", "chunkcache_reused_tokens_total"):
         assert name in text
+    # the store's own updates (ChunkStore on_change, wired in sglang_patch.cache)
+    host = [float(line.split()[-1]) for line in text.splitlines()
+            if line.startswith('chunkcache_store_bytes{tier="host"')]
+    assert host and host[0] > 0, text
