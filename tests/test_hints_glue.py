@@ -284,8 +284,30 @@ def test_store_series_follow_the_store_without_a_request_report(registry):
     assert value("chunkcache_evictions_total") == 2
 
 
+def samples(registry) -> dict:
+    """Every chunkcache sample of `registry`: (name, labels) -> value."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for m in registry.collect() for s in m.samples
+            if s.name.startswith("chunkcache_")}
+
+
 def test_metrics_off_is_a_no_op():
+    """With metrics off (SGLang's decision for this scheduler) every recording function returns without a trace:
+    the registry that recorded while metrics were on stays as it was, and no chunkcache series appears in
+    prometheus_client's default registry, the one SGLang's /metrics exports."""
+    from prometheus_client import REGISTRY
+
+    earlier = CollectorRegistry()
+    metrics.start(True, registry=earlier)
+    metrics.record_request(INFO)
+    before, exported = samples(earlier), samples(REGISTRY)
+    assert before[("chunkcache_chunk_hits_total", ())] == INFO["chunk_hits"]  # recording reached it while on
     metrics.start(False)
     metrics.record_request(INFO)
+    metrics.record_auto_lookup(2, 1, 0.01)
+    metrics.record_auto_learned(3, 1024)
     metrics.record_fallback("x")
-    metrics.set_store_stats(stats(memory_bytes=1, disk_bytes=1, evictions=1))
+    metrics.set_store_bytes("device", 64)
+    remote = SimpleNamespace(up=False, **dict.fromkeys([*metrics.REMOTE_COUNTERS, *metrics.REMOTE_SKIPS], 5))
+    metrics.set_store_stats(stats(memory_bytes=1, disk_bytes=1, evictions=1, corrupt=1, disk_full=1, remote=remote))
+    assert samples(earlier) == before
+    assert samples(REGISTRY) == exported
