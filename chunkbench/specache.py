@@ -204,6 +204,7 @@ def _engine(path, cfg: SpeCacheConfig | None, dtype: str):
 
     from chunkcache.config import Config
     from sglang_patch.launcher import prepare_environment, server_settings
+    from sglang_patch.shutdown import shutdown_engine
 
     with tempfile.TemporaryDirectory() as tmp:
         raw = {} if cfg is None else {"decode": {"specache": {**dataclasses.asdict(cfg), "enabled": True}}}
@@ -216,7 +217,7 @@ def _engine(path, cfg: SpeCacheConfig | None, dtype: str):
         try:
             yield engine
         finally:
-            engine.shutdown()
+            shutdown_engine(engine)  # sparing this process's resource tracker (sglang_patch.shutdown)
 
 
 def _mib(values: list[int]) -> str:

@@ -53,6 +53,7 @@ def main() -> None:
     from chunkcache.config import Config
     from chunkcache.models import resolve_model
     from sglang_patch.launcher import prepare_environment, server_settings
+    from sglang_patch.shutdown import shutdown_engine
 
     prepare_environment(args.config)
     import sglang as sgl
@@ -104,7 +105,7 @@ def main() -> None:
             seconds, info = timed(ids, hints(spans, name, args.ratio))
             rows[name].append(seconds)
             stages[name].append(info)
-    engine.shutdown()
+    shutdown_engine(engine)  # sparing this process's resource tracker (sglang_patch.shutdown)
 
     stock = statistics.median(rows["stock"])
     tokens = statistics.median(n_tokens)

@@ -15,7 +15,7 @@ import multiprocessing
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from . import (admission, auto_chunks, blend, chat, decode_attention, hint_validation, ingest, lang, metrics,
-               report, request_hint)
+               report, request_hint, shutdown)
 from .cache import factory, reuse_of
 from .launcher import BACKEND_NAME, cpu_engine_for_stock_command
 
@@ -30,6 +30,7 @@ _STREAMER = "sglang.srt.managers.scheduler_components.output_streamer"
 def register() -> None:
     from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
 
+    shutdown.thread_lock_for_progress_bars()  # no named semaphore for SGLang's SIGKILL to leak (sglang_patch.shutdown)
     if BACKEND_NAME not in registered_radix_cache_backends():
         register_radix_cache_backend(BACKEND_NAME, factory)
     decode_attention.register()
