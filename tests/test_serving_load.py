@@ -94,12 +94,17 @@ def test_blended_prefills_mixed_with_decodes_match_stock(engine, tokenizer):
     stock += [engine.generate(input_ids=ids, sampling_params=params)["output_ids"] for ids, _ in prompts]
 
     async def together():
-        first = asyncio.ensure_future(engine.async_generate(input_ids=decoder, sampling_params=long))
-        await asyncio.sleep(0.5)  # the first request is decoding when the hinted ones arrive
-        rest = await asyncio.gather(*[engine.async_generate(
+        # the first request streams: its first token out means its prefill is done and it is decoding, whatever the
+        # host's load; the hinted requests are sent then, with 63 of its tokens still to decode
+        stream = await engine.async_generate(input_ids=decoder, sampling_params=long, stream=True)
+        first = await stream.__anext__()
+        assert not first["meta_info"]["finish_reason"], first["meta_info"]
+        rest = asyncio.gather(*[engine.async_generate(
             input_ids=ids, sampling_params=params, kv_hints=hints(spans, selector="full", namespace="mixed"))
             for ids, spans in prompts])
-        return [await first, *rest]
+        async for last in stream:  # chunks are cumulative (SGLang's default): the last is the whole output
+            first = last
+        return [first, *await rest]
 
     outs = engine.loop.run_until_complete(together())
     got = [o["output_ids"] for o in outs]
