@@ -29,9 +29,6 @@ def register() -> None:
         register_attention_backend(NAME)(DecodeAttention)
     if NAME not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([NAME])
-    from . import specache  # SpeCache's decode path (decode.specache) hooks the same step
-
-    specache.register()
 
 
 class DecodeAttention(TorchNativeAttnBackend):

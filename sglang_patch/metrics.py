@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from sglang.srt.plugins.hook_registry import HookType
 
 TIERS = ("host", "disk")  # the chunk store's tiers, as `tier` label values
 # RemoteStats counters as chunkcache_remote_* series: field -> (series, help); the skip reasons share one series
@@ -86,9 +86,9 @@ class _Metrics:
 _metrics: _Metrics | None = None
 
 
-def register() -> None:
-    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.init_metrics_collector", _on_scheduler_init,
-                          HookType.AFTER)
+def hooks() -> list[tuple[str, object, HookType]]:
+    """metrics' entry of plugin.hooks(): recording follows the scheduler's own --enable-metrics."""
+    return [("sglang.srt.managers.scheduler.Scheduler.init_metrics_collector", _on_scheduler_init, HookType.AFTER)]
 
 
 def _on_scheduler_init(result, scheduler, *args, **kwargs) -> None:

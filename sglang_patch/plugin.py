@@ -3,8 +3,7 @@
 It registers the `chunkcache` radix-cache backend (sglang_patch.cache) and the `chunkcache_torch` attention backend
 (sglang_patch.decode_attention), and hooks the SGLang functions listed in `hooks()`: that table is every place chunk
 reuse enters SGLang, the frontend interpreter's included (sglang_patch.lang, which also installs its entries itself
-in a frontend program: no plugin loader runs there). Two modules still register their own hooks: metrics (its
-scheduler start-up) and decode_attention (SpeCache's decode step, sglang_patch.specache).
+in a frontend program: no plugin loader runs there), metrics' start-up and SpeCache's decode step.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import multiprocessing
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from . import (admission, auto_chunks, blend, chat, decode_attention, hint_validation, ingest, lang, metrics,
-               report, request_hint, shutdown)
+               report, request_hint, shutdown, specache)
 from .cache import factory, reuse_of
 from .launcher import BACKEND_NAME, cpu_engine_for_stock_command
 
@@ -34,7 +33,6 @@ def register() -> None:
     if BACKEND_NAME not in registered_radix_cache_backends():
         register_radix_cache_backend(BACKEND_NAME, factory)
     decode_attention.register()
-    metrics.register()
     for target, hook, kind in hooks():
         HookRegistry.register(target, hook, kind)
 
@@ -74,6 +72,10 @@ def hooks() -> list[tuple[str, object, HookType]]:
         # /server_info shows which backend really serves
         ("sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
          ".get_internal_state", _report_state, AFTER),
+        # chunkcache's /metrics follow the scheduler's --enable-metrics
+        *metrics.hooks(),
+        # SpeCache's decode (decode.specache): its pool once the runner exists, its decode step, /server_info
+        *specache.hooks(),
     ]
 
 

@@ -31,6 +31,7 @@ import logging
 from dataclasses import dataclass, field, replace
 
 import torch
+from sglang.srt.plugins.hook_registry import HookType
 
 from chunkcache.specache.decode import SUPPORTED_MODELS
 from chunkcache.specache.layer_cache import lowbit_bytes
@@ -39,24 +40,16 @@ from chunkcache.specache.step import select_topk, speculative_attention
 from .specache_pool import LowBitPool
 
 log = logging.getLogger(__name__)
-_registered = False
 
 
-def register() -> None:
-    global _registered
-    if _registered:
-        return
-    _registered = True
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    hooks = {
-        "sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs": (_attach, HookType.AFTER),
-        "sglang.srt.model_executor.runner.eager_runner.EagerRunner._execute_decode": (_decode, HookType.AROUND),
-        "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state":
-            (_report, HookType.AFTER),
-    }
-    for target, (fn, kind) in hooks.items():
-        HookRegistry.register(target, fn, kind)
+def hooks() -> list[tuple[str, object, HookType]]:
+    """SpeCache's entries of plugin.hooks(): its pool built once the runner exists, its decode step, its report."""
+    return [
+        ("sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs", _attach, HookType.AFTER),
+        ("sglang.srt.model_executor.runner.eager_runner.EagerRunner._execute_decode", _decode, HookType.AROUND),
+        ("sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
+         ".get_internal_state", _report, HookType.AFTER),
+    ]
 
 
 def _attach(result, model_runner, *args, **kwargs):

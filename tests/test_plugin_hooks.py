@@ -7,7 +7,7 @@ import types
 import pytest
 from sglang.srt.plugins.hook_registry import HookRegistry
 
-from sglang_patch import lang, plugin, request_hint, specache
+from sglang_patch import lang, metrics, plugin, request_hint, specache
 
 
 def resolve(target: str):
@@ -27,10 +27,11 @@ def resolve(target: str):
 def test_every_hook_target_exists_in_the_installed_sglang(monkeypatch):
     targets = []
     monkeypatch.setattr(HookRegistry, "register", classmethod(lambda cls, target, *a, **k: targets.append(target)))
-    monkeypatch.setattr(specache, "_registered", False)
-    plugin.register()  # the plugin table, metrics' and SpeCache's own hooks
-    assert len(targets) >= len(plugin.hooks()) + 3
-    assert {target for target, _, _ in lang.hooks()} <= set(targets)  # the frontend interpreter's, in the table
+    plugin.register()
+    # the plugin registers exactly its table: no module hooks SGLang on its own
+    assert targets == [target for target, _, _ in plugin.hooks()]
+    for part in (lang, metrics, specache):
+        assert {target for target, _, _ in part.hooks()} <= set(targets)
     missing = []
     for target in targets:
         try:
