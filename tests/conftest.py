@@ -1,12 +1,69 @@
 import contextlib
 import random
+import sys
 from pathlib import Path
 
 import pytest
+import safetensors
 
 from sglang_patch.server_process import ServerProcess, chunkcache_serve
+from sglang_patch.shutdown import shutdown_engine
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# --- the two tiers ----------------------------------------------------------------------------------------------------
+# `slow` means exactly: the test starts a server or an SGLang engine, or loads a real model's weights (tiny random
+# models built in-process stay fast). `make check` runs the others. A test not marked slow that does one of these
+# fails at once, naming it: the checks sit where tests do them (start_server and sglang_engine below, every
+# ServerProcess running SGLang, safetensors reads of a model in chunkcache's model directory). Out of their sight,
+# marked by hand: a subprocess that starts servers or loads a model itself (tests/test_selector_quality.py,
+# tests/test_bench_smoke.py).
+_running = None  # the test being set up or run, fixtures included
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    global _running
+    _running = item
+
+
+def require_slow(what: str) -> None:
+    """Fail the running test if it is not marked slow: it `what` (e.g. "starts a server")."""
+    if _running is not None and _running.get_closest_marker("slow") is None:
+        pytest.fail(f"{_running.nodeid} {what}, but is not marked slow (tests/conftest.py: the two tiers)",
+                    pytrace=False)
+
+
+def _server_process_init(init):
+    def guarded(self, argv, *args, **kwargs):
+        command = " ".join(map(str, argv))
+        if any(s in command for s in ("sglang.launch_server", "sglang_patch.cli serve", "examples/cluster.py")):
+            require_slow(f"starts a server ({command[:120]})")
+        init(self, argv, *args, **kwargs)
+
+    return guarded
+
+
+ServerProcess.__init__ = _server_process_init(ServerProcess.__init__)
+
+
+def _safe_open(open_weights):
+    def guarded(filename, *args, **kwargs):
+        from chunkcache.models import models_dir
+
+        model = Path(filename).resolve().parent
+        if model.parent == models_dir().resolve() and not model.name.startswith("tiny-"):
+            require_slow(f"loads the weights of {model.name}")
+        return open_weights(filename, *args, **kwargs)
+
+    return guarded
+
+
+# every safetensors read of transformers goes through safe_open, which its modules import by name: patched here,
+# before they are imported (nothing above imports transformers), or in place if something did import them first
+safetensors.safe_open = _safe_open(safetensors.safe_open)
+if "transformers.modeling_utils" in sys.modules:
+    sys.modules["transformers.modeling_utils"].safe_open = safetensors.safe_open
 
 
 @pytest.fixture(scope="session")
@@ -21,12 +78,14 @@ def start_server(log_path: Path, *args: str, env: dict | None = None) -> ServerP
     short-lived intermediate process so that it is not a descendant of pytest, because `sgl.Engine.shutdown()` (used
     by the in-process engine tests) kills every descendant of the calling process, which would otherwise take the
     session's shared server down with it."""
+    require_slow("starts a server")
     return chunkcache_serve(*args, log_path=log_path, env=env, cwd=ROOT / "tests", detach=True, timeout=600)
 
 
 @contextlib.contextmanager
 def sglang_engine(model: Path, config_dir: Path, config_yaml: str = "", **settings):
     """An in-process `sgl.Engine` with the chunkcache backend on this host's settings, `config_yaml` as its config."""
+    require_slow("starts an SGLang engine")
     from chunkcache.config import Config
     from sglang_patch.launcher import prepare_environment, server_settings
 
@@ -40,7 +99,7 @@ def sglang_engine(model: Path, config_dir: Path, config_yaml: str = "", **settin
     try:
         yield engine
     finally:
-        engine.shutdown()
+        shutdown_engine(engine)  # SGLang's shutdown, sparing pytest's resource tracker
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,6 @@
 wall time, TTFT percentiles, fallbacks counted from the raw report, ratios per client count, the table and plot."""
 
 import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -74,15 +73,21 @@ def test_fresh_never_repeats_a_document_order():
 
 def test_closed_clients_take_the_next_request_when_theirs_finished(monkeypatch):
     """N clients over one queue: never more than N in flight, every request once, records in request order."""
-    in_flight, peak, lock = 0, 0, threading.Lock()
+    in_flight, peak, calls, lock = 0, 0, 0, threading.Lock()
+    # the first three requests wait for each other: three clients are in flight at once however busy the host is
+    # (a sleep of 10 ms did not make them overlap on a loaded 2-core one); with fewer clients the barrier breaks
+    first_three = threading.Barrier(3, timeout=60)
 
     def generate(url, ids, max_new_tokens, hints, *, ignore_eos):
-        nonlocal in_flight, peak
+        nonlocal in_flight, peak, calls
         assert ignore_eos
         with lock:
             in_flight += 1
             peak = max(peak, in_flight)
-        time.sleep(0.01)
+            calls += 1
+            wait = calls <= 3
+        if wait:
+            first_three.wait()
         with lock:
             in_flight -= 1
         return Outcome(0.005, 0.01, str(ids[0]), len(ids), max_new_tokens, 0, None)
@@ -94,7 +99,6 @@ def test_closed_clients_take_the_next_request_when_theirs_finished(monkeypatch):
     assert {r["client"] for r in rows} == {0, 1, 2} and all(r["output_tokens"] == 4 for r in rows)
 
 
-@pytest.mark.slow  # the default model's tokenizer
 def test_run_alternates_the_sides_on_two_live_servers_and_report_rerenders(tmp_path, monkeypatch, default_model):
     """closed_loop.run with stand-in servers and clients: both servers up before the first block, warmed once,
     blocks stock, chunkcache, stock, ... per client count, a pair of blocks sharing its prompts, no prompt twice."""
