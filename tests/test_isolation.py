@@ -3,6 +3,7 @@ documents of its own: chunk accounting depends on what the store and the radix t
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import requests
@@ -125,19 +126,30 @@ def test_concurrent_identical_ingests_compute_each_chunk_once(server):
 
 def test_a_large_ingest_does_not_hold_other_clients(server):
     """Defect 1: a 300-document ingest sent every document at once; a 20-token /generate from another client waited
-    for all of them. At most limits.ingest_in_flight (4) are in the scheduler now, so it waits for a few."""
-    # long enough that a quiet host cannot finish it before the other client's request arrives
-    documents = [f"Entry {i} of the Ulver ledger: the bin code is {7000 + 11 * i}." for i in range(600)]
+    for all of them. At most limits.ingest_in_flight (4) are in the scheduler now, so it waits for a few.
+    The other client's request is sent once the ingest is seen in flight (documents computed: the misses counter
+    moved) and must be answered before the ingest is: both events are checked, so a host too slow to have started
+    the ingest, or fast enough to finish it first, fails the test instead of passing it untested."""
+    # 50 rounds of ingest_in_flight documents; the other client waits for about one
+    documents = [f"Entry {i} of the Ulver ledger: the bin code is {7000 + 11 * i}." for i in range(200)]
     done = {}
 
     def big():
-        r = requests.post(server.url + "/chunkcache/ingest", json={"documents": documents}, timeout=600)
+        try:
+            r = requests.post(server.url + "/chunkcache/ingest", json={"documents": documents}, timeout=1800)
+        except requests.RequestException as exc:  # said by the asserts below, not lost in the thread
+            r = SimpleNamespace(text=repr(exc), json=lambda: {})
         done["ingest"] = (time.monotonic(), r)
 
     assert generate(server, text="The capital of France is").status_code == 200  # warm: time only the wait
+    misses = metric(server, "chunkcache_chunk_misses_total")
     t = threading.Thread(target=big)
     t.start()
-    time.sleep(1.0)  # the ingest is under way
+    deadline = time.monotonic() + 300
+    while metric(server, "chunkcache_chunk_misses_total") == misses:  # poll until the ingest has computed some
+        assert "ingest" not in done, done["ingest"][1].text
+        assert time.monotonic() < deadline, "the ingest computed no document in 300 s"
+        time.sleep(0.05)
     r = generate(server, text="The capital of France is")
     done["generate"] = time.monotonic()
     t.join()
