@@ -2,8 +2,10 @@
 
 Tasks: `single` (one needle), `multikey` (needles for several keys, one asked), `multivalue` (one key, values
 spread over chunks, all asked), `vartrack` (a chain of variable assignments across chunks), `bridge` (ProphetKV
-App. B: a fact in one chunk, the entity linking it to the question in another, a distractor fact elsewhere).
-Needles sit at random sentence boundaries inside noise; every case is a pure function of (task, seed).
+App. B: a fact in one chunk, the entity linking it to the question in another, a distractor fact elsewhere),
+`realkey` (multikey's needles inside real paragraphs instead of filler: `generate(..., paragraphs=...)`, the
+workloads pass MuSiQue's; filler sentences are easy to tell from a needle, prose is not).
+Needles sit at random sentence boundaries; every case is a pure function of (task, seed[, paragraphs]).
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
-TASKS = ("single", "multikey", "multivalue", "vartrack", "bridge")
+TASKS = ("single", "multikey", "multivalue", "vartrack", "bridge", "realkey")
+PROSE_TASKS = ("realkey",)  # tasks whose passages are real paragraphs (generate's `paragraphs`)
 
 SYSTEM = "You are a helpful assistant. Answer the question using only the given passages. Be brief."
 INSTRUCTION = "Read the passages below and answer the question at the end.\n\n"
@@ -61,17 +64,28 @@ class Case:
 
 
 def generate(task: str, seed: int, n_chunks: int = 6, length: tuple[int, int] = (256, 512),
-             count: Callable[[str], int] | None = None) -> Case:
-    """One case. `count` measures a text in target tokens (default: ~1.3 tokens per word)."""
+             count: Callable[[str], int] | None = None, paragraphs: Sequence[str] | None = None) -> Case:
+    """One case. `count` measures a text in target tokens (default: ~1.3 tokens per word). `paragraphs`: the real
+    texts a PROSE_TASKS case draws its passages from (each cut at the sentence that reaches its length)."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
-    rng = random.Random(f"{task}:{seed}")
+    if (task in PROSE_TASKS) != (paragraphs is not None):
+        raise ValueError(f"task {task!r} {'needs' if task in PROSE_TASKS else 'takes no'} paragraphs")
+    if paragraphs is not None and len(paragraphs) < n_chunks:
+        raise ValueError(f"{len(paragraphs)} paragraphs for {n_chunks} passages")
+    # realkey draws multikey's keys, values and places: the two families' cases differ only in their passages
+    rng = random.Random(f"{'multikey' if task == 'realkey' else task}:{seed}")
     count = count or (lambda s: round(1.3 * len(s.split())))
     facts, question, answers = _FACTS[task](rng, n_chunks)
     chunk_facts: dict[int, list[str]] = {}
     for where, sentence in facts:
         chunk_facts.setdefault(where, []).append(sentence)
-    chunks = [_passage(rng, rng.randint(*length), chunk_facts.get(i, []), count) for i in range(n_chunks)]
+    if paragraphs is None:
+        chunks = [_passage(rng, rng.randint(*length), chunk_facts.get(i, []), count) for i in range(n_chunks)]
+    else:
+        texts = rng.sample(list(paragraphs), n_chunks)
+        chunks = [_prose(rng, text, rng.randint(*length), chunk_facts.get(i, []), count)
+                  for i, text in enumerate(texts)]
     return Case(task, seed, chunks, question, answers, sorted(chunk_facts))
 
 
@@ -96,6 +110,22 @@ def _passage(rng: random.Random, tokens: int, facts: list[str], count: Callable[
     for f in facts:
         sentences.insert(rng.randint(0, len(sentences)), f)
     return " ".join(sentences)
+
+
+def _prose(rng: random.Random, text: str, tokens: int, facts: list[str], count: Callable[[str], int]) -> str:
+    """`text`'s sentences up to the one that reaches `tokens` (with the facts), the facts at random boundaries
+    after its first line (a title stays the passage's opening)."""
+    head, sep, body = text.partition("\n") if "\n" in text else ("", "", text)
+    sentences: list[str] = []
+    used = count(head) + sum(count(" " + f) for f in facts)
+    for s in re.split(r"(?<=[.!?])\s+", body.strip()):
+        if sentences and used >= tokens:  # every passage keeps at least its first sentence
+            break
+        sentences.append(s)
+        used += count(" " + s)
+    for f in facts:
+        sentences.insert(rng.randint(0, len(sentences)), f)
+    return head + sep + " ".join(sentences)
 
 
 def _number(rng: random.Random) -> str:
@@ -146,7 +176,7 @@ def _bridge(rng, n):
     return facts, f"In which city does {guest} stay on {day}?", [city]
 
 
-_ANSWER_PATTERNS = {"single": r"\d{7}", "multikey": r"\d{7}", "multivalue": r"\d{7}", "vartrack": r"\b[QWXYZ]\d\d\b",
+_ANSWER_PATTERNS = {"single": r"\d{7}", "multikey": r"\d{7}", "realkey": r"\d{7}", "multivalue": r"\d{7}", "vartrack": r"\b[QWXYZ]\d\d\b",
                     "bridge": r"\b(?:" + "|".join(CITIES) + r")\b"}
-_FACTS = {"single": _single, "multikey": _multikey, "multivalue": _multivalue, "vartrack": _vartrack,
+_FACTS = {"single": _single, "multikey": _multikey, "realkey": _multikey, "multivalue": _multivalue, "vartrack": _vartrack,
           "bridge": _bridge}

@@ -1,7 +1,8 @@
 """Benchmark workloads as RAG prompts built by `chunkcache.prompt.build`, so both A/B sides send the same ids.
 
 `musique[:PATH]`: MuSiQue records `{ctxs: [{title, text}], question, answers}`, the first `docs` passages each,
-truncated to `words` words. `synthetic:TASK`: the generator's cases (answers known by construction).
+truncated to `words` words. `synthetic:TASK`: the generator's cases (answers known by construction; `synthetic:realkey`'s passages are MuSiQue's
+paragraphs).
 `shuffled`: a fixed pool of documents; every request takes `docs` of them in a new random order and asks for the
 archive number of one. Each measured phase `k` (sequential, then one per arrival rate) reorders the documents
 (rotation by k; shuffled draws new orders), so a phase never replays a prompt an earlier phase left in the radix
@@ -143,11 +144,26 @@ def _musique(path: Path, config: WorkloadConfig) -> list[Item]:
     return out
 
 
+def musique_paragraphs(path: Path) -> list[str]:
+    """Every distinct MuSiQue paragraph of the file, "title\ntext", in file order (the real prose `synthetic:realkey`
+    hides its needles in)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"MuSiQue data set not found at {path} (synthetic:realkey draws its passages from it)")
+    seen = {}
+    for r in json.loads(path.read_text()):
+        for c in r["ctxs"]:
+            text = " ".join(c["text"].split())
+            seen.setdefault(f"{c['title']}\n{text}" if c.get("title") else text, None)
+    return list(seen)
+
+
 def _synthetic(task: str, config: WorkloadConfig) -> list[Item]:
     tokens = round(1.3 * config.words)
+    prose = musique_paragraphs(DEFAULT_MUSIQUE) if task in synthetic.PROSE_TASKS else None
     out = []
     for seed in range(config.seed, config.seed + config.requests):
-        case = synthetic.generate(task, seed, n_chunks=config.docs, length=(tokens * 4 // 5, tokens * 6 // 5))
+        case = synthetic.generate(task, seed, n_chunks=config.docs, length=(tokens * 4 // 5, tokens * 6 // 5),
+                                  paragraphs=prose)
         out.append(Item(f"{task}{seed}", tuple(case.chunks), f"Question: {case.question}", tuple(case.answers),
                         synthetic.SYSTEM, synthetic.INSTRUCTION))
     return out
