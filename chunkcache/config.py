@@ -94,7 +94,9 @@ class ServeConfig:
     port: int = 30000  # port the HTTP server binds
     mem_fraction_static: float = 0.3  # share of memory SGLang reserves for weights + KV pool (explicit: CPU needs it)
     max_total_tokens: int | None = None  # KV pool size in tokens (None: SGLang sizes it from memory)
-    dtype: str = "auto"  # SGLang --dtype of weights, activations and KV; "auto": bfloat16 on CPU, SGLang's auto on GPU
+    # SGLang --dtype of weights, activations and KV; "auto": on CPU the host's faster of bfloat16 and float32,
+    # measured once per host (chunkcache.cpu_dtype), on GPU SGLang's auto
+    dtype: str = "auto"
     sleep_on_idle: bool = True  # idle scheduler blocks on its sockets instead of busy-polling a core
     # SGLang attention backend on CPU, both sides of an A/B: "chunkcache_torch" is torch_native with its decode step
     # planned once per batch and attended in float32 (sglang_patch/decode_attention.py); "torch_native" is SGLang's own

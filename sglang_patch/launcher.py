@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from chunkcache.config import Config, LimitsConfig, config_file
+from chunkcache.cpu_dtype import fastest_cpu_dtype
 
 log = logging.getLogger(__name__)
 BACKEND_NAME = "chunkcache"  # --radix-cache-backend name registered by the plugin
@@ -43,9 +44,9 @@ def server_settings(model_path: str | Path, config: Config, *, chunk_reuse: bool
         settings.update(device="cpu", attention_backend=s.cpu_attention, disable_cuda_graph=True,
                         disable_overlap_schedule=True)
         if s.dtype == "auto":
-            # SGLang's "auto" is the checkpoint's dtype, float16 for a float32 one. On the 2-core AVX512-BF16 dev host
-            # torch's matmul runs 350 GFLOP/s in bfloat16, 135 in float32 and 2 in float16.
-            settings["dtype"] = "bfloat16"
+            # SGLang's "auto" is the checkpoint's dtype, float16 for a float32 one (2 GFLOP/s on a CPU): the host's
+            # fastest of bfloat16 and float32 instead, measured once per host (chunkcache.cpu_dtype)
+            settings["dtype"] = fastest_cpu_dtype().dtype
     return settings
 
 

@@ -6,6 +6,7 @@ import os
 import pytest
 
 from chunkcache.config import Config
+from chunkcache.cpu_dtype import Choice
 from sglang_patch import launcher
 
 
@@ -14,10 +15,12 @@ def cpu(monkeypatch):
     monkeypatch.setattr(launcher, "has_gpu", lambda: False)
 
 
+@pytest.mark.parametrize("fastest", ["bfloat16", "float32"])
 @pytest.mark.parametrize("chunk_reuse", [True, False])
-def test_cpu_serves_bfloat16_and_sleeps_when_idle(cpu, chunk_reuse):
+def test_cpu_serves_the_hosts_fastest_dtype_and_sleeps_when_idle(cpu, monkeypatch, chunk_reuse, fastest):
+    monkeypatch.setattr(launcher, "fastest_cpu_dtype", lambda: Choice(fastest, {}, "host"))
     settings = launcher.server_settings("/models/m", Config(), chunk_reuse=chunk_reuse)
-    assert settings["dtype"] == "bfloat16" and settings["sleep_on_idle"] is True
+    assert settings["dtype"] == fastest and settings["sleep_on_idle"] is True
     assert settings["device"] == "cpu" and settings["attention_backend"] == "chunkcache_torch"
     assert (settings.get("radix_cache_backend") == launcher.BACKEND_NAME) == chunk_reuse
 
