@@ -23,9 +23,11 @@ from typing import ClassVar
 
 import torch
 
+from . import overlap
 from .adaptive import AdaptiveBudget
 from .base import REGISTRY, Features, Layout, Selection, finish
 from .budget import rank
+from .overlap import check_overlap
 
 
 def distribution(scores: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
@@ -70,6 +72,8 @@ class MixSelector:
     mass: float | None = None
     rho_floor: float = 0.05  # adaptive: smallest rho a request gets
     rho_cap: float = 1.0  # adaptive: largest rho a request gets (the request's rho if smaller)
+    # share of the budget spent first on whole sentences holding the query's rarest words (overlap.py); 0: off
+    overlap: float = 0.0
 
     def __post_init__(self) -> None:
         weights = (self.relevance, self.deviation, self.boundary)
@@ -87,6 +91,9 @@ class MixSelector:
             raise ValueError(f"which must be 'k' or 'v', got {self.which!r}")
         if self.layer < 0:
             raise ValueError(f"layer must be at least 0, got {self.layer}")
+        check_overlap(self.overlap)
+        if self.overlap and self.mass is not None:
+            raise ValueError("overlap and an adaptive budget (mass) cannot be combined")
         if self.mass is not None:
             self.budget()  # refuses a bad mass, floor or cap when the selector is configured, not per request
 
@@ -118,6 +125,9 @@ class MixSelector:
     def select(self, layout: Layout, ratio: float, features: Features) -> Selection:
         scores = self.scores(layout, features)
         if self.mass is None:
-            return finish(layout, rank(scores, layout.context_mask())[: layout.budget(ratio)], scores.float())
+            k = layout.budget(ratio)
+            picked = (overlap.top_k(layout, scores, k, *features.prompt_text(), self.overlap) if self.overlap
+                      else rank(scores, layout.context_mask())[:k])
+            return finish(layout, picked, scores.float())
         picked, rho = self.budget().pick(layout, scores, ratio)
         return finish(layout, picked, scores.float(), rho)

@@ -7,8 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from . import overlap
 from .base import REGISTRY, Features, Layout, Selection, finish
 from .budget import top_k
+from .overlap import check_overlap
 
 
 @REGISTRY.register
@@ -17,8 +19,18 @@ class ProphetSelector:
     name: ClassVar[str] = "prophet"
     needs: ClassVar[tuple] = (("query_attention", ()),)
     whole_units: bool = False  # keep numbers / words whole (off: the paper's plain top-K)
+    # share of the budget spent first on whole sentences holding the query's rarest words (overlap.py); 0: off
+    overlap: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_overlap(self.overlap)
+        if self.overlap and self.whole_units:
+            raise ValueError("overlap and whole_units cannot be combined")
 
     def select(self, layout: Layout, ratio: float, features: Features) -> Selection:
         scores = features.query_attention()
-        picked = top_k(layout, scores, ratio, features, self.whole_units)
+        if self.overlap:
+            picked = overlap.top_k(layout, scores, layout.budget(ratio), *features.prompt_text(), self.overlap)
+        else:
+            picked = top_k(layout, scores, ratio, features, self.whole_units)
         return finish(layout, picked, scores)
