@@ -76,6 +76,7 @@ def stock_command_args(*argv: str):
 def test_stock_command_on_cpu_gets_the_cpu_engine_and_keeps_its_own_flags(cpu, monkeypatch):
     monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
     monkeypatch.delenv(launcher.CONFIG_ENV, raising=False)
+    monkeypatch.setattr(launcher, "fastest_cpu_dtype", lambda: Choice("bfloat16", {}, "host"))
     args = stock_command_args("--radix-cache-backend", "chunkcache", "--dtype", "float32")
     launcher.cpu_engine_for_stock_command(args)
     assert os.environ["SGLANG_USE_CPU_ENGINE"] == "1"
@@ -83,7 +84,7 @@ def test_stock_command_on_cpu_gets_the_cpu_engine_and_keeps_its_own_flags(cpu, m
     for key in ("device", "attention_backend", "disable_cuda_graph", "disable_overlap_schedule",
                 "mem_fraction_static", "sleep_on_idle"):
         assert getattr(args, key) == expected[key], key
-    assert args.dtype == "float32"  # given on the command line: not the CPU default (bfloat16)
+    assert args.dtype == "float32"  # given on the command line: not this host's CPU default (bfloat16 here)
     assert (args.host, args.port) == ("127.0.0.1", 30000)
 
 
