@@ -23,11 +23,10 @@ from typing import ClassVar
 
 import torch
 
-from . import overlap
 from .adaptive import AdaptiveBudget
 from .base import REGISTRY, Features, Layout, Selection, finish
 from .budget import rank
-from .overlap import check_overlap
+from .overlap import check_overlap, top_k as overlap_top_k
 
 
 def distribution(scores: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
@@ -126,7 +125,7 @@ class MixSelector:
         scores = self.scores(layout, features)
         if self.mass is None:
             k = layout.budget(ratio)
-            picked = (overlap.top_k(layout, scores, k, *features.prompt_text(), self.overlap) if self.overlap
+            picked = (overlap_top_k(layout, scores, k, *features.prompt_text(), self.overlap) if self.overlap
                       else rank(scores, layout.context_mask())[:k])
             return finish(layout, picked, scores.float())
         picked, rho = self.budget().pick(layout, scores, ratio)

@@ -7,10 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from . import overlap
 from .base import REGISTRY, Features, Layout, Selection, finish
 from .budget import top_k
-from .overlap import check_overlap
+from .overlap import check_overlap, top_k as overlap_top_k
 
 
 @REGISTRY.register
@@ -30,7 +29,7 @@ class ProphetSelector:
     def select(self, layout: Layout, ratio: float, features: Features) -> Selection:
         scores = features.query_attention()
         if self.overlap:
-            picked = overlap.top_k(layout, scores, layout.budget(ratio), *features.prompt_text(), self.overlap)
+            picked = overlap_top_k(layout, scores, layout.budget(ratio), *features.prompt_text(), self.overlap)
         else:
             picked = top_k(layout, scores, ratio, features, self.whole_units)
         return finish(layout, picked, scores)
