@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 TASKS = ("single", "multikey", "multivalue", "vartrack", "bridge", "realkey")
-PROSE_TASKS = ("realkey",)  # tasks whose passages are real paragraphs (generate's `paragraphs`)
+# tasks whose passages are real paragraphs (generate's `paragraphs`) -> the task whose facts, seeds and answers they
+# share: the two families' cases differ only in their passages
+PROSE_TASKS = {"realkey": "multikey"}
 
 SYSTEM = "You are a helpful assistant. Answer the question using only the given passages. Be brief."
 INSTRUCTION = "Read the passages below and answer the question at the end.\n\n"
@@ -59,7 +61,7 @@ class Case:
     def extract(self, text: str) -> tuple[str, ...]:
         """The answer-shaped strings in a model's reply (cities, 7-digit numbers, variable names), first
         occurrences in order: two replies agree when they extract the same, however they are phrased."""
-        found = re.findall(_ANSWER_PATTERNS[self.task], text)
+        found = re.findall(_ANSWER_PATTERNS[PROSE_TASKS.get(self.task, self.task)], text)
         return tuple(dict.fromkeys(found))
 
 
@@ -73,10 +75,10 @@ def generate(task: str, seed: int, n_chunks: int = 6, length: tuple[int, int] = 
         raise ValueError(f"task {task!r} {'needs' if task in PROSE_TASKS else 'takes no'} paragraphs")
     if paragraphs is not None and len(paragraphs) < n_chunks:
         raise ValueError(f"{len(paragraphs)} paragraphs for {n_chunks} passages")
-    # realkey draws multikey's keys, values and places: the two families' cases differ only in their passages
-    rng = random.Random(f"{'multikey' if task == 'realkey' else task}:{seed}")
+    facts_of = PROSE_TASKS.get(task, task)
+    rng = random.Random(f"{facts_of}:{seed}")
     count = count or (lambda s: round(1.3 * len(s.split())))
-    facts, question, answers = _FACTS[task](rng, n_chunks)
+    facts, question, answers = _FACTS[facts_of](rng, n_chunks)
     chunk_facts: dict[int, list[str]] = {}
     for where, sentence in facts:
         chunk_facts.setdefault(where, []).append(sentence)
@@ -176,7 +178,7 @@ def _bridge(rng, n):
     return facts, f"In which city does {guest} stay on {day}?", [city]
 
 
-_ANSWER_PATTERNS = {"single": r"\d{7}", "multikey": r"\d{7}", "realkey": r"\d{7}", "multivalue": r"\d{7}", "vartrack": r"\b[QWXYZ]\d\d\b",
+_ANSWER_PATTERNS = {"single": r"\d{7}", "multikey": r"\d{7}", "multivalue": r"\d{7}", "vartrack": r"\b[QWXYZ]\d\d\b",
                     "bridge": r"\b(?:" + "|".join(CITIES) + r")\b"}
-_FACTS = {"single": _single, "multikey": _multikey, "realkey": _multikey, "multivalue": _multivalue, "vartrack": _vartrack,
+_FACTS = {"single": _single, "multikey": _multikey, "multivalue": _multivalue, "vartrack": _vartrack,
           "bridge": _bridge}

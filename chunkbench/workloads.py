@@ -1,8 +1,8 @@
 """Benchmark workloads as RAG prompts built by `chunkcache.prompt.build`, so both A/B sides send the same ids.
 
 `musique[:PATH]`: MuSiQue records `{ctxs: [{title, text}], question, answers}`, the first `docs` passages each,
-truncated to `words` words. `synthetic:TASK`: the generator's cases (answers known by construction; `synthetic:realkey`'s passages are MuSiQue's
-paragraphs).
+truncated to `words` words. `synthetic:TASK`: the generator's cases (answers known by construction;
+`synthetic:realkey`'s passages are MuSiQue's paragraphs).
 `shuffled`: a fixed pool of documents; every request takes `docs` of them in a new random order and asks for the
 archive number of one. Each measured phase `k` (sequential, then one per arrival rate) reorders the documents
 (rotation by k; shuffled draws new orders), so a phase never replays a prompt an earlier phase left in the radix
@@ -136,10 +136,7 @@ def _musique(path: Path, config: WorkloadConfig) -> list[Item]:
         raise ValueError(f"{path} holds {len(records)} records; {config.requests} requests asked")
     out = []
     for i, r in enumerate(records[: config.requests]):
-        docs = []
-        for c in r["ctxs"][: config.docs]:
-            text = " ".join(c["text"].split()[: config.words])
-            docs.append(f"{c['title']}\n{text}" if c.get("title") else text)
+        docs = [_paragraph(c, config.words) for c in r["ctxs"][: config.docs]]
         out.append(Item(f"musique{i}", tuple(docs), f"Question: {r['question']}\nAnswer:", tuple(r["answers"])))
     return out
 
@@ -149,12 +146,13 @@ def musique_paragraphs(path: Path) -> list[str]:
     hides its needles in)."""
     if not path.is_file():
         raise FileNotFoundError(f"MuSiQue data set not found at {path} (synthetic:realkey draws its passages from it)")
-    seen = {}
-    for r in json.loads(path.read_text()):
-        for c in r["ctxs"]:
-            text = " ".join(c["text"].split())
-            seen.setdefault(f"{c['title']}\n{text}" if c.get("title") else text, None)
-    return list(seen)
+    return list(dict.fromkeys(_paragraph(c) for r in json.loads(path.read_text()) for c in r["ctxs"]))
+
+
+def _paragraph(ctx: dict, words: int | None = None) -> str:
+    """A MuSiQue passage as a document: "title\ntext" (text only when untitled), the text's first `words` words."""
+    text = " ".join(ctx["text"].split()[:words])
+    return f"{ctx['title']}\n{text}" if ctx.get("title") else text
 
 
 def _synthetic(task: str, config: WorkloadConfig) -> list[Item]:

@@ -9,9 +9,6 @@ import torch
 from chunkcache.select import REGISTRY, overlap
 from chunkcache.select.base import Layout
 
-NEEDLES = {"amber-falcon": "8898004", "quiet-river": "1234567", "rapid-otter": "7654321", "velvet-storm": "5555555"}
-
-
 def prompt(question: str):
     """(layout, text, offsets): a prefix, two chunks of filler and needles, the question; one token per word or mark."""
     chunk1 = ("The museum reviewed the old bridge . The special magic number for amber-falcon is 8898004 . "
