@@ -2,8 +2,8 @@
 # Packs the .venv's FlashInfer into .fi/ so that chunkbench/gpu_blend.py can use it on the GPU machine, which has
 # no flashinfer, no network and takes at most 64 MiB per command. Whole, flashinfer-python 0.7.2 is 593 MB
 # installed; gpu_blend.py needs only its Python modules and what the JIT builds of the paged prefill (FA2 with a
-# custom mask, FA3 without) and merge_state compile: the headers, CUTLASS's includes and the prefill/cascade
-# sources, about 21 MB gzipped (its bundled CCCL stays behind: CUDA 13's nvcc ships its own). `import flashinfer` 0.7.2 was checked to work without its optional cutlass-dsl,
+# custom mask, FA3 without), merge_state and the custom mask's bit packing (segment_packbits) compile: the headers, CUTLASS's includes and the prefill/cascade
+# sources, about 24 MB gzipped. `import flashinfer` 0.7.2 was checked to work without its optional cutlass-dsl,
 # cudnn-frontend, nccl and cuda-tile dependencies; it does need apache-tvm-ffi, whose .venv build is for CPython
 # 3.11 while the GPU machine runs 3.12, so its cp312 wheel goes along (fetched here with pip, a few MB).
 # Usage, from the repository root:  bash chunkbench/pack_flashinfer.sh   (then see gpu_blend.py's docstring)
@@ -18,12 +18,19 @@ mkdir -p .fi
   cd "$site"
   {
     find flashinfer -name '*.py' ! -path 'flashinfer/data/*' ! -path '*/__pycache__/*'
+    # its bundled CCCL too: FlashInfer 0.7.2's fastdiv.cuh needs cuda::fast_mod_div, which CUDA 13.0's own CCCL
+    # lacks (the FA2 build failed there without it; seen on the H100)
     find flashinfer/data/include flashinfer/data/cutlass/include flashinfer/data/cutlass/tools/util \
-      flashinfer/data/spdlog -type f
+      flashinfer/data/spdlog flashinfer/data/cccl/cub/cub flashinfer/data/cccl/libcudacxx/include \
+      flashinfer/data/cccl/thrust/thrust -type f
     find flashinfer/data/csrc -maxdepth 1 -type f \( -name '*.h' -o -name '*.cuh' -o -name 'batch_prefill*' \
-      -o -name '*cascade*' -o -name 'page.cu' -o -name 'flashinfer_page_binding.cu' \)
+      -o -name '*cascade*' -o -name 'page.cu' -o -name 'flashinfer_page_binding.cu' \
+      -o -name 'quantization.cu' -o -name 'flashinfer_quantization_binding.cu' \)
     find flashinfer_python-*.dist-info -type f
-  } | tar -czf - -T -
+    # CUTLASS's tools/util headers that FlashInfer's FA3 (sm90) prefill includes want <curand_kernel.h>, which a
+    # CUDA toolkit from pip keeps in the nvidia-curand wheel, outside nvcc's include path: it goes to an -isystem dir
+    find nvidia/cu13/include -name 'curand*.h'
+  } | tar -czf - --transform 's,^nvidia/cu13/include/,flashinfer/data/include/,' -T -
 ) >.fi/flashinfer.tar.gz
 rm -f .fi/apache_tvm_ffi-*.whl
 .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -5,6 +5,7 @@ model of its documented paged-prefill contract, and the result is checked agains
 import sys
 import types
 
+import pytest
 import torch
 
 from chunkcache.blend.attention import attend
@@ -58,3 +59,99 @@ def test_plan_matches_the_torch_path(monkeypatch):
         keys, values = k_buf[s.ctx_slots], v_buf[s.ctx_slots]
         want = attend(q[s.rows], keys, values, s.q_pos, torch.arange(len(s.ctx_slots)), 0.25)
         torch.testing.assert_close(got[s.rows], want, rtol=1e-5, atol=1e-5)
+
+
+class _Pool:
+    """The two calls SparseAttention makes of SGLang's MHATokenToKVPool, over per-layer buffers."""
+
+    def __init__(self, layers, slots, hk, d, dtype, device):
+        self.k = [torch.zeros(slots, hk, d, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(slots, hk, d, dtype=dtype, device=device) for _ in range(layers)]
+
+    def set_kv_buffer(self, layer, loc, k, v):
+        self.k[layer.layer_id][loc], self.v[layer.layer_id][loc] = k.to(self.k[0].dtype), v.to(self.v[0].dtype)
+
+    def get_key_buffer(self, i):
+        return self.k[i]
+
+    def get_value_buffer(self, i):
+        return self.v[i]
+
+
+def _has_flashinfer() -> bool:
+    from sglang_patch import paged_attention
+
+    return torch.cuda.is_available() and paged_attention.available(torch.device("cuda"))
+
+
+@pytest.mark.skipif(not _has_flashinfer(), reason="needs a CUDA device with flashinfer (the GPU machine)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flashinfer_pass_matches_float32_reference_on_cuda(dtype):
+    """The blend's attention backend as the server runs it on CUDA: SparseAttention puts the pool-writing segments
+    into one FlashInfer plan (sglang_patch.paged_attention, real flashinfer) made at the first full-attention layer
+    and reused by the next, and keeps the others (standalone chunks, recorded attention, sliding-window layers) on
+    the torch path. Every row is compared with a float32 reference of attention by position."""
+    _check_pass(torch.device("cuda"), dtype, 2e-2)
+
+
+def test_paged_pass_routes_segments_on_cpu(monkeypatch):
+    """The same pass with FakeWrapper standing in for FlashInfer, so the routing (which segments go to the plan, one
+    plan for every full-attention layer, windowed layers on the torch path) is checked without a GPU."""
+    from sglang_patch import paged_attention
+
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=FakeWrapper))
+    monkeypatch.setattr(paged_attention, "available", lambda device: True)
+    _check_pass(torch.device("cpu"), torch.float32, 1e-5)
+
+
+def _check_pass(dev, dtype, tolerance):
+    from types import SimpleNamespace
+
+    from sglang_patch import paged_attention
+    from sglang_patch.sparse_attention import SparseAttention
+
+    torch.manual_seed(0)
+    hq, hk, d, slots = 32, 8, 128, 16_000
+    perm = torch.randperm(12_000, device=dev) + 1  # slot 0 is SGLang's padding slot; 12001.. are request A's
+    sel_a = torch.cat([torch.randperm(3000, device=dev)[:450].sort().values, torch.arange(3000, 3064, device=dev)])
+    segments = [  # rows are laid out one segment after another in the pass
+        Segment(slice(0, 514), sel_a, torch.arange(12_001, 15_065, device=dev)),  # sparse picks + query; a run
+        Segment(slice(514, 770), torch.arange(4800, 5056, device=dev), perm[:5056]),  # a run at the end, scattered
+        Segment(slice(770, 834), torch.arange(64, 128, device=dev), perm[6000:6064], to_pool=False),  # standalone
+        Segment(slice(834, 900), torch.arange(1934, 2000, device=dev), perm[7000:9000],
+                attention_sum=torch.zeros(2000, device=dev)),  # recorded attention
+    ]
+    rows = 900
+    out_cache_loc = torch.zeros(rows, dtype=torch.long, device=dev)
+    for s in segments:  # a query's own K/V goes to the slot of its position
+        if s.to_pool:
+            out_cache_loc[s.rows] = s.ctx_slots[s.q_pos]
+    layers = [SimpleNamespace(layer_id=0, logit_cap=0, sliding_window_size=-1), SimpleNamespace(
+        layer_id=1, logit_cap=0, sliding_window_size=-1), SimpleNamespace(layer_id=2, logit_cap=0,
+                                                                          sliding_window_size=512)]
+    for layer in layers:
+        layer.__dict__.update(tp_q_head_num=hq, tp_k_head_num=hk, qk_head_dim=d, v_head_dim=d, scaling=d ** -0.5)
+    pool = _Pool(len(layers), slots, hk, d, dtype, dev)
+    for i in range(len(layers)):  # the reused context already in the pool
+        pool.k[i].normal_()
+        pool.v[i].normal_()
+    attn = SparseAttention(SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=None), segments, out_cache_loc,
+                           dev)
+    assert isinstance(attn.paged, list) and len(attn.paged) == 2, "the pool-writing segments did not go to the plan"
+    for layer in layers:
+        q, k, v = (torch.randn(rows, h, d, device=dev, dtype=dtype) for h in (hq, hk, hk))
+        got = attn.forward(q.view(rows, -1), k.view(rows, -1), v.view(rows, -1), layer, None).view(rows, hq, d)
+        if layer.layer_id == 0:
+            plan = attn.paged
+        window = None if layer.sliding_window_size < 0 else layer.sliding_window_size
+        for s in segments:
+            keys, values = pool.k[layer.layer_id][s.ctx_slots].float(), pool.v[layer.layer_id][s.ctx_slots].float()
+            k_pos = torch.arange(len(s.ctx_slots), device=dev)
+            if not s.to_pool:
+                keys, values = torch.cat([keys, k[s.rows].float()]), torch.cat([values, v[s.rows].float()])
+                k_pos = torch.cat([k_pos, s.q_pos])
+            want = attend(q[s.rows].float(), keys, values, s.q_pos, k_pos, layer.scaling, window=window)
+            err = (got[s.rows].float() - want).abs().max() / want.abs().max()
+            assert err < tolerance, f"layer {layer.layer_id}, segment rows {s.rows}: relative error {err:.2e}"
+    assert isinstance(attn.paged, paged_attention.PagedSparsePrefill), "the FlashInfer plan was never made"
+    assert plan is attn.paged, "the plan was made again at a later layer"
