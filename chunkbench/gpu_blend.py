@@ -8,7 +8,11 @@ Llama-3-8B's attention shape (32 q heads, 8 kv heads, head dim 128) at each `--s
 64-token shared prefix (matched exactly, never recomputed) + `--chunk`-token chunks + a 64-token query. Variants:
 
   full_causal          the stock prefill's attention: every position, SDPA is_causal (the baseline)
-  flashinfer_mask      sglang_patch.paged_attention.PagedSparsePrefill itself: FA2 paged prefill, custom mask
+  flashinfer_paged     sglang_patch.paged_attention.PagedSparsePrefill itself: the rows cut into groups spanning at
+                       most 512 positions, each group's keys before it unmasked (FA3 on Hopper) and within it with a
+                       small custom mask (FA2), merged with flashinfer.merge_state
+  flashinfer_mask      FA2 paged prefill over the whole row with one custom mask (PagedSparsePrefill until it
+                       measured slower than full_causal on an H100: docs/bench/gpu.md)
   flashinfer_two_pass  per chunk: selected rows vs the keys before the chunk (no mask, so FA3-eligible) + within
                        the chunk (small custom mask), merged with flashinfer.merge_state (notes/flashinfer.md, B)
   torch_blocks         sglang_patch.sparse_attention.attend_blocks: the path CUDA takes today without flashinfer
@@ -92,8 +96,8 @@ ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_
 PREFIX, QUERY = 64, 64  # tokens of the shared prefix and of the question
 # max |out - reference| / max |reference|: relative, since an attention row over many keys is small (~1/sqrt(keys))
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-4}
-VARIANTS = ("full_causal", "flashinfer_mask", "flashinfer_two_pass", "torch_blocks", "sdpa_mask", "flex_mask",
-            "flex_two_pass")
+VARIANTS = ("full_causal", "flashinfer_paged", "flashinfer_mask", "flashinfer_two_pass", "torch_blocks", "sdpa_mask",
+            "flex_mask", "flex_two_pass")
 SPARSE = VARIANTS[1:]
 
 
@@ -184,12 +188,26 @@ def _flashinfer(c: Case):
     return flashinfer
 
 
-def flashinfer_mask(c: Case):
+def flashinfer_paged(c: Case):
     _flashinfer(c)
     hq, hk, d = c.q.shape[1], c.k_buf.shape[1], c.q.shape[2]
     plan = paged_attention.PagedSparsePrefill([Segment(slice(0, len(c.q)), c.layout.sel.to(c.q.device), c.slots)],
                                               hq, hk, d, d, c.scale, c.q.dtype, c.k_buf.dtype, c.q.device)
     return lambda: plan.run(c.q, c.k_buf, c.v_buf)
+
+
+def flashinfer_mask(c: Case):
+    flashinfer = _flashinfer(c)
+    dev, sel = c.q.device, c.layout.sel.to(c.q.device)
+    hq, hk, d = c.q.shape[1], c.k_buf.shape[1], c.q.shape[2]
+    i32 = dict(dtype=torch.int32, device=dev)
+    mask = (torch.arange(c.layout.n, device=dev)[None, :] <= sel[:, None]).flatten()
+    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=dev),
+                                                             "NHD", backend="fa2")
+    wrapper.plan(torch.tensor([0, len(sel)], **i32), torch.tensor([0, c.layout.n], **i32), c.slots.to(**i32),
+                 torch.ones(1, **i32), hq, hk, d, 1, head_dim_vo=d, custom_mask=mask, sm_scale=c.scale,
+                 q_data_type=c.q.dtype, kv_data_type=c.k_buf.dtype)
+    return lambda: wrapper.run(c.q, (c.k_buf, c.v_buf))
 
 
 def flashinfer_two_pass(c: Case):
@@ -380,7 +398,8 @@ class Model(torch.nn.Module):
 
         def w(rows, cols, std=None):  # N(0, 1/fan_in): q.k/sqrt(d) ~ N(0, 1), so attention depends on its keys
             std = cols ** -0.5 if std is None else std
-            return torch.empty(rows, cols, dtype=dtype, device=device).normal_(0, std, generator=gen)
+            # drawn on the CPU (the seed's generator; a CUDA tensor refuses a CPU generator), then moved
+            return torch.empty(rows, cols, dtype=dtype).normal_(0, std, generator=gen).to(device)
         out_std = lambda cols: (2 * layers * cols) ** -0.5  # noqa: E731  residual branches: x stays O(1)
         self.embed, self.lm_head = w(shape["vocab"], h, 1.0), w(shape["vocab"], h)
         self.layers = [SimpleNamespace(qkv=w((hq + 2 * hk) * d, h), o=w(h, hq * d, out_std(hq * d)),
@@ -538,7 +557,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=32, help="decoder layers of the random model")
     ap.add_argument("--model-rho", type=float, default=0.15)
     ap.add_argument("--model-attention", type=lambda s: s.split(","),
-                    default=["flashinfer_mask", "flex_mask", "torch_blocks"], help="sparse variants the blend uses")
+                    default=["flashinfer_paged", "flex_mask", "torch_blocks"], help="sparse variants the blend uses")
     ap.add_argument("--model-repeats", type=int, default=5)
     ap.add_argument("--json", help="write every row here")
     ap.add_argument("--seed", type=int, default=0)

@@ -1,6 +1,7 @@
-"""sglang_patch.paged_attention builds FlashInfer's plan (indptrs, page-size-1 indices, row-major custom mask) so
-that each query sees exactly its request's keys at positions <= its own. No GPU here: FlashInfer is replaced by a
-model of its documented paged-prefill contract, and the result is checked against the torch path's `attend`."""
+"""sglang_patch.paged_attention builds FlashInfer's two plans (indptrs, page-size-1 indices, a row-major custom mask
+within each group, none before it) so that each query sees exactly its request's keys at positions <= its own. On a
+CPU, FlashInfer is replaced by a model of its documented paged-prefill contract; on a GPU with flashinfer the real
+one runs. Either way the result is checked against a float32 reference of attention by position."""
 
 import sys
 import types
@@ -13,35 +14,50 @@ from sglang_patch.sparse_attention import Segment
 
 
 class FakeWrapper:
-    """FlashInfer's BatchPrefillWithPagedKVCacheWrapper semantics for page_size 1 with a custom mask."""
+    """FlashInfer's BatchPrefillWithPagedKVCacheWrapper semantics for page_size 1: with a custom mask, or with none
+    and causal=False (every key visible); run's log-sum-exp in natural log, as fake_merge_state takes it."""
 
     def __init__(self, workspace, layout, backend):
-        assert layout == "NHD" and backend == "fa2"
+        assert layout == "NHD" and backend in ("fa2", "auto")
+        self.backend = backend
 
-    def plan(self, qo, kv, indices, last, hq, hk, d, page_size, head_dim_vo, custom_mask, sm_scale, q_data_type,
-             kv_data_type):
+    def plan(self, qo, kv, indices, last, hq, hk, d, page_size, head_dim_vo, sm_scale, q_data_type, kv_data_type,
+             custom_mask=None, causal=False):
         assert page_size == 1 and bool((last == 1).all()) and qo.dtype == kv.dtype == indices.dtype == torch.int32
+        assert custom_mask is not None or not causal, "FlashInfer's causal mask is bottom-right aligned"
+        assert custom_mask is None or self.backend == "fa2", "only FA2 takes custom masks"
         self.qo, self.kv, self.indices, self.mask, self.scale = qo.tolist(), kv.tolist(), indices, custom_mask, sm_scale
-        assert custom_mask.numel() == sum((qo[i + 1] - qo[i]) * (kv[i + 1] - kv[i]) for i in range(len(qo) - 1))
+        sizes = [(qo[i + 1] - qo[i]) * (kv[i + 1] - kv[i]) for i in range(len(qo) - 1)]
+        assert custom_mask is None or custom_mask.numel() == sum(sizes)
 
-    def run(self, q, kv_cache):
+    def run(self, q, kv_cache, return_lse=False):
         k_buf, v_buf = kv_cache
-        out, m = [], 0
+        assert q.shape[0] == self.qo[-1], "run's q must hold exactly the planned rows"
+        out, lse, m = [], [], 0
         for i in range(len(self.qo) - 1):
             nq, nk = self.qo[i + 1] - self.qo[i], self.kv[i + 1] - self.kv[i]
             slots = self.indices[self.kv[i]: self.kv[i + 1]].long()
-            allowed = self.mask[m: m + nq * nk].view(nq, nk)
+            allowed = torch.ones(nq, nk, dtype=torch.bool) if self.mask is None else self.mask[m: m + nq * nk].view(nq, nk)
             m += nq * nk
             qi = q[self.qo[i]: self.qo[i + 1]].transpose(0, 1)
             keys, values = k_buf[slots].transpose(0, 1), v_buf[slots].transpose(0, 1)
             group = qi.shape[0] // keys.shape[0]
-            probs = ((qi @ keys.repeat_interleave(group, 0).transpose(1, 2)) * self.scale).masked_fill(~allowed, -torch.inf)
-            out.append((probs.softmax(-1) @ values.repeat_interleave(group, 0)).transpose(0, 1))
-        return torch.cat(out)
+            logits = ((qi @ keys.repeat_interleave(group, 0).transpose(1, 2)) * self.scale).masked_fill(~allowed, -torch.inf)
+            out.append((logits.softmax(-1) @ values.repeat_interleave(group, 0)).transpose(0, 1))
+            lse.append(logits.logsumexp(-1).transpose(0, 1))
+        return (torch.cat(out), torch.cat(lse)) if return_lse else torch.cat(out)
+
+
+def fake_merge_state(v_a, s_a, v_b, s_b):
+    s = torch.logaddexp(s_a, s_b)
+    return v_a * (s_a - s).exp()[..., None] + v_b * (s_b - s).exp()[..., None], s
+
+
+FAKE_FLASHINFER = types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=FakeWrapper, merge_state=fake_merge_state)
 
 
 def test_plan_matches_the_torch_path(monkeypatch):
-    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=FakeWrapper))
+    monkeypatch.setitem(sys.modules, "flashinfer", FAKE_FLASHINFER)
     from sglang_patch.paged_attention import PagedSparsePrefill
 
     torch.manual_seed(0)
@@ -99,7 +115,7 @@ def test_paged_pass_routes_segments_on_cpu(monkeypatch):
     plan for every full-attention layer, windowed layers on the torch path) is checked without a GPU."""
     from sglang_patch import paged_attention
 
-    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=FakeWrapper))
+    monkeypatch.setitem(sys.modules, "flashinfer", FAKE_FLASHINFER)
     monkeypatch.setattr(paged_attention, "available", lambda device: True)
     _check_pass(torch.device("cpu"), torch.float32, 1e-5)
 
@@ -120,8 +136,9 @@ def _check_pass(dev, dtype, tolerance):
         Segment(slice(770, 834), torch.arange(64, 128, device=dev), perm[6000:6064], to_pool=False),  # standalone
         Segment(slice(834, 900), torch.arange(1934, 2000, device=dev), perm[7000:9000],
                 attention_sum=torch.zeros(2000, device=dev)),  # recorded attention
+        Segment(slice(900, 1600), torch.arange(0, 700, device=dev), perm[9000:9700]),  # a plain prefill from 0
     ]
-    rows = 900
+    rows = 1600
     out_cache_loc = torch.zeros(rows, dtype=torch.long, device=dev)
     for s in segments:  # a query's own K/V goes to the slot of its position
         if s.to_pool:
@@ -137,7 +154,7 @@ def _check_pass(dev, dtype, tolerance):
         pool.v[i].normal_()
     attn = SparseAttention(SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=None), segments, out_cache_loc,
                            dev)
-    assert isinstance(attn.paged, list) and len(attn.paged) == 2, "the pool-writing segments did not go to the plan"
+    assert isinstance(attn.paged, list) and len(attn.paged) == 3, "the pool-writing segments did not go to the plan"
     for layer in layers:
         q, k, v = (torch.randn(rows, h, d, device=dev, dtype=dtype) for h in (hq, hk, hk))
         got = attn.forward(q.view(rows, -1), k.view(rows, -1), v.view(rows, -1), layer, None).view(rows, hq, d)
@@ -155,3 +172,13 @@ def _check_pass(dev, dtype, tolerance):
             assert err < tolerance, f"layer {layer.layer_id}, segment rows {s.rows}: relative error {err:.2e}"
     assert isinstance(attn.paged, paged_attention.PagedSparsePrefill), "the FlashInfer plan was never made"
     assert plan is attn.paged, "the plan was made again at a later layer"
+
+
+def test_groups_span_at_most_the_limit():
+    from sglang_patch.paged_attention import groups
+
+    assert groups([]) == []
+    assert groups([5], span=4) == [(0, 1)]
+    # 0..3 spans 4 positions (the most), so 4 starts a group; 10 is 6 past 4
+    assert groups([0, 1, 2, 3, 4, 10, 11], span=4) == [(0, 4), (4, 5), (5, 7)]
+    assert groups(list(range(1000, 2024))) == [(0, 512), (512, 1024)]
