@@ -10,8 +10,11 @@ from pathlib import Path
 import torch
 import yaml
 
+from chunkcache.blend.features import deviation_feature
+from chunkcache.hashing import chunk_key, prefix_key
 from chunkcache.prompt import RagPrompt
 from chunkcache.reference import BlendResult, ReferenceBlender
+from chunkcache.select import create
 from . import fidelity
 from .workloads import Item, to_request
 
@@ -50,11 +53,35 @@ def split(prompt: RagPrompt) -> tuple[list[int], list[list[int]], list[int]]:
 
 def blend(blender: ReferenceBlender, parts, name: str, ratio: float, options: dict) -> BlendResult:
     """One blend. Selectors that keep per-chunk data in the store (clip, per_chunk) run twice, so the one that
-    counts is timed as for a chunk seen before."""
+    counts is timed as for a chunk seen before. A deviation the chunks remember (mix's stored_deviation) is warmed in
+    two other orders instead: the same order would store the very deviation the measured blend then reads, which a
+    server sees only when a prompt repeats, not when its chunks come back reordered."""
+    if options.get("stored_deviation"):
+        return _blend_stored_deviation(blender, parts, name, ratio, options)
     warm = name == "clip" or bool(options.get("per_chunk"))
     for _ in range(1 + warm):
         result = blender.blend(*parts, selector=name, ratio=ratio, **options)
     return result
+
+
+def _blend_stored_deviation(blender: ReferenceBlender, parts, name: str, ratio: float, options: dict) -> BlendResult:
+    """Reversed, then rotated by one. The reversed order stores every chunk but the last, each measured after the
+    chunks that follow it in the measured prompt (none of those that precede it there); the rotation stores the last,
+    measured after all the others but the first. The measured prompt's first chunk is at home there (exact KV, no
+    deviation needed). Two chunks have no such orders (rotating is reversing): the check refuses them."""
+    prefix, chunks, query = parts
+    for order in (chunks[::-1], chunks[1:] + chunks[:1]):
+        blender.blend(prefix, order, query, selector=name, ratio=ratio, **options)
+    sel = create(name, **options)
+    feature = deviation_feature(sel.layer, sel.which)
+    pkey = prefix_key(torch.as_tensor(prefix, dtype=torch.long))
+    keys = [chunk_key(blender.fingerprint, blender.namespace, pkey, torch.as_tensor(c, dtype=torch.long))
+            for c in chunks[1:]]
+    entries = blender.store.get_many(keys)
+    missing = [k for k in keys if k not in entries or feature not in entries[k].features]
+    if missing:  # the measured blend would run the deviation pass in its own order
+        raise RuntimeError(f"{len(missing)} of {len(chunks)} chunks have no stored deviation after the warm-up")
+    return blender.blend(*parts, selector=name, ratio=ratio, **options)
 
 
 def blend_seconds(result: BlendResult) -> float:

@@ -63,11 +63,15 @@ class DraftConfig:
 
 @dataclass
 class SelectConfig:
-    selector: str = "prophet"  # default selector: full, none, epic, cacheblend, prophet, spec, clip, mix (or oracle)
+    # default selector: full, none, epic, cacheblend, prophet, spec, clip, mix (or oracle). mix with the deviations
+    # its chunks remember runs at prophet's TTFT (3K / 7K tokens: 1.11 / 3.37 s against 1.16 / 3.47 s) with a lower
+    # first-token KL than prophet's (-13.9 % multikey, -8.6 % MuSiQue; docs/bench/eval_select.md, serving.md)
+    selector: str = "mix"
     ratio: float = 0.15  # recompute budget rho over reused context tokens, in [0, 1]
     # per-selector keyword options, keyed by selector name: the fields of its class in chunkcache/select/ (each with
-    # its default and doc line), e.g. mix's adaptive budget {mass: 0.8, rho_floor: 0.05, rho_cap: 0.3}
-    options: dict[str, Any] = field(default_factory=dict)
+    # its default and doc line), e.g. mix's adaptive budget {mass: 0.8, rho_floor: 0.05, rho_cap: 0.3}; a config
+    # that gives options replaces these
+    options: dict[str, Any] = field(default_factory=lambda: {"mix": {"stored_deviation": True}})
 
     def check(self) -> None:
         """What needs no selector: the names and their options are the registry's to judge (Config.load's

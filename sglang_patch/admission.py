@@ -51,7 +51,9 @@ def compute_tokens(reuse: ChunkReuse, req, prefix_len: int) -> int | None:
     for name, args in needs(reuse.selector(plan.selector)):
         if name == "query_attention":
             features += plan.n - plan.query
-        elif name == "kv_deviation":  # args[0] = check layer: the first layer+1 of all layers, over every token
+        # args[0] = check layer: the first layer+1 of all layers, over every token; a remembered deviation may cost
+        # nothing, but which chunks remember one is known only once their entries are fetched: charged as measured
+        elif name in ("kv_deviation", "known_deviation"):
             features += math.ceil((plan.n - plan.start) * (args[0] + 1) / reuse.layout.num_layers)
     return (plan.start - prefix_len) + missing + outside + selected + features
 

@@ -67,6 +67,16 @@ def check_deviation_args(layer: int, which: str, n_layers: int) -> None:
         raise ValueError(f"layer {layer} outside [0, {n_layers})")
 
 
+def deviation_feature(layer: int, which: str) -> str:
+    """The name of a chunk entry's remembered deviation (RequestFeatures.known_deviation)."""
+    return f"deviation:{which}{layer}"
+
+
+def _at_home(end: int, entry: ChunkEntry) -> bool:
+    """Whether the chunk ending at `end` sits where its KV was computed (right after the shared prefix)."""
+    return end - entry.num_tokens == entry.start_pos
+
+
 class RequestFeatures:
     """The Features of request `index` of a pipeline batch; each value is computed at most once."""
 
@@ -89,6 +99,41 @@ class RequestFeatures:
         check_deviation_args(layer, which, self.passes.n_layers)
         return self._memo("kv_deviation", (layer, which),
                           lambda: self.passes.kv_deviation([self.index], layer, which)[0])
+
+    def known_deviation(self, layer: int, which: str) -> torch.Tensor:
+        """kv_deviation as each chunk's store entry remembers it (stored_deviation) when every chunk has one, else
+        measured in this request by the engine's pass and remembered by the chunks that had none."""
+        check_deviation_args(layer, which, self.passes.n_layers)
+        return self._memo("known_deviation", (layer, which), lambda: self._known_deviation(layer, which))
+
+    def stored_deviation(self, layer: int, which: str) -> torch.Tensor | None:
+        """[N] float32: each reused chunk's deviation from its entry, zero for a chunk at the place it was computed
+        (its reused KV is exact); None when another chunk has none stored."""
+        name = deviation_feature(layer, which)
+        out = torch.zeros(self.layout.n)
+        for (s, e), entry in zip(self.layout.chunk_spans, self.entries):
+            if _at_home(e, entry):
+                continue
+            stored = entry.features.get(name)
+            if stored is None:
+                return None
+            out[s:e] = stored[len(stored) - (e - s):]  # an exact prefix may cover the chunk's head here
+        return out
+
+    def _known_deviation(self, layer: int, which: str) -> torch.Tensor:
+        # a request the batch's pass measured keeps its own: another request of the batch may have stored the chunks'
+        # deviations (measured in its context) since the prefetch
+        measured = ("kv_deviation", (layer, which)) in self.values
+        stored = None if measured else self.stored_deviation(layer, which)
+        if stored is not None:
+            return stored
+        fresh = self.kv_deviation(layer, which)
+        name = deviation_feature(layer, which)
+        for (s, e), entry in zip(self.layout.chunk_spans, self.entries):
+            # only whole chunks away from home: at home the deviation is zero here and says nothing of elsewhere
+            if not _at_home(e, entry) and e - s == entry.num_tokens and name not in entry.features:
+                entry.features[name] = fresh[s:e].float().clone()
+        return fresh
 
     def true_deviation(self, attended: bool = False) -> torch.Tensor:
         serve = getattr(self.passes, "true_deviation", None)  # optional: it costs a full prefill (the oracle's)

@@ -153,6 +153,12 @@ def prefetch(passes: FeaturePasses, features: list[RequestFeatures], selectors: 
         for need in needs(sel):
             wanted.setdefault(need, []).append(f)
     for (name, args), fs in wanted.items():
+        if name == "known_deviation":  # the deviation pass only for the requests a chunk of which has none stored
+            check_deviation_args(*args, passes.n_layers)
+            name = "kv_deviation"
+            fs = [f for f in fs if f.stored_deviation(*args) is None and (name, args) not in f.values]
+            if not fs:
+                continue
         indices = [f.index for f in fs]
         if name == "query_attention":
             values = passes.query_attention(indices)

@@ -78,6 +78,13 @@ class Features(Protocol):
         (all heads flattened). Zero for tokens that are not reused."""
         ...
 
+    def known_deviation(self, layer: int, which: str) -> torch.Tensor:
+        """kv_deviation as the chunks' store entries remember it: each chunk's was measured in the first request
+        that blended it away from the place it was computed, and kept with its KV (a chunk at that place has none:
+        its reused KV is exact). When a chunk has none yet, kv_deviation is measured in this request and remembered
+        by the chunks that had none."""
+        ...
+
     def query_attention(self) -> torch.Tensor:
         """[N] float: ProphetKV's fused score: the query tokens run through all layers against the reused KV;
         per layer the softmax attention from query tokens to each token, averaged over query tokens and heads;

@@ -73,6 +73,10 @@ class MixSelector:
     rho_cap: float = 1.0  # adaptive: largest rho a request gets (the request's rho if smaller)
     # share of the budget spent first on whole sentences holding the query's rarest words (overlap.py); 0: off
     overlap: float = 0.0
+    # the deviation each chunk's store entry remembers (Features.known_deviation): measured by the first request that
+    # blends the chunk elsewhere, so a request whose chunks all have one runs no deviation pass (layers 0..`layer`
+    # over every token, mix's cost above prophet's); False measures it in every request
+    stored_deviation: bool = False
 
     def __post_init__(self) -> None:
         weights = (self.relevance, self.deviation, self.boundary)
@@ -99,7 +103,11 @@ class MixSelector:
     @property
     def needs(self) -> tuple[tuple[str, tuple], ...]:
         return ((("query_attention", ()),) if self.relevance else ()) + \
-            ((("kv_deviation", (self.layer, self.which)),) if self.deviation else ())
+            (((self._deviation_feature, (self.layer, self.which)),) if self.deviation else ())
+
+    @property
+    def _deviation_feature(self) -> str:
+        return "known_deviation" if self.stored_deviation else "kv_deviation"
 
     def budget(self) -> AdaptiveBudget:
         return AdaptiveBudget(self.mass, self.rho_floor, self.rho_cap)
@@ -111,7 +119,8 @@ class MixSelector:
         if self.relevance:
             signals.append((self.relevance, distribution(features.query_attention(), ctx)))
         if self.deviation:
-            signals.append((self.deviation, distribution(features.kv_deviation(self.layer, self.which), ctx)))
+            deviation = getattr(features, self._deviation_feature)(self.layer, self.which)
+            signals.append((self.deviation, distribution(deviation, ctx)))
         if self.boundary:
             signals.append((self.boundary, distribution(chunk_starts(layout, self.boundary_tokens).double(), ctx)))
         if self.combine == "sum":

@@ -1,0 +1,282 @@
+"""`mix` with `stored_deviation`: each chunk's KV deviation is measured once, by the first request that blends the chunk
+away from home (right after the shared prefix, where its reused KV is exact), kept in its store entry, and read by
+later requests instead of a deviation pass. Oracles: the engine's own pass output in the request that measured it
+(recorded), a selector reading kv_deviation in the same order, and the product computed by hand from the stored
+slices."""
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import pytest
+import torch
+
+from chunkcache import reference
+from chunkcache.blend.features import deviation_feature
+from chunkcache.hashing import chunk_key, prefix_key
+from chunkcache.models import tiny_model
+from chunkcache.reference import ReferenceBlender
+from chunkcache.select.base import Layout, Selection, finish
+
+NAME = deviation_feature(3, "k")  # mix's defaults: K at layer 3
+STORED = dict(stored_deviation=True)
+RHO = 0.3
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return tiny_model("llama", initializer_range=0.1)  # large enough weights for deviations that differ by context
+
+
+@pytest.fixture
+def blender(model_dir):
+    return ReferenceBlender.from_pretrained(model_dir)  # a fresh in-memory store per test
+
+
+@pytest.fixture
+def passes(monkeypatch):
+    """The deviation passes the engine runs: one [N] tensor per call (the request's, as the pass returned it)."""
+    seen = []
+    measure = reference._Engine.kv_deviation
+
+    def counted(self, requests, layer, which):
+        out = measure(self, requests, layer, which)
+        seen.append(out[0].clone())
+        return out
+
+    monkeypatch.setattr(reference._Engine, "kv_deviation", counted)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def parts():
+    g = torch.Generator().manual_seed(5)
+
+    def r(n):
+        return torch.randint(5, 1000, (n,), generator=g).tolist()
+
+    return r(6), {"A": r(15), "B": r(11), "C": r(13)}, r(5)
+
+
+def order(parts, names):
+    prefix, chunks, query = parts
+    return prefix, [chunks[n] for n in names], query
+
+
+def spans(parts, names):
+    """Each named chunk's [start, end) in the prompt of that order."""
+    prefix, chunks, _ = parts
+    out, at = {}, len(prefix)
+    for n in names:
+        out[n] = (at, at + len(chunks[n]))
+        at += len(chunks[n])
+    return out
+
+
+def stored(blender, parts):
+    """Each chunk's remembered deviation, None where its entry has none."""
+    prefix, chunks, _ = parts
+    pkey = prefix_key(torch.tensor(prefix))
+    keys = {n: chunk_key(blender.fingerprint, blender.namespace, pkey, torch.tensor(c)) for n, c in chunks.items()}
+    entries = blender.store.get_many(list(keys.values()))
+    return {n: entries[k].features.get(NAME) for n, k in keys.items()}
+
+
+@dataclass
+class Capture:
+    """Reads the two signals mix weighs, as measured in this request; picks nothing but the forced tokens."""
+
+    name: ClassVar[str] = "capture"
+    seen: dict | None = None
+
+    def select(self, layout: Layout, ratio: float, features) -> Selection:
+        self.seen = {"qa": features.query_attention(), "dev": features.kv_deviation(3, "k"), "layout": layout}
+        return finish(layout, torch.zeros(0, dtype=torch.long), None)
+
+
+def measured(blender, parts, names):
+    cap = Capture()
+    blender.blend(*order(parts, names), selector=cap)
+    return cap.seen
+
+
+def product(qa, dev, layout):
+    """mix's default score by hand: the geometric mean of the two distributions over the context, renormalised."""
+    ctx = layout.context_mask().double()
+    rel, d = qa.double() * ctx, dev.double().clamp_min(0) * ctx
+    mixed = (rel / rel.sum() * d / d.sum()).sqrt()
+    return mixed / mixed.sum()
+
+
+def test_first_blend_measures_once_and_stores_the_away_chunks(blender, parts, passes):
+    blender.blend(*order(parts, "ABC"), selector="mix", ratio=RHO, **STORED)
+    assert len(passes) == 1
+    fresh = measured(blender, parts, "ABC")["dev"]  # the same order through kv_deviation, another request
+    at, got = spans(parts, "ABC"), stored(blender, parts)
+    assert got["A"] is None  # at home: its deviation here is zero and says nothing of elsewhere
+    for n in "BC":
+        s, e = at[n]
+        assert got[n].dtype == torch.float32 and got[n].shape == (e - s,)
+        assert torch.equal(got[n], passes[0][s:e].float())
+        torch.testing.assert_close(got[n], fresh[s:e].float())
+        assert got[n].abs().sum() > 0  # away from home the reused KV is wrong: a real measurement, not zeros
+
+
+def test_all_stored_runs_no_pass_and_scores_from_the_store(blender, parts, passes):
+    blender.blend(*order(parts, "ABC"), selector="mix", ratio=RHO, **STORED)  # stores B, C
+    blender.blend(*order(parts, "BAC"), selector="mix", ratio=RHO, **STORED)  # stores A (B at home)
+    assert len(passes) == 2
+    kept = stored(blender, parts)
+    del passes[:]
+    res = blender.blend(*order(parts, "CBA"), selector="mix", ratio=RHO, **STORED)  # C at home now
+    assert passes == []
+    # the expected product: the stored slices where the chunks sit now, zeros for C (exact at home)
+    at = spans(parts, "CBA")
+    dev = torch.zeros(res.layout.n)
+    for n in "AB":
+        dev[slice(*at[n])] = kept[n]
+    qa = measured(blender, parts, "CBA")["qa"]  # query attention does not depend on the deviation
+    expected = product(qa, dev, res.layout)
+    torch.testing.assert_close(res.scores, expected.float(), rtol=1e-5, atol=1e-7)
+    assert float(res.scores[slice(*at["C"])].abs().sum()) == 0.0
+    # and it differs from the deviation measured in this order (C's is not stored as zero elsewhere: B's, A's are
+    # from other contexts)
+    assert not torch.allclose(dev, measured(blender, parts, "CBA")["dev"])
+
+
+def test_a_chunk_without_one_runs_the_pass_and_stores_only_its_own(blender, parts, passes):
+    blender.blend(*order(parts, "ABC"), selector="mix", ratio=RHO, **STORED)  # stores B, C
+    before = stored(blender, parts)
+    res = blender.blend(*order(parts, "BCA"), selector="mix", ratio=RHO, **STORED)  # A away and missing
+    assert len(passes) == 2
+    after, at = stored(blender, parts), spans(parts, "BCA")
+    assert torch.equal(after["A"], passes[1][slice(*at["A"])].float())
+    for n in "BC":  # kept as first measured, not overwritten by this request's measurement
+        assert torch.equal(after[n], before[n])
+    assert not torch.equal(after["C"], passes[1][slice(*at["C"])].float())  # C sits elsewhere now: another value
+    # the request that measured used its own measurement, not a mix of stored and fresh
+    ref = blender.blend(*order(parts, "BCA"), selector="mix", ratio=RHO)
+    torch.testing.assert_close(res.scores, ref.scores)
+    assert torch.equal(res.recomputed, ref.recomputed)
+
+
+def test_stored_in_the_same_order_selects_as_measured(blender, parts, passes):
+    blender.blend(*order(parts, "ABC"), selector="mix", ratio=RHO, **STORED)
+    seen = measured(blender, parts, "ABC")
+    home = slice(*spans(parts, "ABC")["A"])
+    fresh = seen["dev"].clone()
+    assert fresh[home].max() < 1e-4 * fresh.max()  # measured at home: zero up to float rounding
+    fresh[home] = 0
+    for ratio in (0.1, RHO, 0.5):
+        del passes[:]
+        ours = blender.blend(*order(parts, "ABC"), selector="mix", ratio=ratio, **STORED)
+        assert passes == []
+        theirs = blender.blend(*order(parts, "ABC"), selector="mix", ratio=ratio)
+        assert len(passes) == 1
+        assert torch.equal(ours.recomputed, theirs.recomputed)
+        assert torch.equal(ours.logits, theirs.logits)
+        # the scores are the measured ones but for the home chunk's rounding residue, which the store holds as 0
+        torch.testing.assert_close(ours.scores, product(seen["qa"], fresh, ours.layout).float(), rtol=1e-5, atol=1e-7)
+
+
+def test_the_deviation_reaches_the_store(model_dir, parts, passes, tmp_path):
+    """Kept through store.add_features: a second blender on the same disk tier reads it and runs no pass."""
+    from chunkcache.store import ChunkStore
+
+    first = ReferenceBlender.from_pretrained(model_dir, store=ChunkStore(disk_dir=str(tmp_path)))
+    first.blend(*order(parts, "ABC"), selector="mix", ratio=RHO, **STORED)
+    first.blend(*order(parts, "BAC"), selector="mix", ratio=RHO, **STORED)
+    second = ReferenceBlender.from_pretrained(model_dir, store=ChunkStore(disk_dir=str(tmp_path)))
+    del passes[:]
+    second.blend(*order(parts, "CAB"), selector="mix", ratio=RHO, **STORED)
+    assert passes == []
+    assert all(v is not None for v in stored(second, parts).values())
+
+
+def test_the_eval_harness_warms_in_other_orders(blender, parts, passes):
+    """chunkbench's measured blend reads deviations stored in other orders (the same order would store exactly what
+    it then reads), and runs no pass of its own."""
+    from chunkbench.reference_path import blend
+
+    res = blend(blender, order(parts, "ABC"), "mix", RHO, STORED)
+    assert len(passes) == 2  # the two warm-up orders (reversed: C at home; rotated: C away and missing), not the last
+    again = blender.blend(*order(parts, "ABC"), selector="mix", ratio=RHO, **STORED)
+    assert torch.equal(res.recomputed, again.recomputed)
+    fresh, at, kept = measured(blender, parts, "ABC")["dev"], spans(parts, "ABC"), stored(blender, parts)
+    for n in "BC":
+        assert not torch.allclose(kept[n], fresh[slice(*at[n])])
+    prefix, chunks, query = parts
+    with pytest.raises(RuntimeError, match="no stored deviation"):  # two chunks have no other order
+        blend(blender, (prefix, [chunks["A"], chunks["B"][:5]], query), "mix", RHO, STORED)
+
+
+# ---- a batch of requests (the server's case), on a stand-in engine --------------------------------------------------
+
+class BatchEngine:
+    """Zero KV for computed chunks; request i's deviation pass measures i + 1 on every context token."""
+
+    fingerprint, entry_shape, n_layers = "f" * 32, (2, 1, 4), 2
+
+    def __init__(self, plans):
+        self.plans, self.deviation_passes = plans, []
+        self.models = None
+
+    def fill(self, chunks):
+        from chunkcache.store import ChunkEntry
+
+        out = []
+        for i, c in chunks:
+            ids = self.plans[i].chunk_ids(c)
+            kv = torch.zeros(2, len(ids), 1, 4)
+            out.append(ChunkEntry(c.key, ids, kv, kv.clone(), self.plans[i].shared_prefix_len, self.fingerprint))
+        return out
+
+    def copy(self, entries):
+        pass
+
+    def kv_deviation(self, requests, layer, which):
+        self.deviation_passes.append(list(requests))
+        return [(i + 1.0) * self.plans[i].layout().context_mask().float() for i in requests]
+
+    def recompute(self, tokens):
+        return None
+
+
+@dataclass
+class Known:
+    name: ClassVar[str] = "known"
+    needs: ClassVar[tuple] = (("known_deviation", (1, "k")),)
+    seen: ClassVar[list] = []
+
+    def select(self, layout, ratio, features) -> Selection:
+        Known.seen.append(features.known_deviation(1, "k"))
+        return finish(layout, torch.zeros(0, dtype=torch.long), None)
+
+
+def test_a_batch_measures_once_and_each_measured_request_keeps_its_own():
+    from chunkcache.blend import pipeline
+    from chunkcache.blend.plan import plan_request
+    from chunkcache.store import ChunkStore
+
+    ids = torch.arange(3, 15)
+    store = ChunkStore()
+
+    def run(plans):
+        Known.seen.clear()
+        engine = BatchEngine(plans)
+        pipeline.run(engine, store, plans, lambda _: Known())
+        return engine.deviation_passes, list(Known.seen)
+
+    # x and z at home (right after the 2-token prefix), y away in both; y has none stored: both requests measure
+    plans = [plan_request(ids, [(2, 5), (5, 8)], ["x", "y"], 0, "known", 0.1, shared_prefix_len=2),
+             plan_request(ids, [(2, 5), (5, 8)], ["z", "y"], 0, "known", 0.1, shared_prefix_len=2)]
+    passes, seen = run(plans)
+    assert passes == [[0, 1]]  # one pass for the batch
+    ctx = plans[0].layout().context_mask().float()
+    torch.testing.assert_close(seen[0], 1.0 * ctx)
+    torch.testing.assert_close(seen[1], 2.0 * ctx)  # its own, not request 0's that y stored meanwhile
+    assert torch.equal(store.get("y").features[deviation_feature(1, "k")], torch.ones(3))  # the first measurement
+    assert all(deviation_feature(1, "k") not in store.get(k).features for k in "xz")
+    # again, y now stored: no pass, the stored deviation where y sits and zeros for the chunk at home
+    passes, seen = run([plan_request(ids, [(2, 5), (5, 8)], ["z", "y"], 0, "known", 0.1, shared_prefix_len=2)])
+    assert passes == []
+    torch.testing.assert_close(seen[0], torch.tensor([0.0] * 5 + [1.0] * 3 + [0.0] * 4))
