@@ -33,17 +33,19 @@ NO_BATCH = {"requests": 0, "plain": 0, "decodes": 0, "forwards": 0}
 
 def blended(req, plan: RequestPlan, *, hits: int, reused: int, recomputed: int,
             admitted_compute: int | None, select_s: float = 0.0, blend_s: float = 0.0,
-            stages: dict[str, float] | None = None, batch: dict[str, int] | None = None, auto: bool = False) -> None:
+            stages: dict[str, float] | None = None, batch: dict[str, int] | None = None, auto: bool = False,
+            passes: tuple[str, ...] = ()) -> None:
     """A round served from the plan: chunk hits, reused and recomputed tokens, the radix match, the selector, timings
     (`stages` and `batch` are the whole batch's; none when the radix tree held every chunk and nothing blended).
-    `auto`: the chunks were found by automatic detection, not marked by the client."""
+    `auto`: the chunks were found by automatic detection, not marked by the client. `passes`: the model passes the
+    selector's features took (a remembered deviation takes none: mix's stored_deviation)."""
     info = {
         **(_auto(req) if auto else {}),
         "chunk_hits": hits, "chunk_misses": len(plan.chunks) - hits, "reused_tokens": reused,
         "recomputed_tokens": recomputed, "radix_tokens": plan.matched, "selector": plan.selector, "ratio": plan.ratio,
         "select_s": round(select_s, 6), "blend_s": round(blend_s, 6),
         "stages_s": {k: round((stages or {}).get(k, 0.0), 6) for k in STAGES}, "batch": batch or dict(NO_BATCH),
-        "admitted_compute": admitted_compute,
+        "admitted_compute": admitted_compute, "feature_passes": list(passes),
     }
     log.info("chunkcache: request %s %s", getattr(req, "rid", "?"), info)
     metrics.record_request(info)

@@ -143,3 +143,16 @@ def test_many_requests_over_a_small_pool_evict_and_do_not_leak_slots(engine, rag
     assert after["protected"] == 0 and after["available"] + after["evictable"] == total
     engine.flush_cache()
     assert kv_pool(engine)["available"] == total
+
+
+def test_mix_remembers_each_chunks_deviation(engine, rag):
+    """The default mix (stored_deviation) measures a chunk's deviation in its first blend away from home and reads it
+    afterwards: the report lists the deviation pass while some chunk has none, and only the query pass once every
+    chunk of the request was blended away from home before (the one at home needs none)."""
+    passes = []
+    for order in ([0, 1, 2], [2, 0, 1], [1, 2, 0]):  # 0 is away from home first in the second request
+        ids, spans = rag.build(order, "What is the code of document 0?")
+        info = gen(engine, ids, hints(spans, selector="mix", namespace="remembered"), n=1)["meta_info"]["chunkcache"]
+        assert "fallback" not in info and info["chunk_hits"] + info["chunk_misses"] == 3, info
+        passes.append(info["feature_passes"])
+    assert passes == [["kv_deviation", "query_attention"]] * 2 + [["query_attention"]]

@@ -31,6 +31,7 @@ from .plan import Placement, RequestPlan, recompute_set, to_compute
 
 log = logging.getLogger(__name__)
 STEPS = ("lookup", "fill", "learn", "copy", "features", "select", "recompute")
+PASSES = ("query_attention", "kv_deviation")  # the features an engine computes with model passes
 
 
 class Engine(FeaturePasses, Protocol):
@@ -63,6 +64,7 @@ class Blended:
     recomputed: torch.Tensor  # [M] int64, sorted prompt indices recomputed in this prompt's context
     scores: torch.Tensor | None  # the selector's per-token scores, if it has any
     select_s: float  # this request's own selection time (batched feature passes excluded)
+    passes: tuple[str, ...] = ()  # the engine's feature passes this request took part in (FeaturePasses methods)
 
     @property
     def reused_tokens(self) -> int:
@@ -109,7 +111,8 @@ def run(engine: Engine, store: ChunkStore, plans: Sequence[RequestPlan],
             selection = sel.select(layout, p.ratio, f)
             recomputed = recompute_set(layout, selection.indices)
             blended.append(Blended(p, sum(c.key in found for c in p.chunks), recomputed, selection.scores,
-                                   time.perf_counter() - t))
+                                   time.perf_counter() - t, tuple(sorted({name for name, _ in f.values
+                                                                          if name in PASSES}))))
         added: dict[str, dict[str, torch.Tensor]] = {}
         for f in features:  # per-chunk selector features reach every tier and the host budget
             for key, feats in f.added_features().items():
