@@ -13,13 +13,15 @@ Llama-3-8B's attention shape (32 q heads, 8 kv heads, head dim 128) at each `--s
                        small custom mask (FA2), merged with flashinfer.merge_state
   flashinfer_mask      FA2 paged prefill over the whole row with one custom mask (PagedSparsePrefill until it
                        measured slower than full_causal on an H100: docs/bench/gpu.md)
-  flashinfer_two_pass  per chunk: selected rows vs the keys before the chunk (no mask, so FA3-eligible) + within
-                       the chunk (small custom mask), merged with flashinfer.merge_state (notes/flashinfer.md, B)
+  flashinfer_two_pass  flashinfer_paged with the rows grouped by chunk instead of by position span (the served
+                       path does not know the chunks); measured before PagedSparsePrefill took this form as its own
+                       per-chunk plan (keys before the chunk start, not before the group's first row)
   torch_blocks         sglang_patch.sparse_attention.attend_blocks: the path CUDA takes today without flashinfer
   sdpa_mask            one SDPA call with the dense [rows, keys] mask (K/V expanded to the q heads, so the
                        memory-efficient kernel takes it instead of the math fallback)
   flex_mask            FlexAttention with a block mask of the same per-position causality
-  flex_two_pass        FlexAttention's two passes of flashinfer_two_pass, merged in torch from their LSEs
+  flex_two_pass        FlexAttention in two passes per chunk (keys before its start, keys within it), merged in
+                       torch from their LSEs
 
 Every variant's output on the selected rows is compared with a float32 reference (max abs difference over the
 reference's max abs value); one above the dtype's tolerance, or a variant that fails, makes the exit status 1. `plan` is the once-per-pass setup (masks, FlashInfer plan), `run` one
@@ -211,39 +213,16 @@ def flashinfer_mask(c: Case):
 
 
 def flashinfer_two_pass(c: Case):
-    flashinfer = _flashinfer(c)
-    dev, sel = c.q.device, c.layout.sel
+    """PagedSparsePrefill with the rows grouped by the chunk that holds them (which the served path does not know)."""
+    _flashinfer(c)
     hq, hk, d = c.q.shape[1], c.k_buf.shape[1], c.q.shape[2]
-    i32 = dict(dtype=torch.int32, device=dev)
-    # one FlashInfer "request" per chunk holding selected rows (rows are sorted, so each chunk's rows are a run)
-    starts, counts = torch.unique_consecutive(c.layout.seg_start, return_counts=True)
-    ends = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
-    last = [int(sel[e - 1]) for e in ends[1:]]
-    qo = ends.to(**i32)
-    pre_len = starts.tolist()
-    in_len = [p + 1 - s for s, p in zip(pre_len, last)]
-    slots = c.slots
-    ones = torch.ones(len(pre_len), **i32)
-    common = dict(head_dim_vo=d, sm_scale=c.scale, q_data_type=c.q.dtype, kv_data_type=c.k_buf.dtype)
-    # pass 1: every selected row of a chunk sees every key before the chunk: no mask, any backend (FA3 on sm90)
-    before = flashinfer.BatchPrefillWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=dev),
-                                                            "NHD", backend="auto")
-    before.plan(qo, torch.tensor([0] + pre_len, **i32).cumsum(0, dtype=torch.int32),
-                torch.cat([slots[:s] for s in pre_len]).to(**i32), ones, hq, hk, d, 1, causal=False, **common)
-    # pass 2: within the chunk, key position <= query position (FA2, the only backend with custom masks)
-    mask = torch.cat([(s + torch.arange(n, device=dev)[None, :] <= sel[a:b].to(dev)[:, None]).flatten()
-                      for s, n, a, b in zip(pre_len, in_len, ends[:-1].tolist(), ends[1:].tolist())])
-    within = flashinfer.BatchPrefillWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=dev),
-                                                            "NHD", backend="fa2")
-    within.plan(qo, torch.tensor([0] + in_len, **i32).cumsum(0, dtype=torch.int32),
-                torch.cat([slots[s: s + n] for s, n in zip(pre_len, in_len)]).to(**i32), ones, hq, hk, d, 1,
-                custom_mask=mask, **common)
-
-    def run():
-        o1, s1 = before.run(c.q, (c.k_buf, c.v_buf), return_lse=True)
-        o2, s2 = within.run(c.q, (c.k_buf, c.v_buf), return_lse=True)
-        return flashinfer.merge_state(o1, s1, o2, s2)[0]
-    return run
+    _, counts = torch.unique_consecutive(c.layout.seg_start, return_counts=True)
+    ends = counts.cumsum(0).tolist()
+    by_chunk = list(zip([0] + ends[:-1], ends))
+    plan = paged_attention.PagedSparsePrefill([Segment(slice(0, len(c.q)), c.layout.sel.to(c.q.device), c.slots)],
+                                              hq, hk, d, d, c.scale, c.q.dtype, c.k_buf.dtype, c.q.device,
+                                              grouping=lambda q_pos: by_chunk)
+    return lambda: plan.run(c.q, c.k_buf, c.v_buf)
 
 
 def torch_blocks(c: Case):

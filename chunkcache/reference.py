@@ -52,6 +52,7 @@ class BlendResult:
     chunk_hits: int = 0  # chunks found in the store
     chunk_misses: int = 0  # chunks computed standalone (and inserted)
     scores: torch.Tensor | None = None  # the selector's per-token scores, if it has any
+    passes: tuple[str, ...] = ()  # the engine's feature passes the blend ran (pipeline.Blended.passes)
 
 
 class ReferenceBlender:
@@ -156,6 +157,7 @@ class ReferenceBlender:
             chunk_hits=done.hits,
             chunk_misses=len(plan.chunks) - done.hits,
             scores=done.scores,
+            passes=done.passes,
         )
 
     @torch.inference_mode()

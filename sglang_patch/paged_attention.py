@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -57,7 +58,9 @@ class PagedSparsePrefill:
     """One pass's FlashInfer plans over `segments` (each: q_pos [m] positions, ctx_slots [c] pool slots)."""
 
     def __init__(self, segments, num_qo_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int,
-                 scale: float, q_dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device):
+                 scale: float, q_dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device,
+                 grouping: Callable[[list[int]], list[tuple[int, int]]] = groups):
+        """`grouping`: a segment's sorted positions -> its row groups ([start, end) ranges covering every row)."""
         import flashinfer
 
         if not _workspaces:
@@ -67,7 +70,7 @@ class PagedSparsePrefill:
         mask = []
         for s in segments:
             q_pos = s.q_pos.tolist()
-            for a, b in groups(q_pos):
+            for a, b in grouping(q_pos):
                 first, last = q_pos[a], q_pos[b - 1]
                 group_rows = torch.arange(s.rows.start + a, s.rows.start + b)
                 rows.append(group_rows)

@@ -199,6 +199,7 @@ def test_the_eval_harness_warms_in_other_orders(blender, parts, passes):
 
     res = blend(blender, order(parts, "ABC"), "mix", RHO, STORED)
     assert len(passes) == 2  # the two warm-up orders (reversed: C at home; rotated: C away and missing), not the last
+    assert res.passes == ("query_attention",)
     again = blender.blend(*order(parts, "ABC"), selector="mix", ratio=RHO, **STORED)
     assert torch.equal(res.recomputed, again.recomputed)
     fresh, at, kept = measured(blender, parts, "ABC")["dev"], spans(parts, "ABC"), stored(blender, parts)
