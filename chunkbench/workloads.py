@@ -102,9 +102,21 @@ WARM_QUESTION = "Question: Which documents are these?"
 def chunk_warmup(pool: list[Item], per_request: int) -> list[Item]:
     """Every document of the pool into the chunk store: requests of at most `per_request` documents (the shuffled
     pool is one item, larger than a prompt and maybe than the context), all hinted (a missed chunk is computed alone
-    after the shared prefix, wherever it sits, so batching them changes no stored KV)."""
-    return [Item(f"warm-{it.id}-{i}", it.documents[i:i + per_request], WARM_QUESTION, (), it.system, it.instruction)
-            for it in pool for i in range(0, len(it.documents), per_request)]
+    after the shared prefix, wherever it sits, so batching them changes no stored KV). Each group is sent a second
+    time rotated by one, so every document is also blended away from its home (right after the shared prefix): what
+    a selector learns per chunk there (mix's stored deviation) is in place before the measured requests, as in steady
+    serving, instead of being paid by the first measured batch."""
+    groups = [(it, it.documents[i:i + per_request]) for it in pool for i in range(0, len(it.documents), per_request)]
+    orders = [(it, docs) for it, group in groups for docs in {group: None, _away(group, it.documents): None}]
+    return [Item(f"warm-{i}", docs, WARM_QUESTION, (), it.system, it.instruction) for i, (it, docs) in enumerate(orders)]
+
+
+def _away(group: tuple[str, ...], documents: tuple[str, ...]) -> tuple[str, ...]:
+    """`group` reordered so that each of its documents sits after another one: rotated by one, or a lone document
+    after another document of its item."""
+    if len(group) > 1 or len(documents) < 2:
+        return _rotate(group, 1)
+    return (documents[0] if documents[0] != group[0] else documents[1],) + group
 
 
 def prefix_warmup(measured: list[Item]) -> list[Item]:

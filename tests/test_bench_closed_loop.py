@@ -9,7 +9,7 @@ import pytest
 
 from chunkbench import cli, closed_loop, closed_report, load
 from chunkbench.client import Outcome, fell_back
-from chunkbench.workloads import WorkloadConfig, fresh, items
+from chunkbench.workloads import WorkloadConfig, chunk_warmup, fresh, items
 
 
 def row(side, clients, block, arrival, finish, ttft, hits=0, misses=0, report=None, tokens=8):
@@ -69,6 +69,17 @@ def test_fresh_never_repeats_a_document_order():
     assert len(fresh(rotated, items(rotated), 6)) == 6  # 3 rotations of 2 cases
     with pytest.raises(ValueError):
         fresh(rotated, items(rotated), 7)
+
+
+def test_chunk_warmup_stores_every_document_and_blends_each_away_from_home():
+    """A measured batch must find what selectors learn per chunk away from its home (mix's stored deviation) in
+    place: every pool document is sent, and each sits after another document in some warm-up request."""
+    pool = items(WorkloadConfig("shuffled", requests=1, docs=3, words=5, pool=7))
+    warm = chunk_warmup(pool, 3)
+    docs = set(pool[0].documents)
+    assert {d for it in warm for d in it.documents} == docs and all(len(it.documents) <= 3 for it in warm)
+    assert {d for it in warm for d in it.documents[1:]} == docs
+    assert len({it.id for it in warm}) == len(warm) == 6  # groups of 3, 3, 1: each also in an order away from home
 
 
 def test_closed_clients_take_the_next_request_when_theirs_finished(monkeypatch):
