@@ -23,6 +23,7 @@ from .budget import rank
 
 RARE = 2  # a query word this rare in the context names what the question is about (a needle's key occurs once)
 _SENTENCE_END = re.compile(r"[.!?](?=\s)|\n")
+_WORD = re.compile(r"\w")
 
 
 def check_overlap(share: float) -> None:
@@ -44,18 +45,20 @@ def pick(layout: Layout, text: str, offsets: list[tuple[int, int]], room: int) -
     if room <= 0:
         return chosen
     q0, q1 = layout.query_span
-    wordlike = torch.tensor([bool(re.search(r"\w", text[s:e])) for s, e in offsets], dtype=torch.bool)
+    words = {int(ids[i]) for i in range(q0, q1) if _wordlike(text, offsets[i])}
+    # the context tokens holding a query word (only those are read: the prompt's other tokens never score)
+    held_at = [i for i in (ctx & torch.isin(ids, torch.tensor(sorted(words), dtype=ids.dtype))).nonzero().flatten()
+               .tolist() if _wordlike(text, offsets[i])]
     counts: dict[int, int] = {}
-    for t in ids[ctx & wordlike].tolist():
-        counts[t] = counts.get(t, 0) + 1
-    weights = {t: 1.0 / counts[t] for t in set(ids[q0:q1][wordlike[q0:q1]].tolist()) if t in counts}
-    if not weights:
+    for i in held_at:
+        counts[int(ids[i])] = counts.get(int(ids[i]), 0) + 1
+    if not counts:
         return chosen
+    weights = {t: 1.0 / c for t, c in counts.items()}
     sent = sentence_ids(text, offsets)
     held: dict[int, set[int]] = {}  # sentence -> the distinct query ids it holds
-    for i in ctx.nonzero().flatten().tolist():
-        if int(ids[i]) in weights:
-            held.setdefault(int(sent[i]), set()).add(int(ids[i]))
+    for i in held_at:
+        held.setdefault(int(sent[i]), set()).add(int(ids[i]))
     scores = {s: sum(weights[t] for t in ts) for s, ts in held.items() if max(weights[t] for t in ts) >= 1 / RARE}
     for s in sorted(scores, key=lambda s: (-scores[s], s)):  # ties: the earlier sentence
         members = ctx & (sent == s)
@@ -64,6 +67,11 @@ def pick(layout: Layout, text: str, offsets: list[tuple[int, int]], room: int) -
             chosen |= members
             room -= size
     return chosen
+
+
+def _wordlike(text: str, offset: tuple[int, int]) -> bool:
+    """A token whose text has a letter or digit (punctuation and template tokens are never words)."""
+    return _WORD.search(text, *offset) is not None
 
 
 def top_k(layout: Layout, scores: torch.Tensor, k: int, text: str, offsets: list[tuple[int, int]],
