@@ -120,7 +120,9 @@ class Runner:
             fb.extend_prefix_lens = src.seq_lens - fb.extend_seq_lens
             fb.extend_prefix_lens_cpu = [int(s) - c for s, c in zip(src.seq_lens_cpu, lens)]
             fb.extend_logprob_start_lens_cpu = [c - 1 for c in lens] if src.extend_logprob_start_lens_cpu else None
-        backend = SparseAttention(self.model_runner.attn_backend, p.segments, fb.out_cache_loc, device)
+        backend = SparseAttention(self.model_runner.attn_backend, p.segments, fb.out_cache_loc, device,
+                                  final_layer=_last_layer(self.model_runner.model) if logits and not (
+                                      fb.capture_hidden_mode and fb.capture_hidden_mode.is_full()) else None)
         if has_forward_context():
             ctx = replace(get_forward_context(), attn_backend=backend)
         else:
@@ -134,6 +136,13 @@ class Runner:
                 return model.forward(fb.input_ids, fb.positions, fb)
             model.model(fb.input_ids, fb.positions, fb)
             return None
+
+
+def _last_layer(model) -> int:
+    """The id of the model's last decoder layer (its attention's layer_id; under pipeline parallelism only the last
+    stage holds it)."""
+    config = model.config
+    return getattr(config, "text_config", config).num_hidden_layers - 1
 
 
 @contextmanager

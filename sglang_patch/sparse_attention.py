@@ -30,6 +30,11 @@ class Segment:
     attention_sum: torch.Tensor | None = None  # [c] if set: += mean attention of the queries to each context key
 
 
+def _last_row(s: Segment) -> Segment:
+    """The segment's last query only (its output is the one a logits pass reads)."""
+    return Segment(slice(s.rows.stop - 1, s.rows.stop), s.q_pos[-1:], s.ctx_slots)
+
+
 class _SegmentPlan:
     """What attending for one segment needs, computed once per pass (per sliding window, in a model with some)."""
 
@@ -50,7 +55,12 @@ class _SegmentPlan:
 class SparseAttention:
     """Takes the place of the model runner's attention backend for one pass (sglang_patch.forward_pass)."""
 
-    def __init__(self, base, segments: list[Segment], out_cache_loc: torch.Tensor, device: torch.device):
+    def __init__(self, base, segments: list[Segment], out_cache_loc: torch.Tensor, device: torch.device,
+                 final_layer: int | None = None):
+        """`final_layer`: the model's last layer when only each segment's last row's output is read there (a logits
+        pass): at that layer the torch path attends for those rows only and gives the others zeros (their K/V are
+        still written; nothing reads their last hidden state). A recomputed token's last-layer attention is 1/L of
+        the pass's attention, spent on an output no one reads."""
         self.token_to_kv_pool = base.token_to_kv_pool
         self.req_to_token_pool = base.req_to_token_pool
         self.segments = segments
@@ -69,6 +79,9 @@ class SparseAttention:
             self.paged = paged or None  # the FlashInfer plan is made at the first layer (head counts, dtypes)
         self.plans = [_SegmentPlan(s, device) for s in segments]
         self.device = device
+        lasts_only = final_layer is not None and all(s.to_pool and s.attention_sum is None for s in segments)
+        self.final_layer = final_layer if lasts_only else None
+        self.final: dict[int | None, list[_SegmentPlan]] = {}  # per window: each segment's last row
         # sliding-window layers (Gemma 3's local ones): every segment on the torch path, planned at the first such
         # layer of the pass; FlashInfer's paged plan above is for full-attention layers
         self.windowed: dict[int, list[_SegmentPlan]] = {}
@@ -84,13 +97,20 @@ class SparseAttention:
             rows = self.write_rows
             pool.set_kv_buffer(layer, self.write_loc, k if rows is None else k[rows], v if rows is None else v[rows])
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-        out = q.new_empty(q.shape[0], hq, dv)
         plans = self.plans
-        if window is not None:
+        if layer.layer_id == self.final_layer:
+            out = q.new_zeros(q.shape[0], hq, dv)
+            plans = self.final.get(window)
+            if plans is None:
+                plans = self.final[window] = [_SegmentPlan(_last_row(s), self.device, window) for s in self.segments
+                                                    if s.rows.stop > s.rows.start]
+        elif window is not None:
+            out = q.new_empty(q.shape[0], hq, dv)
             plans = self.windowed.get(window)
             if plans is None:
                 plans = self.windowed[window] = [_SegmentPlan(s, self.device, window) for s in self.segments]
         else:
+            out = q.new_empty(q.shape[0], hq, dv)
             if isinstance(self.paged, list):
                 self.paged = paged_attention.PagedSparsePrefill(
                     self.paged, hq, hk, d, dv, layer.scaling, q.dtype, k_buf.dtype, q.device)

@@ -182,3 +182,46 @@ def test_groups_span_at_most_the_limit():
     # 0..3 spans 4 positions (the most), so 4 starts a group; 10 is 6 past 4
     assert groups([0, 1, 2, 3, 4, 10, 11], span=4) == [(0, 4), (4, 5), (5, 7)]
     assert groups(list(range(1000, 2024))) == [(0, 512), (512, 1024)]
+
+
+@pytest.mark.parametrize("window", [-1, 40])
+def test_a_logits_pass_attends_only_each_segments_last_row_at_the_final_layer(window):
+    """At the model's last layer only each segment's last row is read (the logits): those rows equal a pass that
+    attends every row, the others are zeros, and every row's K/V still reaches the pool. Earlier layers, and a pass
+    with a segment that records attention, attend every row."""
+    from types import SimpleNamespace
+
+    from sglang_patch.sparse_attention import SparseAttention
+
+    torch.manual_seed(0)
+    hq, hk, d = 6, 2, 16
+    segments = [Segment(slice(0, 70), torch.cat([torch.randperm(200)[:60].sort().values, torch.arange(200, 210)]),
+                        torch.arange(1, 211)),
+                Segment(slice(70, 75), torch.arange(95, 100), torch.arange(300, 400))]
+    out_cache_loc = torch.cat([s.ctx_slots[s.q_pos] for s in segments])
+    layers = [SimpleNamespace(layer_id=i, logit_cap=0, sliding_window_size=window, tp_q_head_num=hq,
+                              tp_k_head_num=hk, qk_head_dim=d, v_head_dim=d, scaling=d ** -0.5) for i in range(2)]
+    base = [_Pool(2, 400, hk, d, torch.float32, torch.device("cpu")) for _ in range(2)]
+    for i in range(2):
+        base[0].k[i].normal_(), base[0].v[i].normal_()
+        base[1].k[i].copy_(base[0].k[i]), base[1].v[i].copy_(base[0].v[i])
+    every, lasts = (SparseAttention(SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=None), segments,
+                                    out_cache_loc, torch.device("cpu"), final_layer=final)
+                    for pool, final in zip(base, (None, 1)))
+    last_rows = [s.rows.stop - 1 for s in segments]
+    others = torch.ones(75, dtype=torch.bool)
+    others[last_rows] = False
+    for layer in layers:
+        q, k, v = (torch.randn(75, h * d) for h in (hq, hk, hk))
+        want, got = every.forward(q, k, v, layer, None), lasts.forward(q, k, v, layer, None)
+        if layer.layer_id == 0:
+            torch.testing.assert_close(got, want)
+        else:
+            torch.testing.assert_close(got[last_rows], want[last_rows])
+            assert want[others].abs().min() > 0 and not got[others].any()
+        for buf in ("k", "v"):
+            assert torch.equal(getattr(base[0], buf)[layer.layer_id], getattr(base[1], buf)[layer.layer_id])
+    recording = segments + [Segment(slice(75, 80), torch.arange(5), torch.arange(1, 6), attention_sum=torch.zeros(5))]
+    assert SparseAttention(SimpleNamespace(token_to_kv_pool=base[0], req_to_token_pool=None), recording,
+                           torch.cat([out_cache_loc, torch.arange(1, 6)]), torch.device("cpu"),
+                           final_layer=1).final_layer is None
