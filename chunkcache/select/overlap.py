@@ -9,7 +9,8 @@ sentences are where the binding between the query and the answer lives.
 Weight of a query token id: 1 / (its occurrences among the context tokens) when it occurs there and its text has a
 letter or digit (punctuation and template tokens are never words). A rare id occurs at most RARE times. The sentences
 holding a rare id are taken whole, by score (the sum of the weights of the distinct query ids a sentence holds), best
-first, while they fit in the share of the budget given to them; the selector spends the rest by its own score.
+first, while they fit in the share of the budget given to them; the selector spends the rest by its own score, or
+(`extra`) its whole budget on top of them.
 """
 
 from __future__ import annotations
@@ -75,8 +76,10 @@ def _wordlike(text: str, offset: tuple[int, int]) -> bool:
 
 
 def top_k(layout: Layout, scores: torch.Tensor, k: int, text: str, offsets: list[tuple[int, int]],
-          share: float) -> torch.Tensor:
-    """Indices of k context tokens: the overlap sentences within `share` of k, then the best-scored others."""
+          share: float, extra: bool = False) -> torch.Tensor:
+    """Indices of context tokens: the overlap sentences (at most `share` of k tokens), then the best-scored others,
+    k in all; with `extra`, k best-scored others on top of the sentences (the selector's own picks all kept: a
+    superset of its plain top k, costing the sentences' tokens beyond the budget)."""
     first = pick(layout, text, offsets, int(share * k))
-    rest = rank(scores, layout.context_mask() & ~first)[: k - int(first.sum())]
+    rest = rank(scores, layout.context_mask() & ~first)[: k if extra else k - int(first.sum())]
     return torch.cat([first.nonzero().flatten(), rest])
