@@ -123,12 +123,15 @@ def _flash(q, k, v, bias, scale):
 
 
 def _attend_recording(qb, kt, vt, b: _Block, scale, group, record, q_shape):
-    """Explicit softmax, so the mean attention of the queries to each context key can be added to `record`."""
-    kg, vg = kt.repeat_interleave(group, 0), vt.repeat_interleave(group, 0)
-    logits = (qb @ kg.transpose(1, 2)) * scale
+    """Explicit softmax, so the mean attention of the queries to each context key can be added to `record`. The query
+    heads of each KV head are stacked along the query axis (K/V are read as they are, never repeated per group: at
+    6.4K keys the repeat copied 15 MB a layer)."""
+    hq, rows, d = qb.shape
+    hk = kt.shape[0]
+    logits = (qb.reshape(hk, group * rows, d) @ kt.transpose(1, 2)) * scale  # row (g, r) of KV head h
     shared = b.shared - b.first  # kt, vt start at key b.first (0 when recording: plan_blocks' whole context)
     if b.mask is not None:
-        logits[:, :, shared:] = logits[:, :, shared:].masked_fill(~b.mask, float("-inf"))
+        logits[:, :, shared:] = logits[:, :, shared:].masked_fill(~b.mask.repeat(group, 1), float("-inf"))
     probs = logits.softmax(-1)
     record += probs[:, :, : record.shape[0]].float().sum((0, 1)) / (q_shape[0] * q_shape[1])
-    return (probs @ vg).transpose(0, 1)
+    return (probs @ vt).view(hq, rows, -1).transpose(0, 1)
