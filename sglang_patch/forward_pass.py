@@ -138,11 +138,12 @@ class Runner:
             return None
 
 
-def _last_layer(model) -> int:
+def _last_layer(model) -> int | None:
     """The id of the model's last decoder layer (its attention's layer_id; under pipeline parallelism only the last
-    stage holds it)."""
-    config = model.config
-    return getattr(config, "text_config", config).num_hidden_layers - 1
+    stage holds it), or None when the model states no layer count (every layer then attends every row)."""
+    config = getattr(model, "config", None)
+    layers = getattr(getattr(config, "text_config", config), "num_hidden_layers", None)
+    return None if layers is None else layers - 1
 
 
 @contextmanager

@@ -102,8 +102,8 @@ class SparseAttention:
             out = q.new_zeros(q.shape[0], hq, dv)
             plans = self.final.get(window)
             if plans is None:
-                plans = self.final[window] = [_SegmentPlan(_last_row(s), self.device, window) for s in self.segments
-                                                    if s.rows.stop > s.rows.start]
+                lasts = [_last_row(s) for s in self.segments if s.rows.stop > s.rows.start]
+                plans = self.final[window] = [_SegmentPlan(s, self.device, window) for s in lasts]
         elif window is not None:
             out = q.new_empty(q.shape[0], hq, dv)
             plans = self.windowed.get(window)
