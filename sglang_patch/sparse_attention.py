@@ -81,7 +81,7 @@ class SparseAttention:
         self.device = device
         lasts_only = final_layer is not None and all(s.to_pool and s.attention_sum is None for s in segments)
         self.final_layer = final_layer if lasts_only else None
-        self.final: dict[int | None, list[_SegmentPlan]] = {}  # per window: each segment's last row
+        self.final: list[_SegmentPlan] | None = None  # each segment's last row, planned at the final layer
         # sliding-window layers (Gemma 3's local ones): every segment on the torch path, planned at the first such
         # layer of the pass; FlashInfer's paged plan above is for full-attention layers
         self.windowed: dict[int, list[_SegmentPlan]] = {}
@@ -100,10 +100,10 @@ class SparseAttention:
         plans = self.plans
         if layer.layer_id == self.final_layer:
             out = q.new_zeros(q.shape[0], hq, dv)
-            plans = self.final.get(window)
-            if plans is None:
+            if self.final is None:
                 lasts = [_last_row(s) for s in self.segments if s.rows.stop > s.rows.start]
-                plans = self.final[window] = [_SegmentPlan(s, self.device, window) for s in lasts]
+                self.final = [_SegmentPlan(s, self.device, window) for s in lasts]
+            plans = self.final
         elif window is not None:
             out = q.new_empty(q.shape[0], hq, dv)
             plans = self.windowed.get(window)

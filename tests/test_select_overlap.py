@@ -92,13 +92,3 @@ def test_selectors_with_overlap_recompute_the_named_needle(name):
     with pytest.raises(ValueError, match="overlap"):
         REGISTRY.create(name, overlap=1.5)
 
-
-@pytest.mark.parametrize("name", ["prophet", "mix"])
-def test_overlap_extra_keeps_every_plain_pick_and_adds_the_named_needle(name):
-    layout, text, offsets = prompt("What is the special magic number for velvet-storm ?")
-    f = Features(layout, text, offsets)
-    plain = set(REGISTRY.create(name).select(layout, 0.3, f).indices.tolist())
-    extra = set(REGISTRY.create(name, overlap=0.5, overlap_extra=True).select(layout, 0.3, f).indices.tolist())
-    needle = set(overlap.pick(layout, text, offsets, room=100).nonzero().flatten().tolist())
-    assert plain <= extra and needle <= extra and not needle <= plain
-    assert extra == plain | needle  # nothing else: the needle's tokens beyond the budget

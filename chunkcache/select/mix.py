@@ -73,9 +73,6 @@ class MixSelector:
     rho_cap: float = 1.0  # adaptive: largest rho a request gets (the request's rho if smaller)
     # share of the budget spent first on whole sentences holding the query's rarest words (overlap.py); 0: off
     overlap: float = 0.0
-    # True: the overlap sentences are recomputed on top of the budget (every pick of the plain selector kept; rho_used
-    # grows by their tokens); False: within it
-    overlap_extra: bool = False
     # the deviation each chunk's store entry remembers (Features.known_deviation): measured by the first request that
     # blends the chunk elsewhere, so a request whose chunks all have one runs no deviation pass (layers 0..`layer`
     # over every token, mix's cost above prophet's); False measures it in every request
@@ -137,8 +134,7 @@ class MixSelector:
         scores = self.scores(layout, features)
         if self.mass is None:
             k = layout.budget(ratio)
-            picked = (overlap_top_k(layout, scores, k, *features.prompt_text(), self.overlap, self.overlap_extra)
-                      if self.overlap
+            picked = (overlap_top_k(layout, scores, k, *features.prompt_text(), self.overlap) if self.overlap
                       else rank(scores, layout.context_mask())[:k])
             return finish(layout, picked, scores.float())
         picked, rho = self.budget().pick(layout, scores, ratio)

@@ -9,13 +9,13 @@ sentences are where the binding between the query and the answer lives.
 Weight of a query token id: 1 / (its occurrences among the context tokens) when it occurs there and its text has a
 letter or digit (punctuation and template tokens are never words). A rare id occurs at most RARE times. The sentences
 holding a rare id are taken whole, by score (the sum of the weights of the distinct query ids a sentence holds), best
-first, while they fit in the share of the budget given to them; the selector spends the rest by its own score, or
-(`extra`) its whole budget on top of them.
+first, while they fit in the share of the budget given to them; the selector spends the rest by its own score.
 """
 
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 import torch
 
@@ -50,16 +50,14 @@ def pick(layout: Layout, text: str, offsets: list[tuple[int, int]], room: int) -
     # the context tokens holding a query word (only those are read: the prompt's other tokens never score)
     held_at = [i for i in (ctx & torch.isin(ids, torch.tensor(sorted(words), dtype=ids.dtype))).nonzero().flatten()
                .tolist() if _wordlike(text, offsets[i])]
-    counts: dict[int, int] = {}
-    for i in held_at:
-        counts[int(ids[i])] = counts.get(int(ids[i]), 0) + 1
-    if not counts:
+    if not held_at:
         return chosen
-    weights = {t: 1.0 / c for t, c in counts.items()}
     sent = sentence_ids(text, offsets)
+    held_ids, held_sents = ids[held_at].tolist(), sent[held_at].tolist()
+    weights = {t: 1.0 / c for t, c in Counter(held_ids).items()}
     held: dict[int, set[int]] = {}  # sentence -> the distinct query ids it holds
-    for i in held_at:
-        held.setdefault(int(sent[i]), set()).add(int(ids[i]))
+    for t, s in zip(held_ids, held_sents):
+        held.setdefault(s, set()).add(t)
     scores = {s: sum(weights[t] for t in ts) for s, ts in held.items() if max(weights[t] for t in ts) >= 1 / RARE}
     for s in sorted(scores, key=lambda s: (-scores[s], s)):  # ties: the earlier sentence
         members = ctx & (sent == s)
@@ -76,10 +74,8 @@ def _wordlike(text: str, offset: tuple[int, int]) -> bool:
 
 
 def top_k(layout: Layout, scores: torch.Tensor, k: int, text: str, offsets: list[tuple[int, int]],
-          share: float, extra: bool = False) -> torch.Tensor:
-    """Indices of context tokens: the overlap sentences (at most `share` of k tokens), then the best-scored others,
-    k in all; with `extra`, k best-scored others on top of the sentences (the selector's own picks all kept: a
-    superset of its plain top k, costing the sentences' tokens beyond the budget)."""
+          share: float) -> torch.Tensor:
+    """Indices of k context tokens: the overlap sentences within `share` of k, then the best-scored others."""
     first = pick(layout, text, offsets, int(share * k))
-    rest = rank(scores, layout.context_mask() & ~first)[: k if extra else k - int(first.sum())]
+    rest = rank(scores, layout.context_mask() & ~first)[: k - int(first.sum())]
     return torch.cat([first.nonzero().flatten(), rest])

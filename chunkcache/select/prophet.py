@@ -20,9 +20,6 @@ class ProphetSelector:
     whole_units: bool = False  # keep numbers / words whole (off: the paper's plain top-K)
     # share of the budget spent first on whole sentences holding the query's rarest words (overlap.py); 0: off
     overlap: float = 0.0
-    # True: the overlap sentences are recomputed on top of the budget (every pick of the plain selector kept; rho_used
-    # grows by their tokens); False: within it
-    overlap_extra: bool = False
 
     def __post_init__(self) -> None:
         check_overlap(self.overlap)
@@ -32,8 +29,7 @@ class ProphetSelector:
     def select(self, layout: Layout, ratio: float, features: Features) -> Selection:
         scores = features.query_attention()
         if self.overlap:
-            picked = overlap_top_k(layout, scores, layout.budget(ratio), *features.prompt_text(), self.overlap,
-                                   self.overlap_extra)
+            picked = overlap_top_k(layout, scores, layout.budget(ratio), *features.prompt_text(), self.overlap)
         else:
             picked = top_k(layout, scores, ratio, features, self.whole_units)
         return finish(layout, picked, scores)
