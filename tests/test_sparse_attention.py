@@ -1,5 +1,6 @@
 """chunkcache.blend.attention.attend: queries at arbitrary positions see exactly the keys at or before their position."""
 
+import pytest
 import torch
 
 from chunkcache.blend.attention import QUERY_BLOCK, attend
@@ -46,19 +47,24 @@ def test_a_sliding_window_hides_keys_further_back_than_the_window():
     assert record[: n - 10 - window].sum() == 0 and abs(record.sum().item() - 1) < 1e-4
 
 
-def test_bfloat16_split_blocks_are_as_accurate_as_one_masked_call():
-    """On CPU a block attends to the keys before its first row without a mask and to the rest with one, merged by
-    log-sum-exp: in bf16 that must stay as close to float64 as a single masked SDPA call."""
+@pytest.mark.parametrize("amplitude,scale", [(1, 0.125), (3, 0.125), (3, 0.11)])  # 0.11: scaled after the product
+def test_bfloat16_blocks_are_as_accurate_as_one_sdpa_call_per_query(amplitude, scale):
+    """On CPU, bf16 blocks run as bf16 matmuls whose scores round to bf16; each row's shift keeps the scores that
+    carry weight near 0, so even scores of ~16 (queries amplified 3x, and a sink key every query scores highly) stay
+    as close to float64 as SDPA's bf16 flash kernel called per query. Without the shift the error at 3x is 2.7 times
+    SDPA's."""
     torch.manual_seed(1)
     m, n = 2 * QUERY_BLOCK + 7, 2000
     q_pos = torch.cat([torch.randperm(n - 20)[: m - 20].sort().values, torch.arange(n - 20, n)])  # + a query tail
     q, keys, values = (torch.randn(r, h, 64) for r, h in ((m, 9), (n, 3), (n, 3)))
+    q *= amplitude
+    keys[0] = q.view(m, 3, 3, 64).mean((0, 2)) * 3
     ordered = torch.arange(n)
-    want = dense(q.double(), keys.double(), values.double(), q_pos, ordered, 0.125)
+    want = dense(q.double(), keys.double(), values.double(), q_pos, ordered, scale)
     bf = [t.bfloat16() for t in (q, keys, values)]
-    split = attend(*bf, q_pos, ordered, 0.125).double()
+    blocks = attend(*bf, q_pos, ordered, scale).double()
     one_call = torch.cat([torch.nn.functional.scaled_dot_product_attention(
-        bf[0][i: i + 1].transpose(0, 1), bf[1][: p + 1].transpose(0, 1), bf[2][: p + 1].transpose(0, 1), scale=0.125,
+        bf[0][i: i + 1].transpose(0, 1), bf[1][: p + 1].transpose(0, 1), bf[2][: p + 1].transpose(0, 1), scale=scale,
         enable_gqa=True).transpose(0, 1) for i, p in enumerate(q_pos.tolist())]).double()
-    split_err, one_err = (split - want).abs().max().item(), (one_call - want).abs().max().item()
-    assert split_err <= 1.5 * one_err + 1e-3, (split_err, one_err)
+    blocks_err, one_err = (blocks - want).abs().max().item(), (one_call - want).abs().max().item()
+    assert blocks_err <= 1.25 * one_err + 1e-3, (blocks_err, one_err)
