@@ -39,18 +39,19 @@ class FakeWrapper:
             slots = self.indices[self.kv[i]: self.kv[i + 1]].long()
             allowed = torch.ones(nq, nk, dtype=torch.bool) if self.mask is None else self.mask[m: m + nq * nk].view(nq, nk)
             m += nq * nk
-            qi = q[self.qo[i]: self.qo[i + 1]].transpose(0, 1)
-            keys, values = k_buf[slots].transpose(0, 1), v_buf[slots].transpose(0, 1)
+            qi = q[self.qo[i]: self.qo[i + 1]].transpose(0, 1).float()  # FlashInfer sums and softmaxes in fp32
+            keys, values = k_buf[slots].transpose(0, 1).float(), v_buf[slots].transpose(0, 1).float()
             group = qi.shape[0] // keys.shape[0]
             logits = ((qi @ keys.repeat_interleave(group, 0).transpose(1, 2)) * self.scale).masked_fill(~allowed, -torch.inf)
-            out.append((logits.softmax(-1) @ values.repeat_interleave(group, 0)).transpose(0, 1))
+            out.append((logits.softmax(-1) @ values.repeat_interleave(group, 0)).transpose(0, 1).to(q.dtype))
             lse.append(logits.logsumexp(-1).transpose(0, 1))
         return (torch.cat(out), torch.cat(lse)) if return_lse else torch.cat(out)
 
 
 def fake_merge_state(v_a, s_a, v_b, s_b):
     s = torch.logaddexp(s_a, s_b)
-    return v_a * (s_a - s).exp()[..., None] + v_b * (s_b - s).exp()[..., None], s
+    v = v_a.float() * (s_a - s).exp()[..., None] + v_b.float() * (s_b - s).exp()[..., None]
+    return v.to(v_a.dtype), s
 
 
 FAKE_FLASHINFER = types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=FakeWrapper, merge_state=fake_merge_state)
@@ -110,14 +111,16 @@ def test_flashinfer_pass_matches_float32_reference_on_cuda(dtype):
     _check_pass(torch.device("cuda"), dtype, 2e-2)
 
 
-def test_paged_pass_routes_segments_on_cpu(monkeypatch):
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_paged_pass_routes_segments_on_cpu(monkeypatch, dtype, tolerance):
     """The same pass with FakeWrapper standing in for FlashInfer, so the routing (which segments go to the plan, one
-    plan for every full-attention layer, windowed layers on the torch path) is checked without a GPU."""
+    plan for every full-attention layer, windowed layers on the torch path) is checked without a GPU; in bfloat16
+    the torch path's segments (standalone, windowed) run CPU attention's bf16 matmuls."""
     from sglang_patch import paged_attention
 
     monkeypatch.setitem(sys.modules, "flashinfer", FAKE_FLASHINFER)
     monkeypatch.setattr(paged_attention, "available", lambda device: True)
-    _check_pass(torch.device("cpu"), torch.float32, 1e-5)
+    _check_pass(torch.device("cpu"), dtype, tolerance)
 
 
 def _check_pass(dev, dtype, tolerance):
