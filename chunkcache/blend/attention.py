@@ -82,22 +82,22 @@ def attend_blocks(q, keys, values, blocks: list[_Block], scale, record=None):
     layer, the per-layer upcast of the context included), and float32 rounds less."""
     group = q.shape[1] // keys.shape[1]
     out = torch.empty(q.shape[0], q.shape[1], values.shape[-1], dtype=q.dtype, device=q.device)
-    gemm = q.device.type == "cpu" and record is None and q.dtype == torch.bfloat16
-    if q.device.type == "cpu" and record is None and not gemm:
-        q, keys, values = q.float(), keys.float(), values.float()
-    if gemm:
+    cpu = q.device.type == "cpu" and record is None
+    if cpu and q.dtype == torch.bfloat16:
         kt_all, vt_all = _keys_with_shift_row(keys), values.transpose(0, 1).contiguous()
-    else:
-        kt_all, vt_all = keys.transpose(0, 1), values.transpose(0, 1)  # [Hk, c, D]
-    for b in blocks:
-        if gemm:
+        for b in blocks:
             out[b.rows] = _attend_gemm(q[b.rows], kt_all[:, :, b.first: b.n_keys], vt_all[:, b.first: b.n_keys], b,
                                        scale, group)
-            continue
+        return out
+    if cpu:
+        q, keys, values = q.float(), keys.float(), values.float()
+    kt_all = keys.transpose(0, 1)  # [Hk, c, D]
+    vt_all = values.transpose(0, 1)
+    for b in blocks:
         kt, vt = kt_all[:, b.first: b.n_keys], vt_all[:, b.first: b.n_keys]
         if record is not None:
             out[b.rows] = _attend_recording(q[b.rows].transpose(0, 1), kt, vt, b, scale, group, record, q.shape)
-        elif q.device.type == "cpu":
+        elif cpu:
             out[b.rows] = _attend_split(q[b.rows], kt, vt, b, scale, group)
         else:
             o = F.scaled_dot_product_attention(q[b.rows].transpose(0, 1), kt, vt, attn_mask=b.bias(q.dtype),
