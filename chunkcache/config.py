@@ -71,7 +71,7 @@ class SelectConfig:
     # per-selector keyword options, keyed by selector name: the fields of its class in chunkcache/select/ (each with
     # its default and doc line), e.g. mix's adaptive budget {mass: 0.8, rho_floor: 0.05, rho_cap: 0.3}; a config
     # that gives options replaces these
-    options: dict[str, Any] = field(default_factory=lambda: {"mix": {"stored_deviation": True, "overlap": 0.3}})
+    options: dict[str, Any] = field(default_factory=lambda: {"mix": {"stored_deviation": True, "overlap": 0.15}})
 
     def check(self) -> None:
         """What needs no selector: the names and their options are the registry's to judge (Config.load's
