@@ -139,7 +139,7 @@ def _attend_gemm(q, kt, vt, b: _Block, scale, group):
     rows, hk, d = q.shape[0], kt.shape[0], q.shape[-1]
     exact = math.frexp(scale)[0] == 0.5  # a power of two scales q exactly in bf16; otherwise the scores are scaled
     qs = q.new_zeros(hk, group * rows, d + SHIFT_ROWS)
-    qs[:, :, :d] = q.view(rows, hk, group, d).permute(1, 2, 0, 3).reshape(hk, group * rows, d)  # row (g, r) of head h
+    qs[:, :, :d] = _stack_heads(q, hk)
     if exact:
         qs[:, :, :d] *= scale
     bias, masked = b.bias(q.dtype, group), b.shared - b.first  # kt, vt start at key b.first
@@ -156,15 +156,15 @@ def _attend_gemm(q, kt, vt, b: _Block, scale, group):
         scores *= scale
     probs = torch.softmax(scores, -1)
     o = torch.stack([probs[h] @ vt[h] for h in range(hk)])  # per head: bmm would copy vt, a slice of the context
-    return o.view(hk, group, rows, -1).permute(2, 0, 1, 3).reshape(rows, hk * group, -1)
+    return _unstack_heads(o, rows)
 
 
 def _attend_split(q, kt, vt, b: _Block, scale, group):
     """One block on CPU: the query heads of each KV head stacked along the query axis (K/V read once per KV head),
     the shared keys without a mask and the rest with it, merged by log-sum-exp in float32. The unmasked part is the
     bulk of the keys; CPU flash attention with a mask ran ~25 % slower than without (6.4K keys, bf16)."""
-    rows, hk, d = q.shape[0], kt.shape[0], q.shape[-1]
-    qs = q.view(rows, hk, group, d).permute(1, 2, 0, 3).reshape(1, hk, group * rows, d)  # row (g, r) of KV head h
+    rows, hk = q.shape[0], kt.shape[0]
+    qs = _stack_heads(q, hk)[None]
     parts, shared = [], b.shared - b.first  # kt, vt start at key b.first
     if shared:
         parts.append(_flash(qs, kt[None, :, :shared], vt[None, :, :shared], None, scale))
@@ -177,7 +177,20 @@ def _attend_split(q, kt, vt, b: _Block, scale, group):
         (o1, l1), (o2, l2) = parts
         lse = torch.logaddexp(l1, l2)
         o = (o1.float() * (l1 - lse).exp().unsqueeze(-1) + o2.float() * (l2 - lse).exp().unsqueeze(-1)).to(q.dtype)
-    return o.view(hk, group, rows, -1).permute(2, 0, 1, 3).reshape(rows, hk * group, -1)
+    return _unstack_heads(o, rows)
+
+
+def _stack_heads(q, hk):
+    """q [rows, Hq, D] -> [Hk, group * rows, D]: the query heads of each KV head stacked along the query axis, row
+    (g, r) of KV head h being query head h * group + g at row r, so K/V are read once per KV head."""
+    rows, hq, d = q.shape
+    return q.view(rows, hk, hq // hk, d).permute(1, 2, 0, 3).reshape(hk, hq // hk * rows, d)
+
+
+def _unstack_heads(o, rows):
+    """_stack_heads' inverse on an output: [Hk, group * rows, Dv] -> [rows, Hq, Dv]."""
+    hk, stacked, dv = o.shape
+    return o.view(hk, stacked // rows, rows, dv).permute(2, 0, 1, 3).reshape(rows, stacked // rows * hk, dv)
 
 
 def _flash(q, k, v, bias, scale):
