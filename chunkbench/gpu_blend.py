@@ -31,16 +31,18 @@ Part 2, a whole prefill of a random-weight model of Llama-3.1-8B's shape (RMSNor
 SwiGLU; `--layers` of them; the LM head on the last token): stock full prefill against chunkcache's blend at
 `--model-rho`, which is (a) the copy of every chunk's stored KV into the pool, K re-rotated from its standalone
 positions to its place with chunkcache.rope.rerotate (as blend.copy_chunks does, per chunk then one write per layer),
-from a store in host memory (as the server's memory tier) or already on the device, then (b) one pass of the selected
+from a store in host memory (as the server's memory tier: pageable `host`, or page-locked `pinned` as with
+`store.pin_memory`, copied without blocking) or already on the device, then (b) one pass of the selected
 tokens through every layer: linear layers on those tokens only, fresh K/V written to the pool, each attention variant
 above that exists there. The stored KV is the full prefill's own, moved to the chunks' standalone positions, so the
 blended logits must equal the full prefill's up to rounding: that checks the re-rotation, the copy and the sparse
 attention end to end. The selector's own cost is not included (it differs per selector).
 
-GPU session (H100/H200), two commands of the `run` tool, each well inside its 10 minutes (the first one JIT-builds
-FlashInfer's kernels and compiles FlexAttention), both with carry [".fi"] after `bash chunkbench/pack_flashinfer.sh`
-here (the .venv's flashinfer 0.7.2 trimmed to 21 MB + the cp312 apache-tvm-ffi wheel; without .fi, drop the first
-line: the flashinfer variants are then skipped with the reason printed):
+GPU session (H100/H200), two commands of the `run` tool, each well inside its 10 minutes, both with carry [".fi"]
+after `bash chunkbench/pack_flashinfer.sh --aot` here (the .venv's flashinfer 0.7.2 trimmed to 21 MB, its paged
+prefill modules compiled here for sm_90a, + the cp312 apache-tvm-ffi wheel; without --aot the first command
+JIT-builds them on the GPU machine, about 2 of its minutes; without .fi, drop the first line: the flashinfer
+variants are then skipped with the reason printed):
 
     mkdir -p /tmp/site && tar -xzf .fi/flashinfer.tar.gz -C /tmp/site && python3 -m pip install -q --no-index \
       --no-deps --no-compile --target /tmp/site .fi/apache_tvm_ffi-*.whl && export PYTHONPATH=/tmp/site \
@@ -59,9 +61,8 @@ CPU self-check (tests/test_gpu_blend.py runs it in float32):
 FlashInfer on the GPU machine: it has none and no network, and 64 MiB travels per command. The project's .venv holds
 flashinfer-python 0.7.2 (a JIT-only py3 wheel, 593 MB installed: 273 MB of csrc for every kernel family, 50 MB of
 CUTLASS, 33 MB of CCCL) and apache-tvm-ffi 0.1.11 built for CPython 3.11, while that machine runs 3.12; pip's cache
-is empty. chunkbench/pack_flashinfer.sh says what it keeps and why. Untested on a GPU so far: if the JIT build
-misses a file, the flashinfer variants fail with the compiler's message and the others still run.
-"""
+is empty. chunkbench/pack_flashinfer.sh says what it keeps and why; a module neither packed nor buildable there
+fails its variants with the compiler's message and the others still run. Measured: docs/bench/gpu.md (H100, H200)."""
 
 from __future__ import annotations
 
@@ -375,10 +376,13 @@ class Model(torch.nn.Module):
         h, f, hq, hk, d = shape["hidden"], shape["ffn"], shape["heads"], shape["kv_heads"], shape["head_dim"]
         self.hq, self.hk, self.d = hq, hk, d
 
+        # drawn where they live, from a generator seeded off the run's seed: 8B weights drawn on the CPU and
+        # moved take tens of seconds of the GPU machine's time; a CUDA tensor refuses a CPU generator
+        local = torch.Generator(device).manual_seed(int(torch.randint(2 ** 62, (1,), generator=gen)))
+
         def w(rows, cols, std=None):  # N(0, 1/fan_in): q.k/sqrt(d) ~ N(0, 1), so attention depends on its keys
             std = cols ** -0.5 if std is None else std
-            # drawn on the CPU (the seed's generator; a CUDA tensor refuses a CPU generator), then moved
-            return torch.empty(rows, cols, dtype=dtype).normal_(0, std, generator=gen).to(device)
+            return torch.empty(rows, cols, dtype=dtype, device=device).normal_(0, std, generator=local)
         out_std = lambda cols: (2 * layers * cols) ** -0.5  # noqa: E731  residual branches: x stays O(1)
         self.embed, self.lm_head = w(shape["vocab"], h, 1.0), w(shape["vocab"], h)
         self.layers = [SimpleNamespace(qkv=w((hq + 2 * hk) * d, h), o=w(h, hq * d, out_std(hq * d)),
@@ -428,9 +432,9 @@ def copy_chunks(model: Model, store, slots, k_pool, v_pool, device) -> None:
     at = 0
     for s, e, start_pos, sk, sv in store:
         n = e - s
-        k[:, at: at + n] = rerotate(sk.to(device), s - start_pos, model.rope,
+        k[:, at: at + n] = rerotate(sk.to(device, non_blocking=True), s - start_pos, model.rope,
                                     torch.arange(start_pos, start_pos + n))
-        v[:, at: at + n] = sv.to(device)
+        v[:, at: at + n].copy_(sv, non_blocking=True)
         at += n
     dst = torch.cat([slots[s:e] for s, e, *_ in store])
     for i in range(layers):
@@ -477,8 +481,9 @@ def bench_model(args, shape, dtype, device, gen) -> tuple[list[dict], bool]:
                          layers_v[:, s:e].clone()) for s, e in layout.chunks]
         del layers_k, layers_v
         sources = {"device": device_store}
-        if device.type == "cuda":  # the server's memory tier: plain (pageable) host tensors
+        if device.type == "cuda":  # the server's memory tier: pageable host tensors, or page-locked (pin_memory)
             sources["host"] = [(s, e, p, k.cpu(), v.cpu()) for s, e, p, k, v in device_store]
+            sources["pinned"] = [(s, e, p, k.pin_memory(), v.pin_memory()) for s, e, p, k, v in sources["host"]]
         for variant in args.model_attention:
             for source, store in sources.items():
                 row = dict(tokens=n, rows=len(layout.sel), attention=variant, kv_from=source, full_ms=full_ms)

@@ -6,8 +6,16 @@
 # sources, about 24 MB gzipped. `import flashinfer` 0.7.2 was checked to work without its optional cutlass-dsl,
 # cudnn-frontend, nccl and cuda-tile dependencies; it does need apache-tvm-ffi, whose .venv build is for CPython
 # 3.11 while the GPU machine runs 3.12, so its cp312 wheel goes along (fetched here with pip, a few MB).
-# Usage, from the repository root:  bash chunkbench/pack_flashinfer.sh   (then see gpu_blend.py's docstring)
+# With --aot, the modules those builds make are compiled here first for sm_90a (chunkbench/flashinfer_aot.py: ~15
+# minutes on 2 cores, kept in .fi/aot for the next pack; delete it to rebuild) and packed where FlashInfer loads
+# them without compiling, which spares the GPU machine about 3 of its 15 minutes.
+# Usage, from the repository root:  bash chunkbench/pack_flashinfer.sh [--aot]   (then see gpu_blend.py's docstring)
 set -euo pipefail
+aot=()
+if [[ "${1:-}" == --aot ]]; then
+  [[ -d .fi/aot/flashinfer ]] || .venv/bin/python -m chunkbench.flashinfer_aot .fi/aot
+  aot=(-C "$PWD/.fi/aot" flashinfer/data/aot)
+fi
 site=$(.venv/bin/python -c 'import flashinfer, pathlib; print(pathlib.Path(flashinfer.__file__).parents[1])')
 version=$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("apache-tvm-ffi"))')
 exclude=$(git rev-parse --git-path info/exclude)  # .git may be a worktree's gitfile
@@ -30,7 +38,7 @@ mkdir -p .fi
     # CUTLASS's tools/util headers that FlashInfer's FA3 (sm90) prefill includes want <curand_kernel.h>, which a
     # CUDA toolkit from pip keeps in the nvidia-curand wheel, outside nvcc's include path: it goes to an -isystem dir
     find nvidia/cu13/include -name 'curand*.h'
-  } | tar -czf - --transform 's,^nvidia/cu13/include/,flashinfer/data/include/,' -T -
+  } | tar -czf - --transform 's,^nvidia/cu13/include/,flashinfer/data/include/,' -T - "${aot[@]}"
 ) >.fi/flashinfer.tar.gz
 rm -f .fi/apache_tvm_ffi-*.whl
 .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -128,9 +128,11 @@ class BatchEngine:
         for slots, c, entry in parts:
             n = len(slots)
             # with the cached positions, re-rotation reproduces the model's own float32 angle rounding (chunkcache.rope)
-            k[:, at: at + n] = rerotate(entry.k[:, c.head:].to(device), c.chunk[0] - entry.start_pos, self.reuse.rope,
+            # from page-locked host memory (store.pin_memory) the copies run behind the host's loop, in stream order
+            k[:, at: at + n] = rerotate(entry.k[:, c.head:].to(device, non_blocking=True), c.chunk[0] - entry.start_pos,
+                                        self.reuse.rope,
                                         torch.arange(entry.start_pos + c.head, entry.start_pos + entry.num_tokens))
-            v[:, at: at + n] = entry.v[:, c.head:]
+            v[:, at: at + n].copy_(entry.v[:, c.head:], non_blocking=True)
             at += n
         slots = torch.cat([slots for slots, *_ in parts])
         for layer in range(layers):

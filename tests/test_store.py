@@ -68,6 +68,32 @@ def test_memory_entry_larger_than_budget_is_not_kept():
     assert key(0) not in store and store.stats().memory_bytes == 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked memory needs CUDA")
+def test_a_pinned_tier_keeps_page_locked_kv_that_copies_without_blocking_to_the_same_values():
+    from chunkcache.config import StoreConfig
+
+    store = ChunkStore.from_config(StoreConfig())  # pin_memory unset: pinned where CUDA is
+    e = make_entry(key(0))
+    k, v = e.k.clone(), e.v.clone()
+    assert store.put(e) is True
+    got = store.get(key(0))
+    assert got.k.is_pinned() and got.v.is_pinned()
+    assert torch.equal(got.k, k) and torch.equal(got.v, v)
+    dst = torch.empty_like(k, device="cuda")
+    dst.copy_(got.k, non_blocking=True)
+    assert torch.equal(dst.cpu(), k)
+    assert not ChunkStore(host_bytes=1 << 20).memory.pin  # a store built by hand pins only when asked
+
+
+def test_pin_memory_without_cuda_is_refused_with_the_reason(monkeypatch):
+    from chunkcache.config import StoreConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="pin_memory: true needs a CUDA device"):
+        ChunkStore.from_config(StoreConfig(pin_memory=True))
+    assert not ChunkStore.from_config(StoreConfig()).memory.pin  # unset: no CUDA, nothing pinned
+
+
 def test_put_says_whether_a_local_tier_kept_the_entry(tmp_path):
     e = make_entry(key(0))
     assert ChunkStore(host_bytes=1 << 20).put(e) is True

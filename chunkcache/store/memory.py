@@ -1,6 +1,8 @@
 """Host-memory tier: least-recently-used entries are evicted to keep the total under a byte budget.
 
-Not locked itself: `ChunkStore` serialises access.
+With `pin`, a kept entry's K and V are moved to page-locked memory, so that the blend's copy into a GPU's pool runs
+asynchronously at the link's speed instead of through a pageable staging buffer. Not locked itself: `ChunkStore`
+serialises access.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from .entry import ChunkEntry
 
 
 class MemoryTier:
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, pin: bool = False):
         self.budget_bytes = budget_bytes
+        self.pin = pin
         self.entries: OrderedDict[str, ChunkEntry] = OrderedDict()  # oldest use first
         # bytes charged at the last put: features written into an entry since then are not counted until it is put again
         self.sizes: dict[str, int] = {}
@@ -41,6 +44,8 @@ class MemoryTier:
             old, _ = self.entries.popitem(last=False)
             self.bytes -= self.sizes.pop(old)
             self.evictions += 1
+        if self.pin and not entry.k.is_pinned():
+            entry.k, entry.v = entry.k.pin_memory(), entry.v.pin_memory()
         self.entries[entry.key] = entry
         self.sizes[entry.key] = size
         self.bytes += size

@@ -60,11 +60,12 @@ class ChunkStore:
         remote: RemoteTier | None = None,
         layout: EntryLayout | None = None,
         on_change: Callable[[StoreStats], None] | None = None,
+        pin_memory: bool = False,
     ):
         """`model_fingerprint`, if given, binds the store to one model: entries of any other are refused. `layout`,
         if given, is the model's KV layout: a disk or remote entry that does not fit it is dropped on read.
-        `on_change`: see the contract above."""
-        self.memory = MemoryTier(host_bytes)
+        `on_change`: see the contract above. `pin_memory`: the memory tier keeps KV page-locked (MemoryTier)."""
+        self.memory = MemoryTier(host_bytes, pin_memory)
         self.disk = DiskTier(disk_dir, disk_bytes, layout) if disk_dir else None
         self.remote = remote
         self.model_fingerprint = model_fingerprint
@@ -79,7 +80,12 @@ class ChunkStore:
         if config.remote_url:
             remote = RemoteTier(config.remote_url, key_prefix(model_fingerprint), config.remote_timeout_s,
                                 config.remote_retry_s, config.remote_max_value_bytes, config.remote_write_queue, layout)
-        return cls(config.host_bytes, config.disk_dir, config.disk_bytes, model_fingerprint, remote, layout, on_change)
+        pin = torch.cuda.is_available() if config.pin_memory is None else config.pin_memory
+        if pin and not torch.cuda.is_available():
+            raise ValueError("store.pin_memory: true needs a CUDA device (page-locked memory is CUDA's); "
+                             "leave it unset to pin only where one is present")
+        return cls(config.host_bytes, config.disk_dir, config.disk_bytes, model_fingerprint, remote, layout, on_change,
+                   pin)
 
     def get(self, key: str) -> ChunkEntry | None:
         return self.get_many([key]).get(key)
