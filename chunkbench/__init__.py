@@ -10,7 +10,8 @@ It imports both; neither imports it: the `chunkcache` CLI finds `chunkcache benc
   never importing sglang; the reference-path sweep runs the torch reference blender in-process.
 - standalone benchmarks, each run as `python -m chunkbench.NAME` (its docstring gives the commands and what it
   measures): `ttft_shuffled` and `soak` (serving), `selector_quality` and `select_study` (selectors on the reference
-  blender), `specache` (SpeCache decoding), `decode_attention` and `sparse_attention` (CPU attention kernels),
+  blender), `deviation_depth` (how a chunk's deviation grows with depth), `specache` (SpeCache decoding),
+  `decode_attention` and `sparse_attention` (CPU attention kernels),
   `gpu_blend` (the blended prefill on a GPU, from a plain checkout; `pack_flashinfer.sh` packs FlashInfer for it,
   with the modules `flashinfer_aot` compiles here for Hopper),
   `remote_get_latency` (the remote store tier).

@@ -1,7 +1,8 @@
 """`mix` with `stored_deviation`: each chunk's KV deviation is measured once, by the first request that blends the chunk
-away from home (right after the shared prefix, where its reused KV is exact), kept in its store entry, and read by
-later requests instead of a deviation pass. Oracles: the engine's own pass output in the request that measured it
-(recorded), a selector reading kv_deviation in the same order, and the product computed by hand from the stored
+away from home (right after the shared prefix, where its reused KV is exact), kept in its store entry as it would be
+at DEPTH_REF positions from home, and read by later requests, scaled to the chunk's depth there, instead of a
+deviation pass. Oracles: the engine's own pass output in the request that measured it (recorded), a selector reading
+kv_deviation in the same order, the depth rule computed by hand, and the product computed by hand from the stored
 slices."""
 
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from chunkcache import reference
-from chunkcache.blend.features import deviation_feature
+from chunkcache.blend.features import DEPTH_EXPONENT, DEPTH_REF, deviation_feature
 from chunkcache.hashing import chunk_key, prefix_key
 from chunkcache.models import tiny_model
 from chunkcache.reference import ReferenceBlender
@@ -99,6 +100,11 @@ def measured(blender, parts, names):
     return cap.seen
 
 
+def at_ref(depth):
+    """The factor from a deviation measured `depth` positions from home to the one an entry keeps, by hand."""
+    return (DEPTH_REF / depth) ** DEPTH_EXPONENT
+
+
 def product(qa, dev, layout):
     """mix's default score by hand: the geometric mean of the two distributions over the context, renormalised."""
     ctx = layout.context_mask().double()
@@ -115,9 +121,10 @@ def test_first_blend_measures_once_and_stores_the_away_chunks(blender, parts, pa
     assert got["A"] is None  # at home: its deviation here is zero and says nothing of elsewhere
     for n in "BC":
         s, e = at[n]
+        depth = s - len(parts[0])  # the chunks before it: A (15 tokens), then B (11)
         assert got[n].dtype == torch.float32 and got[n].shape == (e - s,)
-        assert torch.equal(got[n], passes[0][s:e].float())
-        torch.testing.assert_close(got[n], fresh[s:e].float())
+        torch.testing.assert_close(got[n], passes[0][s:e].float() * at_ref(depth))
+        torch.testing.assert_close(got[n], fresh[s:e].float() * at_ref(depth))
         assert got[n].abs().sum() > 0  # away from home the reused KV is wrong: a real measurement, not zeros
 
 
@@ -133,7 +140,7 @@ def test_all_stored_runs_no_pass_and_scores_from_the_store(blender, parts, passe
     at = spans(parts, "CBA")
     dev = torch.zeros(res.layout.n)
     for n in "AB":
-        dev[slice(*at[n])] = kept[n]
+        dev[slice(*at[n])] = kept[n] / at_ref(at[n][0] - len(parts[0]))  # at its depth here
     qa = measured(blender, parts, "CBA")["qa"]  # query attention does not depend on the deviation
     expected = product(qa, dev, res.layout)
     torch.testing.assert_close(res.scores, expected.float(), rtol=1e-5, atol=1e-7)
@@ -149,10 +156,10 @@ def test_a_chunk_without_one_runs_the_pass_and_stores_only_its_own(blender, part
     res = blender.blend(*order(parts, "BCA"), selector="mix", ratio=RHO, **STORED)  # A away and missing
     assert len(passes) == 2
     after, at = stored(blender, parts), spans(parts, "BCA")
-    assert torch.equal(after["A"], passes[1][slice(*at["A"])].float())
+    torch.testing.assert_close(after["A"], passes[1][slice(*at["A"])].float() * at_ref(at["A"][0] - len(parts[0])))
     for n in "BC":  # kept as first measured, not overwritten by this request's measurement
         assert torch.equal(after[n], before[n])
-    assert not torch.equal(after["C"], passes[1][slice(*at["C"])].float())  # C sits elsewhere now: another value
+    assert not torch.allclose(after["C"], passes[1][slice(*at["C"])].float())  # C sits elsewhere now: another value
     # the request that measured used its own measurement, not a mix of stored and fresh
     ref = blender.blend(*order(parts, "BCA"), selector="mix", ratio=RHO)
     torch.testing.assert_close(res.scores, ref.scores)
@@ -275,9 +282,33 @@ def test_a_batch_measures_once_and_each_measured_request_keeps_its_own():
     ctx = plans[0].layout().context_mask().float()
     torch.testing.assert_close(seen[0], 1.0 * ctx)
     torch.testing.assert_close(seen[1], 2.0 * ctx)  # its own, not request 0's that y stored meanwhile
-    assert torch.equal(store.get("y").features[deviation_feature(1, "k")], torch.ones(3))  # the first measurement
+    # the first measurement, 3 positions from home (after the 2-token prefix and x), as it would be DEPTH_REF away
+    torch.testing.assert_close(store.get("y").features[deviation_feature(1, "k")], torch.ones(3) * at_ref(3))
     assert all(deviation_feature(1, "k") not in store.get(k).features for k in "xz")
     # again, y now stored: no pass, the stored deviation where y sits and zeros for the chunk at home
     passes, seen = run([plan_request(ids, [(2, 5), (5, 8)], ["z", "y"], 0, "known", 0.1, shared_prefix_len=2)])
     assert passes == []
     torch.testing.assert_close(seen[0], torch.tensor([0.0] * 5 + [1.0] * 3 + [0.0] * 4))
+    # y twice as deep (after a 6-token chunk at home): no pass, and y reads 2 ** DEPTH_EXPONENT its measurement
+    deeper = torch.cat([ids[:2], torch.arange(20, 26), ids[5:8], ids[8:]])  # prefix, u (6 tokens), y, the query
+    passes, seen = run([plan_request(deeper, [(2, 8), (8, 11)], ["u", "y"], 0, "known", 0.1, shared_prefix_len=2)])
+    assert passes == []
+    torch.testing.assert_close(seen[0][8:11], torch.full((3,), 2.0 ** DEPTH_EXPONENT))
+
+
+def test_the_depth_study_recovers_a_power_law_by_hand():
+    """chunkbench.deviation_depth's fit, on chunks whose deviation is c * depth ** 0.4 exactly (each its own c)."""
+    import itertools
+    import math
+
+    from chunkbench.deviation_depth import fit
+
+    pairs = []
+    for c, depths in ((1.0, (10, 40, 90)), (7.5, (3, 300)), (0.2, (50, 51, 900))):
+        at = [(d, c * d ** 0.4) for d in depths]
+        pairs += [(math.log(d1 / d2), math.log(m1 / m2)) for (d1, m1), (d2, m2) in itertools.combinations(at, 2)]
+    slope, r = fit(pairs)
+    assert slope == pytest.approx(0.4) and r == pytest.approx(1.0)
+    # noise -0.1, +0.1, -0.1, +0.1 on x = -2, -1, 1, 2: slope -0.5 + sum(x * noise) / sum(x * x) = -0.5 + 0.2 / 10
+    slope, r = fit([(x, -0.5 * x + (0.1 if i % 2 else -0.1)) for i, x in enumerate((-2.0, -1.0, 1.0, 2.0))])
+    assert slope == pytest.approx(-0.48) and -1 < r < -0.9

@@ -67,14 +67,29 @@ def check_deviation_args(layer: int, which: str, n_layers: int) -> None:
         raise ValueError(f"layer {layer} outside [0, {n_layers})")
 
 
+# A chunk's K/V deviation grows with how far it sits from where its KV was computed: its mean K deviation at layer
+# 3, measured at depths d1 and d2 (positions between its home and its place), follows (d2 / d1) ** 0.32 on MuSiQue
+# passages (r 0.94, 239 pairs of the same chunk in three orders) and ** 0.35 on synthetic multikey documents (r 0.97,
+# 60 pairs; SmolLM2-135M, docs/bench/eval_select.md). An entry remembers its deviation as it would be DEPTH_REF
+# positions from home, and a request reads it scaled to the chunk's depth there: without this, a chunk measured
+# deep and read shallow outweighs one measured shallow and read deep.
+DEPTH_EXPONENT = 0.3
+DEPTH_REF = 1024
+
+
 def deviation_feature(layer: int, which: str) -> str:
-    """The name of a chunk entry's remembered deviation (RequestFeatures.known_deviation)."""
-    return f"deviation:{which}{layer}"
+    """The name of a chunk entry's remembered deviation (RequestFeatures.known_deviation), at DEPTH_REF."""
+    return f"deviation@{DEPTH_REF}:{which}{layer}"
 
 
-def _at_home(end: int, entry: ChunkEntry) -> bool:
-    """Whether the chunk ending at `end` sits where its KV was computed (right after the shared prefix)."""
-    return end - entry.num_tokens == entry.start_pos
+def _depth(end: int, entry: ChunkEntry) -> int:
+    """Positions between where the chunk ending at `end` sits and where its KV was computed; 0: at home (exact)."""
+    return abs(end - entry.num_tokens - entry.start_pos)
+
+
+def _depth_scale(depth: int) -> float:
+    """Deviation at `depth` over the deviation at DEPTH_REF."""
+    return (max(depth, 1) / DEPTH_REF) ** DEPTH_EXPONENT
 
 
 class RequestFeatures:
@@ -107,17 +122,19 @@ class RequestFeatures:
         return self._memo("known_deviation", (layer, which), lambda: self._known_deviation(layer, which))
 
     def stored_deviation(self, layer: int, which: str) -> torch.Tensor | None:
-        """[N] float32: each reused chunk's deviation from its entry, zero for a chunk at the place it was computed
-        (its reused KV is exact); None when another chunk has none stored."""
+        """[N] float32: each reused chunk's deviation from its entry at the chunk's depth here, zero for a chunk at the
+        place it was computed (its reused KV is exact); None when another chunk has none stored."""
         name = deviation_feature(layer, which)
         out = torch.zeros(self.layout.n)
         for (s, e), entry in zip(self.layout.chunk_spans, self.entries):
-            if _at_home(e, entry):
+            depth = _depth(e, entry)
+            if not depth:
                 continue
             stored = entry.features.get(name)
             if stored is None:
                 return None
-            out[s:e] = stored[len(stored) - (e - s):]  # an exact prefix may cover the chunk's head here
+            # an exact prefix may cover the chunk's head here
+            out[s:e] = stored[len(stored) - (e - s):] * _depth_scale(depth)
         return out
 
     def _known_deviation(self, layer: int, which: str) -> torch.Tensor:
@@ -131,8 +148,9 @@ class RequestFeatures:
         name = deviation_feature(layer, which)
         for (s, e), entry in zip(self.layout.chunk_spans, self.entries):
             # only whole chunks away from home: at home the deviation is zero here and says nothing of elsewhere
-            if not _at_home(e, entry) and e - s == entry.num_tokens and name not in entry.features:
-                entry.features[name] = fresh[s:e].float().clone()
+            depth = _depth(e, entry)
+            if depth and e - s == entry.num_tokens and name not in entry.features:
+                entry.features[name] = fresh[s:e].float() / _depth_scale(depth)
         return fresh
 
     def true_deviation(self, attended: bool = False) -> torch.Tensor:
