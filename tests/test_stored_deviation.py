@@ -73,13 +73,18 @@ def spans(parts, names):
     return out
 
 
-def stored(blender, parts):
+def stored(blender, parts, name=NAME):
     """Each chunk's remembered deviation, None where its entry has none."""
     prefix, chunks, _ = parts
     pkey = prefix_key(torch.tensor(prefix))
     keys = {n: chunk_key(blender.fingerprint, blender.namespace, pkey, torch.tensor(c)) for n, c in chunks.items()}
     entries = blender.store.get_many(list(keys.values()))
-    return {n: entries[k].features.get(NAME) for n, k in keys.items()}
+    return {n: entries[k].features.get(name) for n, k in keys.items()}
+
+
+def counts(blender, parts):
+    """How many measurements each chunk's remembered deviation averages (0: none)."""
+    return {n: 0 if c is None else int(c) for n, c in stored(blender, parts, f"{NAME}/n").items()}
 
 
 @dataclass
@@ -150,16 +155,17 @@ def test_all_stored_runs_no_pass_and_scores_from_the_store(blender, parts, passe
     assert not torch.allclose(dev, measured(blender, parts, "CBA")["dev"])
 
 
-def test_a_chunk_without_one_runs_the_pass_and_stores_only_its_own(blender, parts, passes):
+def test_a_chunk_without_one_runs_the_pass_and_the_away_chunks_average_its_measurement(blender, parts, passes):
     blender.blend(*order(parts, "ABC"), selector="mix", ratio=RHO, **STORED)  # stores B, C
     before = stored(blender, parts)
     res = blender.blend(*order(parts, "BCA"), selector="mix", ratio=RHO, **STORED)  # A away and missing
     assert len(passes) == 2
     after, at = stored(blender, parts), spans(parts, "BCA")
-    torch.testing.assert_close(after["A"], passes[1][slice(*at["A"])].float() * at_ref(at["A"][0] - len(parts[0])))
-    for n in "BC":  # kept as first measured, not overwritten by this request's measurement
-        assert torch.equal(after[n], before[n])
-    assert not torch.allclose(after["C"], passes[1][slice(*at["C"])].float())  # C sits elsewhere now: another value
+    here = {n: passes[1][slice(*at[n])].float() * at_ref(at[n][0] - len(parts[0])) for n in "CA"}
+    torch.testing.assert_close(after["A"], here["A"])  # its first measurement
+    torch.testing.assert_close(after["C"], (before["C"] + here["C"]) / 2)  # the mean of its two, each at DEPTH_REF
+    assert torch.equal(after["B"], before["B"])  # at home here: nothing measured for it
+    assert [counts(blender, parts)[n] for n in "ABC"] == [1, 1, 2]
     # the request that measured used its own measurement, not a mix of stored and fresh
     ref = blender.blend(*order(parts, "BCA"), selector="mix", ratio=RHO)
     torch.testing.assert_close(res.scores, ref.scores)
@@ -197,6 +203,18 @@ def test_the_deviation_reaches_the_store(model_dir, parts, passes, tmp_path):
     second.blend(*order(parts, "CAB"), selector="mix", ratio=RHO, **STORED)
     assert passes == []
     assert all(v is not None for v in stored(second, parts).values())
+
+
+def test_an_averaged_deviation_reaches_the_store(model_dir, parts, passes, tmp_path):
+    """A remembered deviation a later pass refines is written through again, not only kept in memory."""
+    from chunkcache.store import ChunkStore
+
+    first = ReferenceBlender.from_pretrained(model_dir, store=ChunkStore(disk_dir=str(tmp_path)))
+    first.blend(*order(parts, "ABC"), selector="mix", ratio=RHO, **STORED)
+    first.blend(*order(parts, "BCA"), selector="mix", ratio=RHO, **STORED)  # C averaged with its second measurement
+    second = ReferenceBlender.from_pretrained(model_dir, store=ChunkStore(host_bytes=0, disk_dir=str(tmp_path)))
+    assert counts(second, parts) == {"A": 1, "B": 1, "C": 2}
+    torch.testing.assert_close(stored(second, parts)["C"], stored(first, parts)["C"])
 
 
 def test_the_eval_harness_warms_in_other_orders(blender, parts, passes):
@@ -282,18 +300,19 @@ def test_a_batch_measures_once_and_each_measured_request_keeps_its_own():
     ctx = plans[0].layout().context_mask().float()
     torch.testing.assert_close(seen[0], 1.0 * ctx)
     torch.testing.assert_close(seen[1], 2.0 * ctx)  # its own, not request 0's that y stored meanwhile
-    # the first measurement, 3 positions from home (after the 2-token prefix and x), as it would be DEPTH_REF away
-    torch.testing.assert_close(store.get("y").features[deviation_feature(1, "k")], torch.ones(3) * at_ref(3))
+    # the mean of both measurements (1 and 2), 3 positions from home (after the 2-token prefix and x), as it would
+    # be DEPTH_REF away
+    torch.testing.assert_close(store.get("y").features[deviation_feature(1, "k")], torch.full((3,), 1.5 * at_ref(3)))
     assert all(deviation_feature(1, "k") not in store.get(k).features for k in "xz")
     # again, y now stored: no pass, the stored deviation where y sits and zeros for the chunk at home
     passes, seen = run([plan_request(ids, [(2, 5), (5, 8)], ["z", "y"], 0, "known", 0.1, shared_prefix_len=2)])
     assert passes == []
-    torch.testing.assert_close(seen[0], torch.tensor([0.0] * 5 + [1.0] * 3 + [0.0] * 4))
-    # y twice as deep (after a 6-token chunk at home): no pass, and y reads 2 ** DEPTH_EXPONENT its measurement
+    torch.testing.assert_close(seen[0], torch.tensor([0.0] * 5 + [1.5] * 3 + [0.0] * 4))
+    # y twice as deep (after a 6-token chunk at home): no pass, and y reads 2 ** DEPTH_EXPONENT its measurements
     deeper = torch.cat([ids[:2], torch.arange(20, 26), ids[5:8], ids[8:]])  # prefix, u (6 tokens), y, the query
     passes, seen = run([plan_request(deeper, [(2, 8), (8, 11)], ["u", "y"], 0, "known", 0.1, shared_prefix_len=2)])
     assert passes == []
-    torch.testing.assert_close(seen[0][8:11], torch.full((3,), 2.0 ** DEPTH_EXPONENT))
+    torch.testing.assert_close(seen[0][8:11], torch.full((3,), 1.5 * 2.0 ** DEPTH_EXPONENT))
 
 
 def test_the_depth_study_recovers_a_power_law_by_hand():

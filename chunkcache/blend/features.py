@@ -100,7 +100,7 @@ class RequestFeatures:
         self.passes, self.models, self.index, self.layout = passes, models, index, layout
         self.entries = list(entries)  # layout.chunk_spans order
         self.values: dict[tuple[str, tuple], Any] = {}  # (Features method, args) -> value
-        self._had = {e.key: set(e.features) for e in self.entries}  # feature names before any selector ran
+        self._had = {e.key: dict(e.features) for e in self.entries}  # features before any selector ran
 
     def _memo(self, name: str, args: tuple, compute: Callable[[], Any]) -> Any:
         if (name, args) not in self.values:
@@ -146,11 +146,18 @@ class RequestFeatures:
             return stored
         fresh = self.kv_deviation(layer, which)
         name = deviation_feature(layer, which)
+        count = f"{name}/n"
         for (s, e), entry in zip(self.layout.chunk_spans, self.entries):
             # only whole chunks away from home: at home the deviation is zero here and says nothing of elsewhere
             depth = _depth(e, entry)
-            if depth and e - s == entry.num_tokens and name not in entry.features:
-                entry.features[name] = fresh[s:e].float() / _depth_scale(depth)
+            if not depth or e - s != entry.num_tokens:
+                continue
+            # the pass ran anyway (another chunk had none): every chunk's remembered deviation becomes the mean of
+            # its measurements, each in another context, so what is particular to one context weighs less
+            at_ref = fresh[s:e].float() / _depth_scale(depth)
+            kept, n = entry.features.get(name), entry.features.get(count, torch.zeros(1))
+            entry.features[name] = at_ref if kept is None else kept + (at_ref - kept) / (n + 1)
+            entry.features[count] = n + 1
         return fresh
 
     def true_deviation(self, attended: bool = False) -> torch.Tensor:
@@ -171,10 +178,11 @@ class RequestFeatures:
         return self.entries[index].features
 
     def added_features(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Per chunk key, the features a selector added to its entry during this request."""
+        """Per chunk key, the features a selector added to its entry, or replaced, during this request."""
         added = {}
         for e in self.entries:
-            new = e.features.keys() - self._had[e.key]
+            had = self._had[e.key]
+            new = {name: t for name, t in e.features.items() if had.get(name) is not t}
             if new:
-                added[e.key] = {name: e.features[name] for name in new}
+                added[e.key] = new
         return added
