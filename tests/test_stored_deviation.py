@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from chunkcache import reference
-from chunkcache.blend.features import DEPTH_EXPONENT, DEPTH_REF, deviation_feature
+from chunkcache.blend.features import DEPTH_EXPONENT, DEPTH_REF, DEVIATION_MEASUREMENTS, deviation_feature
 from chunkcache.hashing import chunk_key, prefix_key
 from chunkcache.models import tiny_model
 from chunkcache.reference import ReferenceBlender
@@ -313,6 +313,24 @@ def test_a_batch_measures_once_and_each_measured_request_keeps_its_own():
     passes, seen = run([plan_request(deeper, [(2, 8), (8, 11)], ["u", "y"], 0, "known", 0.1, shared_prefix_len=2)])
     assert passes == []
     torch.testing.assert_close(seen[0][8:11], torch.full((3,), 1.5 * 2.0 ** DEPTH_EXPONENT))
+
+
+def test_a_remembered_deviation_averages_at_most_a_few_measurements():
+    """Each refinement rewrites the entry in every tier: past DEVIATION_MEASUREMENTS a pass leaves it alone."""
+    from chunkcache.blend import pipeline
+    from chunkcache.blend.plan import plan_request
+    from chunkcache.store import ChunkStore
+
+    store, ids = ChunkStore(), torch.arange(3, 18)
+    for i in range(DEVIATION_MEASUREMENTS + 2):  # x at home, a new chunk away (so the pass runs), y away after it
+        plan = plan_request(ids, [(2, 5), (5, 8), (8, 11)], ["x", f"new{i}", "y"], 0, "known", 0.1,
+                            shared_prefix_len=2)
+        pipeline.run(BatchEngine([plan]), store, [plan], lambda _: Known())
+        kept = store.get("y").features
+        assert int(kept[f"{deviation_feature(1, 'k')}/n"]) == min(i + 1, DEVIATION_MEASUREMENTS)
+        if i == DEVIATION_MEASUREMENTS - 1:
+            full = kept[deviation_feature(1, "k")]
+    assert kept[deviation_feature(1, "k")] is full  # not replaced, so not written again
 
 
 def test_the_depth_study_recovers_a_power_law_by_hand():

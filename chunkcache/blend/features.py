@@ -75,6 +75,9 @@ def check_deviation_args(layer: int, which: str, n_layers: int) -> None:
 # deep and read shallow outweighs one measured shallow and read deep.
 DEPTH_EXPONENT = 0.3
 DEPTH_REF = 1024
+# measurements a remembered deviation averages at most: each refinement rewrites the whole entry (its KV too) in the
+# disk and remote tiers, and the mean of a few contexts moves little after
+DEVIATION_MEASUREMENTS = 4
 
 
 def deviation_feature(layer: int, which: str) -> str:
@@ -153,9 +156,11 @@ class RequestFeatures:
             if not depth or e - s != entry.num_tokens:
                 continue
             # the pass ran anyway (another chunk had none): every chunk's remembered deviation becomes the mean of
-            # its measurements, each in another context, so what is particular to one context weighs less
+            # its first measurements, each in another context, so what is particular to one context weighs less
             at_ref = fresh[s:e].float() / _depth_scale(depth)
             kept, n = entry.features.get(name), entry.features.get(count, torch.zeros(1))
+            if n >= DEVIATION_MEASUREMENTS:
+                continue
             entry.features[name] = at_ref if kept is None else kept + (at_ref - kept) / (n + 1)
             entry.features[count] = n + 1
         return fresh
