@@ -157,10 +157,10 @@ class RequestFeatures:
                 continue
             # the pass ran anyway (another chunk had none): every chunk's remembered deviation becomes the mean of
             # its first measurements, each in another context, so what is particular to one context weighs less
-            at_ref = fresh[s:e].float() / _depth_scale(depth)
             kept, n = entry.features.get(name), entry.features.get(count, torch.zeros(1))
             if n >= DEVIATION_MEASUREMENTS:
                 continue
+            at_ref = fresh[s:e].float() / _depth_scale(depth)
             entry.features[name] = at_ref if kept is None else kept + (at_ref - kept) / (n + 1)
             entry.features[count] = n + 1
         return fresh
