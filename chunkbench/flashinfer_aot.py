@@ -1,7 +1,7 @@
 """Builds here, with no GPU, the FlashInfer modules that the blend's paged prefill loads on a Hopper GPU.
 
-A GPU session has 15 device minutes, and FlashInfer 0.7.2 JIT-compiles on first use: the FA3 and FA2 paged
-prefills, merge_state and the mask's bit packing took about 3 of them on the H100 (docs/bench/gpu.md). nvcc
+A GPU session has 15 device minutes, and FlashInfer 0.7.2 JIT-compiles on first use: the FA3 paged prefill and
+merge_state alone took 1 min 45 s of one call on the H100 (docs/bench/gpu.md). nvcc
 compiles for sm_90a without a GPU, so `pack_flashinfer.sh --aot` builds them here with this module and packs them
 where FlashInfer looks for ahead-of-time modules before it compiles (`flashinfer/data/aot/<name>/<name>.so`, the
 names its own JIT specs give). A module that is not there is still JIT-built on the GPU machine, as before.

@@ -6,9 +6,9 @@
 # sources, about 24 MB gzipped. `import flashinfer` 0.7.2 was checked to work without its optional cutlass-dsl,
 # cudnn-frontend, nccl and cuda-tile dependencies; it does need apache-tvm-ffi, whose .venv build is for CPython
 # 3.11 while the GPU machine runs 3.12, so its cp312 wheel goes along (fetched here with pip, a few MB).
-# With --aot, the modules those builds make are compiled here first for sm_90a (chunkbench/flashinfer_aot.py: ~15
-# minutes on 2 cores, kept in .fi/aot for the next pack; delete it to rebuild) and packed where FlashInfer loads
-# them without compiling, which spares the GPU machine about 3 of its 15 minutes.
+# With --aot, the modules those builds make are compiled here first for sm_90a (chunkbench/flashinfer_aot.py: ~10
+# minutes on 2 cores for bf16 and fp16, kept in .fi/aot for the next pack; delete it to rebuild) and packed where
+# FlashInfer loads them without compiling, which spares the GPU machine about 2 of its 15 minutes.
 # Usage, from the repository root:  bash chunkbench/pack_flashinfer.sh [--aot]   (then see gpu_blend.py's docstring)
 set -euo pipefail
 aot=()

@@ -120,7 +120,8 @@ class RequestFeatures:
 
     def known_deviation(self, layer: int, which: str) -> torch.Tensor:
         """kv_deviation as each chunk's store entry remembers it (stored_deviation) when every chunk has one, else
-        measured in this request by the engine's pass and remembered by the chunks that had none."""
+        measured in this request by the engine's pass, which every chunk away from home folds into its remembered
+        mean (at most DEVIATION_MEASUREMENTS measurements)."""
         check_deviation_args(layer, which, self.passes.n_layers)
         return self._memo("known_deviation", (layer, which), lambda: self._known_deviation(layer, which))
 
