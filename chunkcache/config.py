@@ -33,6 +33,8 @@ class StoreConfig:
     disk_bytes: int = 20 << 30  # byte budget of the disk tier (oldest entries removed first)
     namespace: str = "default"  # tenant namespace mixed into every chunk key unless a request names its own
     remote_url: str | None = None  # Redis/Valkey tier shared by servers: redis://[:pw@]host:port/db, rediss://; None: off
+    # a Valkey/Redis Cluster instead: redis+cluster://[:pw@]host:port[,host:port...] (seeds; rediss+cluster:// TLS),
+    # entries spread over its primaries, each with its own breaker (README "Several servers, one store")
     remote_timeout_s: float = 0.25  # connect and socket timeout per command: the most a down or stalled server costs
     remote_retry_s: float = 5.0  # after a failure the remote tier is skipped (gets miss, puts dropped) this long
     remote_max_value_bytes: int = 512 << 20  # larger entries stay local (lowered to the server's proto-max-bulk-len)
@@ -42,14 +44,30 @@ class StoreConfig:
         _at_least(self, "host_bytes", 0)
         _at_least(self, "disk_bytes", 1)
         _non_empty(self, "disk_dir", "namespace")
-        if self.remote_url is not None and not self.remote_url.startswith(("redis://", "rediss://")):
-            shown = self.remote_url.split("@")[-1]  # never a password
-            raise ConfigError("remote_url", f"must be a redis:// or rediss:// URL, got ...{shown!r}")
+        if self.remote_url is not None:
+            _check_remote_url(self.remote_url)
         if not 0.0 < self.remote_timeout_s <= 60.0:  # 0 would make redis-py's sockets non-blocking
             raise ConfigError("remote_timeout_s", f"must be in (0, 60], got {self.remote_timeout_s}")
         _at_least(self, "remote_retry_s", 0)
         _at_least(self, "remote_max_value_bytes", 1)
         _at_least(self, "remote_write_queue", 1)
+
+
+def _check_remote_url(url: str) -> None:
+    scheme, _, rest = url.partition("://")
+    shown = rest.split("@")[-1]  # never a password
+    if scheme not in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
+        raise ConfigError("remote_url", f"must be a redis://, rediss://, redis+cluster:// or rediss+cluster:// URL, "
+                                        f"got {scheme}://...{shown!r}")
+    if not scheme.endswith("+cluster"):
+        return
+    hosts, _, path = shown.partition("/")
+    if path.partition("?")[0] not in ("", "0"):
+        raise ConfigError("remote_url", f"a cluster has database 0 only, got ...{shown!r}")
+    for seed in hosts.partition("?")[0].split(","):
+        host, colon, port = seed.rpartition(":")
+        if not (host and colon and port.isdigit()):
+            raise ConfigError("remote_url", f"cluster seeds are host:port[,host:port...], got ...{shown!r}")
 
 
 @dataclass

@@ -13,7 +13,7 @@ from test_store import FP, assert_same, key, make_entry
 from chunkcache.config import Config, StoreConfig
 from chunkcache.hashing import chunk_key, prefix_key
 from chunkcache.store import ChunkStore, EntryLayout
-from chunkcache.store import remote
+from chunkcache.store import endpoint
 from chunkcache.store.disk import encode
 from chunkcache.store.remote import RemoteTier, key_prefix
 
@@ -26,11 +26,11 @@ AT_MOST_ONE_TIMEOUT = 5 * TIMEOUT
 
 @pytest.fixture
 def clock(monkeypatch):
-    """The remote tier's clock (it reads only time.monotonic), moved by the test: the breaker's retry interval
-    passes when the test says so, not when the host's load lets a sleep end."""
+    """The remote tier's clock (its breakers read only time.monotonic), moved by the test: the breaker's retry
+    interval passes when the test says so, not when the host's load lets a sleep end."""
     clock = SimpleNamespace(now=1000.0)
     clock.monotonic = lambda: clock.now
-    monkeypatch.setattr(remote, "time", clock)
+    monkeypatch.setattr(endpoint, "time", clock)
     return clock
 
 

@@ -1,14 +1,15 @@
 """Remote tier: entries in a Redis-protocol server (Valkey, Redis) that every chunkcache server shares.
 
 Contract:
-- One key per entry, `cc:v{FORMAT_VERSION}:{model fingerprint}:{chunk key}`, holding the disk tier's checksummed
-  encoding (`disk.encode`). The chunk key already hashes the model, the namespace, the shared prefix and the tokens,
-  so tenants and models never share an entry across servers; the fingerprint in the name lets an operator find or
-  drop one model's entries (`SCAN MATCH cc:v1:{fingerprint}:*`), and the format version keeps older encodings apart.
-- get and get_many are one MGET (get_many: all of a request's keys). A value that fails verification (torn,
-  truncated, foreign, another key's) or does not fit the serving model (`layout`: fingerprint, layers, KV heads,
-  head_dim; anyone who can write to the server can put a value there) is a miss, counted in `corrupt`, and deleted
-  so that the next put can store a good one. get never raises.
+- One key per entry, `cc:v{FORMAT_VERSION}:{model fingerprint}:{chunk key}` (on a cluster the chunk key is a hash
+  tag, `{chunk key}`: cluster.py), holding the disk tier's checksummed encoding (`disk.encode`). The chunk key
+  already hashes the model, the namespace, the shared prefix and the tokens, so tenants and models never share an
+  entry across servers; the fingerprint in the name lets an operator find or drop one model's entries
+  (`SCAN MATCH cc:v1:{fingerprint}:*`), and the format version keeps older encodings apart.
+- get and get_many are one MGET (get_many: all of a request's keys; on a cluster, one pipeline per node). A value
+  that fails verification (torn, truncated, foreign, another key's) or does not fit the serving model (`layout`:
+  fingerprint, layers, KV heads, head_dim; anyone who can write to the server can put a value there) is a miss,
+  counted in `corrupt`, and deleted so that the next put can store a good one. get never raises.
 - put never blocks and never raises: the entry as it is at the put (its feature dict copied: a selector may add
   features to it while the writer encodes) is queued for one writer thread, which encodes it and stores it with a
   plain SET. A put follows a miss in every tier, so it either fills an absent key or replaces a value its caller
@@ -23,11 +24,14 @@ Contract:
   full (maxmemory with `noeviction`: OutOfMemoryError) costs only the put (`full`, logged once until a write
   succeeds). No TTL: eviction is the server's (`maxmemory-policy allkeys-lru`).
 - A down or stalled server costs one command at most `timeout_s` (connect and each socket read or write; no
-  retries). Any other failure opens a breaker: for `retry_s` every get is a miss and every put is dropped without
-  touching the network (`skipped`), then the next command tries again. `errors` counts failed commands, `outages`
-  the outages; one WARNING when an outage starts and one INFO when it ends, whatever the request rate.
+  retries). Any other failure opens the server's breaker (endpoint.py): for `retry_s` every get is a miss and every
+  put is dropped without touching the network (`skipped`), then the next command tries again. `errors` counts failed
+  commands, `outages` the outages; one WARNING when an outage starts and one INFO when it ends, whatever the request
+  rate.
 - Thread-safe (redis-py's client keeps a connection pool; the counters are locked): the scheduler reads while the
   writer thread writes.
+- How keys reach servers is the subclass's: this class speaks to one endpoint (one MGET per get_many); cluster.py's
+  to the primaries of a cluster, with a breaker per node.
 """
 
 from __future__ import annotations
@@ -35,8 +39,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass, replace
+from typing import Any
 from urllib.parse import urlsplit
 
 import redis
@@ -44,6 +48,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from .disk import FORMAT_VERSION, CorruptEntry, decode, encode
+from .endpoint import Endpoint, NodeStats
 from .entry import ChunkEntry, EntryLayout
 
 log = logging.getLogger(__name__)
@@ -52,12 +57,12 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class RemoteStats:
     server: str  # scheme://host:port/db, password left out
-    up: bool  # False while an outage is in progress
+    up: bool  # False while an outage is in progress (in cluster mode: of any node serving slots)
     hits: int
     misses: int  # the server had no value for the key
     corrupt: int  # values that failed verification (counted misses, deleted)
     errors: int  # commands that failed (connection refused or reset, timeout, auth, ...)
-    outages: int  # times the tier went from working to failing
+    outages: int  # times the tier (in cluster mode: a node) went from working to failing
     skipped: int  # gets and puts not sent because an outage was in progress
     writes: int  # entries stored
     bytes_written: int
@@ -65,6 +70,7 @@ class RemoteStats:
     full: int  # writes the server refused because it was full
     dropped: int  # puts dropped because the writer's queue was full
     pending: int  # puts queued or being written
+    nodes: tuple[NodeStats, ...] = ()  # cluster mode: each primary seen since the start; empty for one endpoint
 
 
 def key_prefix(model_fingerprint: str | None) -> str:
@@ -79,52 +85,91 @@ def redacted(url: str) -> str:
 class RemoteTier:
     def __init__(self, url: str, prefix: str, timeout_s: float, retry_s: float, max_value_bytes: int, write_queue: int,
                  layout: EntryLayout | None = None):
-        # No retries: redis-py's default (10, with backoff) turns a down server into ~2.6 s per command.
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                           retry=Retry(NoBackoff(), 0))
-        self.server = redacted(url)
         self.prefix = prefix
         self.layout = layout
         self.retry_s = retry_s
         self.max_value_bytes = max_value_bytes
         self._limit_known = False  # max_value_bytes not yet lowered to the server's own limit
         self._lock = threading.Lock()
-        self._down_until = 0.0  # time.monotonic() before which the server is not contacted
-        self._down_since: float | None = None  # start of the outage in progress
         self._full = False
         self._oversize_logged = False
-        self._n = dict.fromkeys(("hits", "misses", "corrupt", "errors", "outages", "skipped", "writes",
-                                 "bytes_written", "oversize", "full", "dropped", "pending"), 0)
+        self._n = dict.fromkeys(("corrupt", "bytes_written", "oversize", "full", "dropped", "pending"), 0)
+        self._open(url, timeout_s)
         self._queue: queue.Queue[ChunkEntry] = queue.Queue(maxsize=write_queue)
         threading.Thread(target=self._write_loop, name="chunkcache-remote-writer", daemon=True).start()
+
+    # --- how keys reach the server: one endpoint here, overridden by the cluster tier ---------------------------
+
+    def _open(self, url: str, timeout_s: float) -> None:
+        # No retries: redis-py's default (10, with backoff) turns a down server into ~2.6 s per command.
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                           retry=Retry(NoBackoff(), 0))
+        self.server = redacted(url)
+        self._endpoint = Endpoint(self.server, self.retry_s)
+
+    def _name(self, key: str) -> str:
+        """The server-side key of an entry."""
+        return self.prefix + key
+
+    def _fetch(self, names: list[str]) -> list[tuple[Endpoint, dict[str, bytes | None]]]:
+        """What each server answered for `names` (None: no value). Names a server was not asked (down) or did not
+        answer (failing) are left out, and counted as skipped or errors on it."""
+        if not self._endpoint.available():
+            self._endpoint.count("skipped", len(names))
+            return []
+        try:
+            values = self.client.mget(names)
+        except redis.RedisError as e:
+            self._endpoint.failed(e)
+            return []
+        self._endpoint.working()
+        return [(self._endpoint, dict(zip(names, values)))]
+
+    def _route(self, name: str) -> Endpoint | None:
+        """The endpoint of the server holding `name`, if known without a round trip."""
+        return self._endpoint
+
+    def _connect(self, name: str) -> tuple[Endpoint, Any]:
+        """The endpoint of the server holding `name` and a client whose single-key commands reach it; the client is
+        None when that server is down (breaker open) or cannot be reached (counted as a failure)."""
+        return self._endpoint, self.client if self._endpoint.available() else None
+
+    def _server_limit(self, client: Any, name: str) -> int:
+        """The proto-max-bulk-len of the server holding `name`."""
+        return int(client.config_get("proto-max-bulk-len")["proto-max-bulk-len"])
+
+    def _endpoints(self) -> list[Endpoint]:
+        """Every endpoint whose counters make the tier's totals."""
+        return [self._endpoint]
+
+    def _up(self) -> bool:
+        return self._endpoint.up
+
+    def _node_stats(self) -> tuple[NodeStats, ...]:
+        return ()
+
+    # --- the tier ----------------------------------------------------------------------------------------------
 
     def get(self, key: str) -> ChunkEntry | None:
         return self.get_many([key]).get(key)
 
     def get_many(self, keys: list[str]) -> dict[str, ChunkEntry]:
-        """The entries the server holds for `keys`, in one round trip (MGET); the others are misses."""
+        """The entries the servers hold for `keys`, in one round trip per server; the others are misses."""
         if not keys:
             return {}
-        if not self._available():
-            self._count("skipped", len(keys))
-            return {}
-        try:
-            values = self.client.mget([self.prefix + key for key in keys])
-        except redis.RedisError as e:
-            self._failed(e)
-            return {}
-        self._working()
+        names = {self._name(key): key for key in keys}
         found = {}
-        for key, data in zip(keys, values):
-            if data is None:
-                self._count("misses")
-            elif (entry := self._verified(key, data)) is not None:
-                self._count("hits")
-                found[key] = entry
+        for endpoint, values in self._fetch(list(names)):
+            for name, data in values.items():
+                key = names[name]
+                if data is None:
+                    endpoint.count("misses")
+                elif (entry := self._verified(key, name, data)) is not None:
+                    endpoint.count("hits")
+                    found[key] = entry
         return found
 
-    def _verified(self, key: str, data: bytes) -> ChunkEntry | None:
-        name = self.prefix + key
+    def _verified(self, key: str, name: str, data: bytes) -> ChunkEntry | None:
         try:
             entry = decode(data)
             if entry.key != key:
@@ -135,16 +180,19 @@ class RemoteTier:
             self._count("corrupt")
             log.warning("chunkcache: dropping corrupt or unusable entry %s from remote store %s: %s: %s", name,
                         self.server, type(e).__name__, e)
-            try:
-                self.client.delete(name)
-            except redis.RedisError as exc:
-                self._failed(exc)
+            endpoint, client = self._connect(name)
+            if client is not None:
+                try:
+                    client.delete(name)
+                except redis.RedisError as exc:
+                    endpoint.failed(exc)
             return None
         return entry
 
     def put(self, entry: ChunkEntry) -> None:
-        if not self._available():
-            self._count("skipped")
+        endpoint = self._route(self._name(entry.key))
+        if endpoint is not None and not endpoint.available():
+            endpoint.count("skipped")
             return
         with self._lock:
             try:
@@ -155,8 +203,13 @@ class RemoteTier:
             self._n["pending"] += 1
 
     def stats(self) -> RemoteStats:
+        totals = dict.fromkeys(Endpoint.COUNTERS, 0)
+        for endpoint in self._endpoints():
+            for field, n in endpoint.counters().items():
+                totals[field] += n
+        nodes, up = self._node_stats(), self._up()
         with self._lock:
-            return RemoteStats(server=self.server, up=self._down_since is None, **self._n)
+            return RemoteStats(server=self.server, up=up, **totals, **self._n, nodes=nodes)
 
     def _write_loop(self) -> None:
         while True:
@@ -169,48 +222,48 @@ class RemoteTier:
                 self._count("pending", -1)
 
     def _write(self, entry: ChunkEntry) -> None:
-        if not self._available():
-            self._count("skipped")
+        name = self._name(entry.key)
+        endpoint, client = self._connect(name)
+        if client is None:
+            endpoint.count("skipped")
             return
         data = encode(entry)
         try:
-            if len(data) > self._value_limit():
+            if len(data) > self._value_limit(client, name):
                 self._oversize(entry.key, len(data))
                 return
-            self.client.set(self.prefix + entry.key, data)
+            client.set(name, data)
         except redis.OutOfMemoryError as e:
             self._count("full")
             if not self._full:
                 self._full = True
                 log.warning("chunkcache: remote store %s is full, puts dropped until it takes writes again: %s",
-                            self.server, e)
+                            endpoint.label, e)
             return
         except redis.ResponseError as e:
             if "bulk length" not in str(e):  # any other refusal is a failing server
-                self._failed(e)
+                endpoint.failed(e)
                 return
             # the server's limit is below ours and CONFIG GET did not tell (e.g. CONFIG renamed by the operator);
             # when the server resets the connection before its reply is read, the RedisError branch below counts it
             self._oversize(entry.key, len(data))
             return
         except redis.RedisError as e:
-            self._failed(e)
+            endpoint.failed(e)
             return
-        self._working()
+        endpoint.working()
+        endpoint.count("writes")
         if self._full:
             self._full = False
-            log.info("chunkcache: remote store %s takes writes again", self.server)
-        with self._lock:
-            self._n["writes"] += 1
-            self._n["bytes_written"] += len(data)
+            log.info("chunkcache: remote store %s takes writes again", endpoint.label)
+        self._count("bytes_written", len(data))
 
-    def _value_limit(self) -> int:
+    def _value_limit(self, client: Any, name: str) -> int:
         """max_value_bytes, lowered once to the server's proto-max-bulk-len: a bigger value is refused, and one much
         bigger has its connection reset only after being sent in full."""
         if not self._limit_known:
             try:
-                server_limit = int(self.client.config_get("proto-max-bulk-len")["proto-max-bulk-len"])
-                self.max_value_bytes = min(self.max_value_bytes, server_limit)
+                self.max_value_bytes = min(self.max_value_bytes, self._server_limit(client, name))
             except (redis.ResponseError, KeyError):  # CONFIG disabled or renamed (managed services): keep ours
                 pass
             self._limit_known = True
@@ -227,25 +280,3 @@ class RemoteTier:
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self._n[name] += n
-
-    def _available(self) -> bool:
-        with self._lock:
-            return time.monotonic() >= self._down_until
-
-    def _failed(self, e: Exception) -> None:
-        with self._lock:
-            self._n["errors"] += 1
-            self._down_until = time.monotonic() + self.retry_s
-            if self._down_since is not None:
-                return
-            self._down_since = time.monotonic()
-            self._n["outages"] += 1
-        log.warning("chunkcache: remote store %s unavailable (%s: %s); chunks are computed and kept locally, puts "
-                    "dropped, retrying every %.1f s", self.server, type(e).__name__, e, self.retry_s)
-
-    def _working(self) -> None:
-        with self._lock:
-            if self._down_since is None:
-                return
-            seconds, self._down_since = time.monotonic() - self._down_since, None
-        log.info("chunkcache: remote store %s is back after %.1f s", self.server, seconds)

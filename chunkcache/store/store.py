@@ -1,9 +1,9 @@
-"""ChunkStore: host memory in front of an optional disk tier and an optional remote tier (a Redis-protocol server
-shared by every chunkcache server).
+"""ChunkStore: host memory in front of an optional disk tier and an optional remote tier (a Redis-protocol server,
+or a cluster of them, shared by every chunkcache server).
 
 Contract:
 - get looks in memory, then disk, then remote, and promotes a hit into the tiers in front; get_many does so for a
-  request's keys with one remote round trip for all the keys the local tiers lack.
+  request's keys with one remote round trip (per cluster node) for all the keys the local tiers lack.
 - put writes through to every tier (to the remote one in the background, see remote.py) and says whether a local
   tier kept the entry. False: memory refused it (alone over the host budget) and so did the disk (over its budget,
   full) or there is none; a later get finds it only on the remote tier, if at all, and the caller's copy may be the
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import StoreConfig
+from .cluster import ClusterTier, is_cluster_url
 from .disk import DiskTier
 from .entry import ChunkEntry, EntryLayout
 from .memory import MemoryTier
@@ -78,8 +79,9 @@ class ChunkStore:
                     on_change: Callable[[StoreStats], None] | None = None) -> "ChunkStore":
         remote = None
         if config.remote_url:
-            remote = RemoteTier(config.remote_url, key_prefix(model_fingerprint), config.remote_timeout_s,
-                                config.remote_retry_s, config.remote_max_value_bytes, config.remote_write_queue, layout)
+            tier = ClusterTier if is_cluster_url(config.remote_url) else RemoteTier
+            remote = tier(config.remote_url, key_prefix(model_fingerprint), config.remote_timeout_s,
+                          config.remote_retry_s, config.remote_max_value_bytes, config.remote_write_queue, layout)
         pin = torch.cuda.is_available() if config.pin_memory is None else config.pin_memory
         if pin and not torch.cuda.is_available():
             raise ValueError("store.pin_memory: true needs a CUDA device (page-locked memory is CUDA's); "
@@ -92,7 +94,7 @@ class ChunkStore:
 
     def get_many(self, keys: list[str]) -> dict[str, ChunkEntry]:
         """The entries any tier holds for `keys` (each looked up once): memory, then disk, then the remote tier in
-        one round trip for all the keys the local tiers lack."""
+        one round trip (per cluster node) for all the keys the local tiers lack."""
         keys = list(dict.fromkeys(keys))
         found: dict[str, ChunkEntry] = {}
         with self._lock:
