@@ -85,26 +85,35 @@ def decide(gflops: dict[str, float]) -> str:
 
 def fastest_cpu_dtype(cache: Path | None = None) -> Choice:
     """This host's choice: the kept one, or measured now and kept (a cache that cannot be written is only logged)."""
-    path = cache or home() / "host-dtype.json"
     host = host_signature()
+
+    def choose() -> dict:
+        gflops = measure()
+        return {"dtype": decide(gflops), "gflops": gflops}
+
+    entry = kept_per_host(cache or home() / "host-dtype.json", host, choose)
+    choice = Choice(entry["dtype"], entry["gflops"], host)
+    log.info("chunkcache: CPU dtype for this host: %s", choice.reason())
+    return choice
+
+
+def kept_per_host(path: Path, host: str, choose) -> dict:
+    """The JSON object kept for `host` in `path`, or `choose()`'s, kept there now: a measured choice is made once
+    per host, so every process and both sides of an A/B on it run the same, whatever the noise of a later
+    measurement (a file that cannot be written is only logged: the choice is then measured again next start)."""
     try:
         kept = json.loads(path.read_text())
     except (OSError, ValueError):
         kept = {}
     if isinstance(kept.get(host), dict):
-        entry = kept[host]
-        return Choice(entry["dtype"], entry["gflops"], host)
-    gflops = measure()
-    choice = Choice(decide(gflops), gflops, host)
-    kept[host] = {"dtype": choice.dtype, "gflops": gflops}
+        return kept[host]
+    kept[host] = entry = choose()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(kept, indent=1))
         tmp.replace(path)
     except OSError as exc:
-        log.warning("chunkcache: could not keep the dtype choice in %s (%s); it is measured again next start", path,
+        log.warning("chunkcache: could not keep a measured choice in %s (%s); it is measured again next start", path,
                     exc)
-    log.info("chunkcache: CPU dtype for this host: %s", choice.reason())
-    return choice
-
+    return entry

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from chunkcache.blend.attention import QUERY_BLOCK, attend
+from chunkcache.blend import attention
+from chunkcache.blend.attention import QUERY_BLOCK, STAIR_LEAF, attend, plan_blocks
 
 
 def dense(q, keys, values, q_pos, k_pos, scale, window=None):
@@ -47,12 +48,35 @@ def test_a_sliding_window_hides_keys_further_back_than_the_window():
     assert record[: n - 10 - window].sum() == 0 and abs(record.sum().item() - 1) < 1e-4
 
 
+def test_the_staircase_covers_each_rows_visible_keys_exactly_once():
+    """Every (row, key) pair with key <= the row's position is in exactly one tile (unmasked, or masked-in), every
+    other pair in none; each row's first tile is marked first, and no tile leaves a row with nothing to attend."""
+    torch.manual_seed(3)
+    n = 3000
+    for m in (1, STAIR_LEAF, 5 * STAIR_LEAF + 3):
+        q_pos = torch.cat([torch.randperm(n - 20)[: max(m - 20, 1)].sort().values, torch.arange(n - 20, n)])[-m:]
+        covered = torch.zeros(len(q_pos), n, dtype=torch.int)
+        seen = torch.zeros(len(q_pos), dtype=torch.bool)
+        for t in plan_blocks(q_pos, torch.arange(n), False).tiles:
+            visible = torch.ones(t.rows.stop - t.rows.start, t.keys.stop - t.keys.start, dtype=torch.bool)
+            if t.mask is not None:
+                visible = t.mask
+            assert visible.any(1).all()
+            assert bool(seen[t.rows].any()) != t.first and bool(seen[t.rows].all()) != t.first
+            seen[t.rows] = True
+            covered[t.rows, t.keys] += visible.int()
+        assert torch.equal(covered, (torch.arange(n)[None] <= q_pos[:, None]).int())
+
+
+@pytest.mark.parametrize("kernel", ["flash", "gemm"])
 @pytest.mark.parametrize("amplitude,scale", [(1, 0.125), (3, 0.125), (3, 0.11)])  # 0.11: scaled after the product
-def test_bfloat16_blocks_are_as_accurate_as_one_sdpa_call_per_query(amplitude, scale):
-    """On CPU, bf16 blocks run as bf16 matmuls whose scores round to bf16; each row's shift keeps the scores that
-    carry weight near 0, so even scores of ~16 (queries amplified 3x, and a sink key every query scores highly) stay
-    as close to float64 as SDPA's bf16 flash kernel called per query. Without the shift the error at 3x is 2.7 times
-    SDPA's."""
+def test_bfloat16_blocks_are_as_accurate_as_one_sdpa_call_per_query(amplitude, scale, kernel, monkeypatch):
+    """On CPU, bf16 attention runs either kernel (the host's faster, attention.bf16_kernel): flash attention over
+    the staircase is SDPA's own bf16 kernel; bf16 matmuls round their scores to bf16, and each row's shift keeps the
+    scores that carry weight near 0, so even scores of ~16 (queries amplified 3x, and a sink key every query scores
+    highly) stay as close to float64 as SDPA's bf16 flash kernel called per query. Without the shift the error at 3x
+    is 2.7 times SDPA's."""
+    monkeypatch.setattr(attention, "bf16_kernel", lambda: kernel)
     torch.manual_seed(1)
     m, n = 2 * QUERY_BLOCK + 7, 2000
     q_pos = torch.cat([torch.randperm(n - 20)[: m - 20].sort().values, torch.arange(n - 20, n)])  # + a query tail

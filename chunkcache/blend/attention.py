@@ -10,18 +10,28 @@ Plan/run split: the blocks and masks depend only on positions, so `plan_blocks` 
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-# Query rows per attention call. Rows are sorted by position, so a block only needs the keys up to its last row's
-# position: smaller blocks skip more of the masked upper triangle, larger ones make fewer, larger kernel calls
-# (64 was the fastest of 32-512 for ~500 queries spread over 3.2K keys on this 2-core CPU, quiet, fp32 and bf16:
-# 25.7 ms per layer against 29.4 at 256; with the bf16 matmul path, 920 queries over 6.4K keys: 28.7 ms at 64,
-# 28.1-28.2 at 96-128, 32.8 at 32, 45.3 at 192).
+from ..config import home
+from ..cpu_dtype import host_signature, kept_per_host
+
+# Query rows per attention call of the block plan (GPU SDPA, recording, sliding windows, the bf16 matmul kernel).
+# Rows are sorted by position, so a block only needs the keys up to its last row's position: smaller blocks skip more
+# of the masked upper triangle, larger ones make fewer, larger kernel calls (64 was the fastest of 32-512 for ~500
+# queries spread over 3.2K keys on a 2-core CPU, fp32 and bf16; with the bf16 matmul kernel, 920 queries over 6.4K
+# keys: 28.7 ms at 64, 28.1-28.2 at 96-128, 32.8 at 32, 45.3 at 192).
 QUERY_BLOCK = 64
+# Rows of the staircase's leaf tiles (CPU flash attention over ordered keys): a leaf attends its masked diagonal,
+# every larger tile a rectangle no row of which is masked. 64 and 128 ran alike (1,050 late-biased queries over 6.7K
+# keys, bf16, AMX host: 36-40 ms a layer), 32 and 256 slower (more small calls; larger masked diagonals).
+STAIR_LEAF = 64
 
 
 @dataclass
@@ -36,21 +46,49 @@ class _Block:
     def bias(self, dtype: torch.dtype, group: int = 1) -> torch.Tensor | None:
         """The mask as 0 / -inf in `dtype`, its rows repeated `group` times (GQA heads stacked along the query
         axis): CPU SDPA runs faster with an additive mask than with a boolean one."""
-        if self.mask is None:
-            return None
-        if (dtype, group) not in self._bias:
-            self._bias[dtype, group] = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill_(
-                ~self.mask, float("-inf")).repeat(group, 1)
-        return self._bias[dtype, group]
+        return _mask_bias(self._bias, self.mask, dtype, group)
+
+
+@dataclass
+class _Tile:
+    """Rows [rows) attending keys [keys) of a staircase; a row is in one tile per level of it, merged by log-sum-exp."""
+
+    rows: slice
+    keys: slice
+    mask: torch.Tensor | None  # [rows, keys] bool; None: every row sees every key of the tile
+    first: bool  # no earlier tile holds these rows: its output is assigned, not merged
+    _bias: dict = field(default_factory=dict)
+
+    def bias(self, dtype: torch.dtype, group: int) -> torch.Tensor | None:
+        return _mask_bias(self._bias, self.mask, dtype, group)
+
+
+def _mask_bias(cache: dict, mask: torch.Tensor | None, dtype: torch.dtype, group: int) -> torch.Tensor | None:
+    if mask is None:
+        return None
+    if (dtype, group) not in cache:
+        cache[dtype, group] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+            ~mask, float("-inf")).repeat(group, 1)
+    return cache[dtype, group]
+
+
+@dataclass
+class AttentionPlan:
+    """What attending one set of sorted queries needs, for every layer of a pass: row blocks always, and on CPU,
+    where the keys are the request's positions in order and no window applies, the staircase."""
+
+    blocks: list[_Block]
+    tiles: list[_Tile] | None
 
 
 def plan_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, whole_context: bool,
-                window: int | None = None) -> list[_Block]:
+                window: int | None = None) -> AttentionPlan:
     """Query blocks of QUERY_BLOCK rows (q_pos sorted) with their masks. When the keys sit at positions 0..c-1 in
     order, a block needs only a range of them, unless `whole_context` (recording attention to every key), and on CPU
     the keys before its first row's position are `shared` (only the rest needs a mask). `window`: a sliding-window
     layer's, as SGLang's RadixAttention.sliding_window_size counts it (a query sees keys q - window .. q)."""
     ordered = not whole_context and torch.equal(k_pos, torch.arange(len(k_pos), device=k_pos.device))
+    cpu = q_pos.device.type == "cpu"
     blocks = []
     for start in range(0, len(q_pos), QUERY_BLOCK):
         blk = slice(start, start + QUERY_BLOCK)
@@ -59,13 +97,77 @@ def plan_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, whole_context: bool,
         first = max(0, int(qp.min()) - window) if ordered and window is not None else 0
         # the split is the CPU strategy (attend_blocks); every row sees at least its own position in the masked
         # part, so no row of it is empty. Behind a window the block's keys are few: all of them masked.
-        shared = int(qp.min()) if ordered and window is None and q_pos.device.type == "cpu" else first
+        shared = int(qp.min()) if ordered and window is None and cpu else first
         keys = k_pos[None, shared:n_keys]
         allowed = keys <= qp[:, None]
         if window is not None:
             allowed &= keys >= qp[:, None] - window
         blocks.append(_Block(blk, n_keys, None if bool(allowed.all()) else allowed, shared, first))
-    return blocks
+    tiles = _staircase(q_pos) if ordered and window is None and cpu and len(q_pos) else None
+    return AttentionPlan(blocks, tiles)
+
+
+def _staircase(q_pos: torch.Tensor) -> list[_Tile]:
+    """Tiles covering exactly what sorted queries over ordered keys see, in few large unmasked rectangles: rows
+    [lo, hi) all see the keys before position q_pos[lo] (one tile, no mask), then each half of the rows recurses on
+    the keys from there; a leaf of at most STAIR_LEAF rows attends the rest with a mask. Every row's own position is
+    in its leaf, so no tile leaves a row with nothing to attend. A parent's tile precedes its children's."""
+    pos = q_pos.tolist()
+    tiles: list[_Tile] = []
+    todo = [(0, len(pos), 0, True)]  # (lo, hi, first key, no tile holds these rows yet)
+    while todo:
+        lo, hi, key, fresh = todo.pop()
+        if hi - lo <= STAIR_LEAF:
+            allowed = torch.arange(key, pos[hi - 1] + 1)[None] <= q_pos[lo:hi, None]
+            tiles.append(_Tile(slice(lo, hi), slice(key, pos[hi - 1] + 1), None if bool(allowed.all()) else allowed,
+                               fresh))
+            continue
+        if pos[lo] > key:
+            tiles.append(_Tile(slice(lo, hi), slice(key, pos[lo]), None, fresh))
+            key, fresh = pos[lo], False
+        mid = lo + -(-(hi - lo) // 2 // STAIR_LEAF) * STAIR_LEAF  # halves, the first a whole number of leaves
+        todo += [(mid, hi, key, fresh), (lo, mid, key, fresh)]
+    return tiles
+
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def bf16_kernel() -> str:
+    """"flash" or "gemm": the faster bf16 CPU kernel on this host, measured once per host (chunkcache.cpu_dtype's
+    signature) and kept in `home()/host-attention.json`. Which one wins is the host's: bf16 matmuls at 830-910
+    GFLOP/s against flash attention's 160 on an AMD EPYC with avx512_bf16 (the matmuls 32 ms a layer, flash 51-54);
+    flash attention over the staircase 36-40 ms against the matmuls' 76-94 on an Intel Xeon with AMX."""
+    entry = kept_per_host(home() / "host-attention.json", host_signature(), _measure_bf16_kernels)
+    log.info("chunkcache: bf16 CPU attention kernel for this host: %s (ms a layer: %s)", entry["kernel"], entry["ms"])
+    return entry["kernel"]
+
+
+def _measure_bf16_kernels(keys: int = 3200, repeats: int = 3) -> dict:
+    """Both kernels on one layer of the default model's attention shape (9 query heads, 3 KV heads, d 64): 15 % of
+    `keys` positions recomputed, most of them late, plus a 40-token query; the best of `repeats` runs each."""
+    gen = torch.Generator().manual_seed(0)
+    body = keys - 40
+    picks = torch.randperm(body, generator=gen)[: int(0.15 * keys)].sort().values
+    q_pos = torch.cat([picks, torch.arange(body, keys)])
+    q = torch.randn(len(q_pos), 9, 64, generator=gen).bfloat16()
+    k, v = (torch.randn(keys, 3, 64, generator=gen).bfloat16() for _ in range(2))
+    plan = plan_blocks(q_pos, torch.arange(keys), False)
+    kt, vt = _keys_with_shift_row(k), v.transpose(0, 1).contiguous()
+    runs = {"flash": lambda: _attend_tiles(q, k, v, plan.tiles, 0.125),
+            "gemm": lambda: [_attend_gemm(q[b.rows], kt[:, :, : b.n_keys], vt[:, : b.n_keys], b, 0.125, 3)
+                             for b in plan.blocks]}
+    ms = {}
+    for name, run in runs.items():
+        run()
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            run()
+            best = min(best, time.perf_counter() - t)
+        ms[name] = round(1e3 * best, 2)
+    return {"kernel": min(ms, key=ms.get), "ms": ms}
 
 
 def attend(q, keys, values, q_pos, k_pos, scale, record=None, window=None):
@@ -73,28 +175,31 @@ def attend(q, keys, values, q_pos, k_pos, scale, record=None, window=None):
     return attend_blocks(q, keys, values, plan_blocks(q_pos, k_pos, record is not None, window), scale, record)
 
 
-def attend_blocks(q, keys, values, blocks: list[_Block], scale, record=None):
-    """q [m, Hq, D]; keys/values [c, Hk, D]; `blocks` partition q's rows (plan_blocks). GQA by head grouping. On CPU
-    the kernel follows the dtype, which `serve.dtype: auto` chooses per host by timing bf16 against fp32 matmuls
-    (chunkcache.cpu_dtype): bfloat16 goes through bf16 matmuls (_attend_gemm), anything else through flash attention
-    in float32 (_attend_split; the output is cast back). CPU flash attention gains nothing from bf16: it ran 160-170
-    GFLOP/s in both dtypes on a 2-core AMD EPYC with avx512_bf16, where a bf16 matmul ran 830-900, and in float32
-    1.4-1.6x faster than in bfloat16 on an Intel host without AMX (6.4K keys, ~1K late queries: 63 vs 89 ms a
-    layer, the per-layer upcast of the context included), and float32 rounds less."""
+def attend_blocks(q, keys, values, plan: AttentionPlan, scale, record=None):
+    """q [m, Hq, D]; keys/values [c, Hk, D]; `plan` from plan_blocks over q's rows. GQA by head grouping. On CPU the
+    kernel follows the dtype, which `serve.dtype: auto` chooses per host by timing bf16 against fp32 matmuls
+    (chunkcache.cpu_dtype): float32 (and any non-bf16 dtype, upcast) runs flash attention over the staircase
+    (_attend_tiles); bfloat16 runs whichever of bf16 flash attention over the staircase and bf16 matmuls
+    (_attend_gemm) this host measured faster (bf16_kernel). A sliding window takes the blocks."""
     group = q.shape[1] // keys.shape[1]
-    out = torch.empty(q.shape[0], q.shape[1], values.shape[-1], dtype=q.dtype, device=q.device)
     cpu = q.device.type == "cpu" and record is None
-    if cpu and q.dtype == torch.bfloat16:
+    if cpu and q.dtype == torch.bfloat16 and (plan.tiles is None or bf16_kernel() == "gemm"):
+        out = torch.empty(q.shape[0], q.shape[1], values.shape[-1], dtype=q.dtype, device=q.device)
         kt_all, vt_all = _keys_with_shift_row(keys), values.transpose(0, 1).contiguous()
-        for b in blocks:
+        for b in plan.blocks:
             out[b.rows] = _attend_gemm(q[b.rows], kt_all[:, :, b.first: b.n_keys], vt_all[:, b.first: b.n_keys], b,
                                        scale, group)
         return out
+    if cpu and plan.tiles is not None:
+        if q.dtype == torch.bfloat16:
+            return _attend_tiles(q, keys, values, plan.tiles, scale)
+        return _attend_tiles(q.float(), keys.float(), values.float(), plan.tiles, scale).to(q.dtype)
+    out = torch.empty(q.shape[0], q.shape[1], values.shape[-1], dtype=q.dtype, device=q.device)
     if cpu:
         q, keys, values = q.float(), keys.float(), values.float()
     kt_all = keys.transpose(0, 1)  # [Hk, c, D]
     vt_all = values.transpose(0, 1)
-    for b in blocks:
+    for b in plan.blocks:
         kt, vt = kt_all[:, b.first: b.n_keys], vt_all[:, b.first: b.n_keys]
         if record is not None:
             out[b.rows] = _attend_recording(q[b.rows].transpose(0, 1), kt, vt, b, scale, group, record, q.shape)
@@ -105,6 +210,34 @@ def attend_blocks(q, keys, values, blocks: list[_Block], scale, record=None):
                                                scale=scale, enable_gqa=group > 1)
             out[b.rows] = o.transpose(0, 1)
     return out
+
+
+def _attend_tiles(q, keys, values, tiles: list[_Tile], scale):
+    """CPU flash attention in q's dtype over a staircase: one kernel call per tile, the query heads of each KV head
+    stacked along the query axis (K/V read once per KV head), each tile's output merged into its rows' running
+    output by log-sum-exp in float32. The large unmasked tiles run at the causal kernel's rate per (query, key) pair
+    (1,000+ stacked rows: within 10 % of it; 192 rows: ~1.7x its cost), which one call per 64-row block did not."""
+    m, hq, d = q.shape
+    hk = keys.shape[1]
+    group = hq // hk
+    stacked = q.view(m, hk, group, d).permute(1, 2, 0, 3)  # [Hk, group, m, D]
+    kt, vt = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+    acc = torch.empty(hk, group, m, values.shape[-1], dtype=torch.float32)
+    lse = torch.empty(hk, group, m, dtype=torch.float32)
+    for t in tiles:
+        rows = t.rows.stop - t.rows.start
+        o, l = _flash(stacked[:, :, t.rows].reshape(1, hk, group * rows, d), kt[:, :, t.keys], vt[:, :, t.keys],
+                      t.bias(q.dtype, group), scale)
+        o, l = o.view(hk, group, rows, -1), l.view(hk, group, rows)
+        a, s = acc[:, :, t.rows], lse[:, :, t.rows]
+        if t.first:
+            a.copy_(o)
+            s.copy_(l)
+            continue
+        merged = torch.logaddexp(s, l)
+        a.mul_((s - merged).exp_().unsqueeze(-1)).add_(o.float().mul_((l - merged).exp_().unsqueeze(-1)))
+        s.copy_(merged)
+    return acc.permute(2, 0, 1, 3).reshape(m, hq, -1).to(q.dtype)
 
 
 # _attend_gemm's layout: each key's head dims, then a 1 that multiplies the query's shift, then zeros (8 extra rows in
