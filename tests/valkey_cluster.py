@@ -47,9 +47,13 @@ class Node:
     bus_port: int
     proc: subprocess.Popen
     node_id: str = ""
+    _client: redis.Redis | None = None
 
     def client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+        """A plain (not cluster-aware) client of this node alone, one per node."""
+        if self._client is None:
+            self._client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+        return self._client
 
     @property
     def name(self) -> str:  # as redis-py names a cluster node
@@ -117,7 +121,7 @@ class ValkeyCluster:
 
     @staticmethod
     def _cluster_nodes(node: Node) -> dict[str, tuple[str, str]]:
-        """CLUSTER NODES as seen by `node`: node id -> (flags, id of its primary, "-" for a primary)."""
+        """CLUSTER NODES as seen by `node`: node id -> (flags, its primary's id or "-" for a primary)."""
         lines = node.client().execute_command("CLUSTER", "NODES")
         lines = lines.decode() if isinstance(lines, bytes) else lines
         fields = [line.split() for line in lines.strip().splitlines()]
@@ -145,9 +149,10 @@ class ValkeyCluster:
             live = [n for n in self.nodes if n.alive()]
             if any(n.client().cluster("info")["cluster_state"] != "ok" for n in live):
                 return False
-            views = {repr(sorted((s, e, tuple(p[:2])) for s, e, p, *_ in n.client().execute_command("CLUSTER", "SLOTS")))
-                     for n in live}
-            return len(views) == 1
+            owners = [sorted((s, e, p[1]) for s, e, p, *_ in n.client().execute_command("CLUSTER", "SLOTS"))
+                      for n in live]
+            return all(view == owners[0] for view in owners)
+
         wait_until("cluster_state:ok on every node", agreed)
 
     @property

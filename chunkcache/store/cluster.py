@@ -123,15 +123,15 @@ class ClusterTier(RemoteTier):
             self._refresh.set()
             return None
 
-    def _usable(self, node: ClusterNode) -> Endpoint | None:
-        """The node's endpoint if a command may go to it now, else None (counted as skipped)."""
+    def _reachable(self, node: ClusterNode) -> bool:
+        """Whether a command may go to the node now; False (counted as skipped) while its breaker is open."""
         endpoint = self._endpoint(node.name)
         if endpoint.retrying():  # still down where the map says; it may have been failed over meanwhile
             self._refresh.set()
         if endpoint.available():
-            return endpoint
+            return True
         endpoint.count("skipped")
-        return None
+        return False
 
     def _fetch(self, names: list[str]) -> list[tuple[Endpoint, dict[str, bytes | None]]]:
         cluster = self._discovered()
@@ -146,7 +146,7 @@ class ClusterTier(RemoteTier):
                 node = target or self._primary(cluster, name)
                 if node is None:
                     self._seeds.count("skipped")
-                elif self._usable(node) is not None:
+                elif self._reachable(node):
                     batches.setdefault(node, []).append((name, target is not None))
             asks = {}
             for node, replies in self._send(cluster, batches):
@@ -158,7 +158,7 @@ class ClusterTier(RemoteTier):
                 values, failure = {}, None
                 for (name, _), reply in zip(batches[node], replies):
                     if isinstance(reply, MovedError):  # a subclass of AskError: first
-                        cluster.nodes_manager.move_slot(reply)
+                        self._moved(cluster, reply)
                         asks[name] = None
                     elif isinstance(reply, AskError):
                         asks[name] = cluster.get_node(reply.host, reply.port) or ClusterNode(reply.host, reply.port)
@@ -178,6 +178,13 @@ class ClusterTier(RemoteTier):
             self._seeds.count("skipped", len(asks))
             self._refresh.set()
         return answered
+
+    def _moved(self, cluster: RedisCluster, reply: MovedError) -> None:
+        """Move the slot to the node a MOVED reply names, in the map the next command routes by."""
+        try:
+            cluster.nodes_manager.move_slot(reply)
+        except KeyError:  # a refresh meanwhile found no node serving the slot: the next refresh decides
+            self._refresh.set()
 
     def _send(self, cluster: RedisCluster, batches: dict[ClusterNode, list[tuple[str, bool]]]
               ) -> list[tuple[ClusterNode, list[Any] | redis.RedisError]]:
