@@ -44,12 +44,16 @@ def main() -> None:
     ap.add_argument("--selectors", default="none,epic,prophet")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", help="model dtype on both sides (default: the server's, see chunkcache.config)")
+    ap.add_argument("--profile", metavar="FILE", help="after the measured requests, run --requests more of the first "
+                    "selector's with py-spy sampling the scheduler into FILE (collapsed stacks) and print the costliest "
+                    "functions")
     ap.add_argument("--config", help="server YAML, a path or a packaged name (chunkcache/configs/default.yaml's "
                     "keys), e.g. selector options (select.options.spec.per_chunk)")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
 
+    from chunkbench.floor import Shape
     from chunkcache.config import Config
     from chunkcache.models import resolve_model
     from sglang_patch.launcher import prepare_environment, server_settings
@@ -108,6 +112,14 @@ def main() -> None:
             seconds, info = timed(ids, hints(spans, name, args.ratio))
             rows[name].append(seconds)
             stages[name].append(info)
+    if args.profile:
+        from chunkbench.pyspy import print_top, sampled
+
+        pid = engine.get_server_info()["internal_states"][0]["chunkcache"]["scheduler_pid"]
+        with sampled(pid, args.profile):
+            for _ in range(args.requests):
+                ids, spans = request(rng.sample(range(args.docs), args.chunks))
+                timed(ids, hints(spans, selectors[0], args.ratio))
     shutdown_engine(engine)  # sparing this process's resource tracker (sglang_patch.shutdown)
 
     stock = statistics.median(rows["stock"])
@@ -134,6 +146,35 @@ def main() -> None:
               f"{m('prefill', 1):>11.3f}{1e3 * m('prefill', 1) / m('recomputed_tokens'):>10.3f}"
               + (f"  {fallbacks} of {len(stages[name])} computed in full ({'; '.join(reasons)})" if fallbacks
                  else ""))
+    print_floor(Shape.of_model(path, settings.get("dtype", "bfloat16")), tokens, stock, rows, stages, selectors)
+    if args.profile:
+        print_top(args.profile)
+
+
+def print_floor(shape, tokens: int, stock: float, rows: dict, stages: dict, selectors: list[str]) -> None:
+    """Each selector's median request against its floor (chunkbench.floor), per stage; rates measured now, on this
+    host, with the engine idle."""
+    from chunkbench.floor import causal_attention_s, copy_bandwidth, floor
+
+    attention = causal_attention_s(shape, int(tokens))
+    print(f"\nfloor at stock's rates on this host ({shape.layers} layers, {shape.dtype}): stock {stock:.3f} s = "
+          f"causal attention {attention:.3f} s (timed here) + the rest {stock - attention:.3f} s")
+    print(f"{'side':<10}{'TTFT s':>8}{'floor s':>9}{'floor/TTFT':>12}{'recompute s':>13}{'its floor':>11}"
+          f"{'copy s':>8}{'its floor':>11}{'fill+features+select s':>24}{'rest s':>8}")
+    for name in selectors:
+        infos = [i for i in stages[name] if i and "fallback" not in i]
+        if not infos:
+            continue
+        bandwidth = copy_bandwidth(int(statistics.median(i["reused_tokens"] for i in infos)) * shape.kv_bytes_per_token)
+        med = statistics.median
+        fl = [floor(shape, int(tokens), stock, i["recomputed_tokens"], i["attended_pairs"], i["reused_tokens"],
+                    attention, bandwidth) for i in infos]
+        ttft = med(rows[name])
+        s = {k: med(i["stages_s"][k] for i in infos) for k in ("match_fill", "copy", "features", "select", "prefill")}
+        total = med(f.total_s for f in fl)
+        print(f"{name:<10}{ttft:>8.3f}{total:>9.3f}{total / ttft:>12.2f}{s['prefill']:>13.3f}"
+              f"{med(f.recompute_s for f in fl):>11.3f}{s['copy']:>8.3f}{med(f.copy_s for f in fl):>11.3f}"
+              f"{s['match_fill'] + s['features'] + s['select']:>24.3f}{ttft - sum(s.values()):>8.3f}")
 
 
 if __name__ == "__main__":

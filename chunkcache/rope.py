@@ -142,7 +142,11 @@ def rerotate(k: torch.Tensor, delta: int | torch.Tensor, spec: RopeSpec,
     else:
         p = positions.to(k.device).reshape(-1, 1)
         angles = ((p + d).float() * inv_freq).double() - (p.float() * inv_freq).double()
-    cos = torch.cat([angles.cos()] * 2, -1).float().unsqueeze(-2)  # [(L,) T or 1, 1, D]: broadcasts over heads
-    sin = torch.cat([angles.sin()] * 2, -1).float().unsqueeze(-2)
-    x = k.float()
-    return (x * cos + rotate_half(x) * sin).to(k.dtype)
+    cos = angles.cos().float().unsqueeze(-2)  # [(L,) T or 1, 1, F]: broadcasts over heads
+    sin = angles.sin().float().unsqueeze(-2)
+    # rotate_half's pairs: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), each half written once into the output
+    x1, x2 = k[..., : k.shape[-1] // 2].float(), k[..., k.shape[-1] // 2:].float()
+    out = torch.empty_like(k)
+    out[..., : k.shape[-1] // 2] = (x1 * cos).sub_(x2 * sin)
+    out[..., k.shape[-1] // 2:] = (x2 * cos).add_(x1 * sin)
+    return out

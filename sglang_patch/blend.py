@@ -68,7 +68,8 @@ def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
         report.blended(rows[index].req, request.plan, hits=request.hits, reused=request.reused_tokens,
                        recomputed=len(request.recomputed), admitted_compute=admission.charged(rows[index].req),
                        select_s=feature_s + request.select_s, blend_s=blend_s, stages=stages, batch=batch,
-                       auto=request_hint.of(rows[index].req).auto, passes=request.passes)
+                       auto=request_hint.of(rows[index].req).auto, passes=request.passes,
+                       pairs=int((request.recomputed + 1).sum()))
     return done.output
 
 

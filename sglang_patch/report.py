@@ -34,15 +34,16 @@ NO_BATCH = {"requests": 0, "plain": 0, "decodes": 0, "forwards": 0}
 def blended(req, plan: RequestPlan, *, hits: int, reused: int, recomputed: int,
             admitted_compute: int | None, select_s: float = 0.0, blend_s: float = 0.0,
             stages: dict[str, float] | None = None, batch: dict[str, int] | None = None, auto: bool = False,
-            passes: tuple[str, ...] = ()) -> None:
+            passes: tuple[str, ...] = (), pairs: int = 0) -> None:
     """A round served from the plan: chunk hits, reused and recomputed tokens, the radix match, the selector, timings
     (`stages` and `batch` are the whole batch's; none when the radix tree held every chunk and nothing blended).
     `auto`: the chunks were found by automatic detection, not marked by the client. `passes`: the model passes the
-    selector's features took (a remembered deviation takes none: mix's stored_deviation)."""
+    selector's features took (a remembered deviation takes none: mix's stored_deviation). `pairs`: the (query, key)
+    pairs the recomputed tokens attend, against the n(n+1)/2 of a causal prefill (the benches' floor)."""
     info = {
         **(_auto(req) if auto else {}),
         "chunk_hits": hits, "chunk_misses": len(plan.chunks) - hits, "reused_tokens": reused,
-        "recomputed_tokens": recomputed, "radix_tokens": plan.matched, "selector": plan.selector, "ratio": plan.ratio,
+        "recomputed_tokens": recomputed, "attended_pairs": pairs, "radix_tokens": plan.matched, "selector": plan.selector, "ratio": plan.ratio,
         "select_s": round(select_s, 6), "blend_s": round(blend_s, 6),
         "stages_s": {k: round((stages or {}).get(k, 0.0), 6) for k in STAGES}, "batch": batch or dict(NO_BATCH),
         "admitted_compute": admitted_compute, "feature_passes": list(passes),

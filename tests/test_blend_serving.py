@@ -66,6 +66,7 @@ def test_reordered_chunks_hit_and_reuse(engine, rag):
     # exactly (documents start alike, so the tree can reach a couple of tokens into the first chunk)
     assert info["reused_tokens"] == blended_context(spans, meta)
     assert info["recomputed_tokens"] == len(ids) - spans[-1][1]  # the question, its last token included
+    assert info["attended_pairs"] == sum(p + 1 for p in range(spans[-1][1], len(ids)))  # each sees keys 0..p
 
 
 @pytest.mark.parametrize("selector", ["none", "epic"])

@@ -234,9 +234,10 @@ def _attend_tiles(q, keys, values, tiles: list[_Tile], scale):
             a.copy_(o)
             s.copy_(l)
             continue
-        merged = torch.logaddexp(s, l)
-        a.mul_((s - merged).exp_().unsqueeze(-1)).add_(o.float().mul_((l - merged).exp_().unsqueeze(-1)))
-        s.copy_(merged)
+        # softmax over both parts: the new part weighs exp(l) / (exp(s) + exp(l)) = sigmoid(l - s)
+        gap = l - s
+        a.lerp_(o.float(), torch.sigmoid(gap).unsqueeze(-1))
+        s.add_(F.softplus(gap))
     return acc.permute(2, 0, 1, 3).reshape(m, hq, -1).to(q.dtype)
 
 
