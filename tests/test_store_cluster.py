@@ -18,13 +18,15 @@ from chunkcache.store.cluster import ClusterTier
 from chunkcache.store.disk import encode
 from chunkcache.store.remote import key_prefix
 
+PASSWORD = "s3cret"
 STALL_TIMEOUT = 0.5  # the tier's timeout where a test tells one stalled node's wait from two in a row
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """One cluster for the tests that leave every node running; each test starts it empty."""
-    c = ValkeyCluster(tmp_path_factory.mktemp("cluster"))
+    """One cluster for the tests that leave every node running; each test starts it empty. With a password: the
+    tier's URL carries it to every node."""
+    c = ValkeyCluster(tmp_path_factory.mktemp("cluster"), password=PASSWORD)
     yield c
     c.stop()
 
@@ -85,7 +87,7 @@ def test_entries_spread_over_every_primary_on_their_chunk_keys_slot(shared):
     assert st.writes == 30 and (st.errors, st.outages, st.skipped, st.up) == (0, 0, 0, True)
     assert {p: n.writes for p, n in node_stats(a).items()} == {p: len(g) for p, g in groups.items()}
     assert all(n.serving and n.up for n in st.nodes)
-    assert "redis+cluster://127.0.0.1:" in st.server
+    assert st.server.startswith("redis+cluster://127.0.0.1:") and PASSWORD not in repr(a.stats())
 
     b = remote_store(shared.url)
     got = b.get_many(keys)
@@ -139,7 +141,7 @@ def test_moved_and_ask_replies_are_followed(shared):
     slot = source.client().cluster("keyslot", name(k))
     target.client().execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source.node_id)
     source.client().execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target.node_id)
-    source.client().execute_command("MIGRATE", "127.0.0.1", target.port, name(k), 0, 5000)
+    source.client().execute_command("MIGRATE", "127.0.0.1", target.port, name(k), 0, 5000, "AUTH", PASSWORD)
     for node in (source, target):
         node.client().config_resetstat()
 

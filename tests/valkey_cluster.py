@@ -46,13 +46,14 @@ class Node:
     port: int
     bus_port: int
     proc: subprocess.Popen
+    password: str | None = None
     node_id: str = ""
     _client: redis.Redis | None = None
 
     def client(self) -> redis.Redis:
         """A plain (not cluster-aware) client of this node alone, one per node."""
         if self._client is None:
-            self._client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+            self._client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=5)
         return self._client
 
     @property
@@ -71,9 +72,11 @@ class Node:
 
 
 class ValkeyCluster:
-    def __init__(self, workdir: Path, primaries: int = 3, *settings: str):
-        """`primaries` primaries, each with one replica; `settings`: extra valkey-server arguments for every node."""
+    def __init__(self, workdir: Path, primaries: int = 3, *settings: str, password: str | None = None):
+        """`primaries` primaries, each with one replica; `settings`: extra valkey-server arguments for every node;
+        `password`: every node asks clients (and replicas their primary) for it."""
         self.workdir = workdir
+        self.password = password
         self.nodes: list[Node] = []
         try:
             for _ in range(2 * primaries):
@@ -89,9 +92,11 @@ class ValkeyCluster:
                 "--save", "", "--appendonly", "no", "--dir", str(self.workdir), "--cluster-enabled", "yes",
                 "--cluster-config-file", f"nodes-{port}.conf", "--cluster-node-timeout", "5000",
                 "--cluster-require-full-coverage", "no", *settings]
+        if self.password:
+            argv += ["--requirepass", self.password, "--masterauth", self.password]
         with open(self.workdir / f"valkey-{port}.log", "ab") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        node = Node(port, bus_port, proc)
+        node = Node(port, bus_port, proc, self.password)
         wait_until(f"node {port} answering", lambda: node.alive() and node.client().ping())
         node.node_id = node.client().execute_command("CLUSTER", "MYID").decode()
         return node
@@ -158,7 +163,8 @@ class ValkeyCluster:
     @property
     def url(self) -> str:
         """The tier's cluster URL, every node a seed."""
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis+cluster://{auth}" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
 
     def kill(self, node: Node) -> None:
         """SIGKILL: whatever is in flight gets a reset connection, and the node's entries are gone with it."""
