@@ -14,7 +14,7 @@ Contract (remote.py's, with each primary in the place of the one server, and):
   node named; an ASK reply asks the node named once, with ASKING; a key still redirected after REDIRECTS rounds is
   a miss.
 - Each primary has its own breaker and counters (endpoint.py; `RemoteStats.nodes`): a node down or stalled costs its
-  own keys (misses: at most one timeout, then skipped for `retry_s`) and the puts bound for it, never another node's
+  own keys (not found: at most one timeout, then skipped for `retry_s`) and the puts bound for it, never another node's
   keys, never an exception.
 - Topology: a command failing on a node, or a command due to retry a node still down, makes a background thread read
   the slot map again (CLUSTER SLOTS from a node that answers); no request waits for it. So after a replica is
@@ -75,8 +75,9 @@ class ClusterTier(RemoteTier):
         parts = urlsplit(url)
         auth, _, hosts = parts.netloc.rpartition("@")
         # the first seed as a node URL (credentials and options such as TLS certificates with it), the others bare
-        self._seed_url = urlunsplit((SCHEMES[parts.scheme], f"{auth}@{hosts.split(',')[0]}" if auth else
-                                     hosts.split(",")[0], parts.path, parts.query, ""))
+        first = hosts.split(",")[0]
+        self._seed_url = urlunsplit((SCHEMES[parts.scheme], f"{auth}@{first}" if auth else first, parts.path,
+                                     parts.query, ""))
         self._other_seeds = [ClusterNode(host, port) for host, port in seeds(url)[1:]]
         self._timeout_s = timeout_s
         self._seeds = Endpoint(self.server, self.retry_s)

@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RemoteStats:
-    server: str  # scheme://host:port/db, password left out
+    server: str  # scheme://host:port/db (a cluster: scheme://host:port,... of its seeds), password left out
     up: bool  # False while an outage is in progress (in cluster mode: of any node serving slots)
     hits: int
     misses: int  # the server had no value for the key
