@@ -2,6 +2,8 @@
 (tests/valkey_cluster.py): where entries land, what a request costs per node, redirections followed, and what a
 stalled node, a dead primary and its replica's promotion cost."""
 
+import dataclasses
+import json
 import time
 from collections import Counter
 
@@ -88,6 +90,8 @@ def test_entries_spread_over_every_primary_on_their_chunk_keys_slot(shared):
     assert {p: n.writes for p, n in node_stats(a).items()} == {p: len(g) for p, g in groups.items()}
     assert all(n.serving and n.up for n in st.nodes)
     assert st.server.startswith("redis+cluster://127.0.0.1:") and PASSWORD not in repr(a.stats())
+    served = json.loads(json.dumps(dataclasses.asdict(a.stats())))  # what /server_info serves (sglang_patch/cache.py)
+    assert sorted(n["node"] for n in served["remote"]["nodes"]) == sorted(p.name for p in shared.primaries())
 
     b = remote_store(shared.url)
     got = b.get_many(keys)
