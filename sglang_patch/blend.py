@@ -56,6 +56,7 @@ def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
     planned = time.perf_counter()
     engine = BatchEngine(reuse, Runner(model_runner, forward_batch), rows, blending)
     done = pipeline.run(engine, reuse.store, list(blending.values()), reuse.selector)
+    reuse.deferred.extend(done.deferred)  # measured when the scheduler is idle (plugin: Scheduler.on_idle)
     s = done.seconds
     stages = {"match_fill": planned - t0 + s["lookup"] + s["fill"] + s["learn"], "copy": s["copy"],
               "features": s["features"], "select": s["select"], "prefill": s["recompute"]}
@@ -80,6 +81,7 @@ class BatchEngine:
     def __init__(self, reuse: ChunkReuse, runner: Runner, rows: list[Row], blending: dict[int, RequestPlan]):
         self.reuse, self.runner, self.rows = reuse, runner, rows
         self.fingerprint, self.models, self.entry_shape = reuse.fingerprint, reuse.models, reuse.entry_shape
+        self.rope = reuse.rope
         self.n_layers = reuse.layout.num_layers
         self.plans = list(blending.values())
         self.plan_rows = [rows[index] for index in blending]
@@ -172,6 +174,15 @@ class BatchEngine:
             dev[plan.start:] = (fresh.float() - reused.float()).flatten(1).norm(dim=1).cpu()
             out.append(dev * plan.layout().context_mask())
         return out
+
+    def exact_kv(self, request: int, layer: int, which: str) -> torch.Tensor:
+        """The whole prompt kept aside through layers 0..`layer`, attending nothing of the pool: it runs when the
+        request may be gone (a deferred DeviationJob), its slots freed or reused."""
+        plan, row = self.plans[request], self.plan_rows[request]
+        p = Pass()
+        seg = p.add_aside(plan.token_ids, torch.arange(plan.n), row.slots[:0])
+        self.runner.run(p, layers=layer + 1)
+        return seg.kept_kv[layer][0 if which == "k" else 1]
 
     def recompute(self, tokens: list[torch.Tensor]):
         """The selected tokens of every blending request and every extend token of the other rows, in batch order;

@@ -65,6 +65,8 @@ def hooks() -> list[tuple[str, object, HookType]]:
         # a batch with chunks never replays the prefill CUDA graph, which would bypass the blend
         ("sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner.can_run_graph",
          _eager_for_blends, AFTER),
+        # an idle scheduler measures the chunk deviations requests estimated (one per idle turn)
+        (f"{_SCHEDULER}.on_idle", _measure_deferred, BEFORE),
         # the chunk report: scheduler -> detokenizer -> main process meta_info["chunkcache"]
         (f"{_STREAMER}._GenerationStreamAccumulator.accept", report.attach, BEFORE),
         (f"{_STREAMER}.SchedulerOutputStreamer.is_request_level_customized_info_key", report.request_level, AFTER),
@@ -120,6 +122,12 @@ def _extend(original, runner, forward_batch, pp_proxy_tensors, reuse, reqs):
                 report.fallback(r, "error", f"{type(exc).__name__}: {exc}")
         out = None
     return original(runner, forward_batch, pp_proxy_tensors) if out is None else out
+
+
+def _measure_deferred(scheduler, *args, **kwargs) -> None:
+    reuse = reuse_of(scheduler.tree_cache)
+    if reuse is not None and reuse.deferred and scheduler.is_fully_idle():
+        reuse.measure_deferred()
 
 
 def _report_state(result, controller, *args, **kwargs):

@@ -1,9 +1,10 @@
-"""`mix` with `stored_deviation`: each chunk's KV deviation is measured once, by the first request that blends the chunk
-away from home (right after the shared prefix, where its reused KV is exact), kept in its store entry as it would be
-at DEPTH_REF positions from home, and read by later requests, scaled to the chunk's depth there, instead of a
-deviation pass. Oracles: the engine's own pass output in the request that measured it (recorded), a selector reading
-kv_deviation in the same order, the depth rule computed by hand, and the product computed by hand from the stored
-slices."""
+"""`mix` with `stored_deviation`: each chunk's KV deviation is measured in its first blend away from home (right after
+the shared prefix, where its reused KV is exact), kept in its store entry as it would be at DEPTH_REF positions from
+home, and read by later requests, scaled to the chunk's depth there, instead of a deviation pass. `first_reuse`
+says where the first measurement runs: "measure" in the request (a deviation pass), "estimate" after it (a
+DeviationJob), the request itself reading an estimate. Oracles: the engine's own pass output in the request that
+measured it (recorded), a selector reading kv_deviation in the same order, the depth rule computed by hand, and the
+product computed by hand from the stored slices."""
 
 from dataclasses import dataclass
 from typing import ClassVar
@@ -19,7 +20,8 @@ from chunkcache.reference import ReferenceBlender
 from chunkcache.select.base import Layout, Selection, finish
 
 NAME = deviation_feature(3, "k")  # mix's defaults: K at layer 3
-STORED = dict(stored_deviation=True)
+STORED = dict(stored_deviation=True, first_reuse="measure")
+ESTIMATED = dict(stored_deviation=True, first_reuse="estimate")  # the default
 RHO = 0.3
 
 
@@ -222,6 +224,11 @@ def test_the_eval_harness_warms_in_other_orders(blender, parts, passes):
     it then reads), and runs no pass of its own."""
     from chunkbench.reference_path import blend
 
+    res = blend(blender, order(parts, "ABC"), "mix", RHO, ESTIMATED)
+    assert passes == []  # the warm-up orders' deviations measured after each blend (DeviationJob), not in it
+    res = blend(blender, order(parts, "ABC"), "mix", RHO, STORED)
+    assert len(passes) == 0  # every chunk remembers one since the first call
+    blender = ReferenceBlender.from_pretrained(blender.model_dir)
     res = blend(blender, order(parts, "ABC"), "mix", RHO, STORED)
     assert len(passes) == 2  # the two warm-up orders (reversed: C at home; rotated: C away and missing), not the last
     assert res.passes == ("query_attention",)
@@ -233,6 +240,47 @@ def test_the_eval_harness_warms_in_other_orders(blender, parts, passes):
     prefix, chunks, query = parts
     with pytest.raises(RuntimeError, match="no stored deviation"):  # two chunks have no other order
         blend(blender, (prefix, [chunks["A"], chunks["B"][:5]], query), "mix", RHO, STORED)
+
+
+def test_a_first_reuse_estimates_and_the_deviation_is_measured_after_it(blender, parts, passes):
+    """No deviation pass in any request: the first blend reads an estimate (no chunk remembers one: 1 at DEPTH_REF,
+    uniform over each chunk at its depth), and its deviation is measured after it, equal to what the request's own
+    pass measures in that order."""
+    first = blender.blend(*order(parts, "ABC"), selector="mix", ratio=RHO, **ESTIMATED)
+    assert passes == [] and first.passes == ("query_attention",)
+    seen = measured(blender, parts, "ABC")
+    ctx = first.layout.context_mask().double()
+    home = slice(*spans(parts, "ABC")["A"])
+    uniform = ctx.clone()
+    uniform[home] = 0  # A at home: exact, no deviation
+    for n in "BC":
+        s, e = spans(parts, "ABC")[n]
+        uniform[s:e] /= at_ref(s - len(parts[0]))
+    torch.testing.assert_close(first.scores, product(seen["qa"], uniform, first.layout).float(), rtol=1e-5,
+                               atol=1e-7)
+    at, got = spans(parts, "ABC"), stored(blender, parts)
+    assert got["A"] is None
+    for n in "BC":
+        s, e = at[n]
+        torch.testing.assert_close(got[n], seen["dev"][s:e].float() * at_ref(s - len(parts[0])), rtol=1e-4,
+                                   atol=1e-5)
+
+
+def test_a_chunk_without_one_reads_the_remembered_chunks_level(blender, parts, passes):
+    """B, C remember theirs; in BCA, A is away and has none: it reads C's mean level at A's depth (B is at home),
+    uniformly, and is measured after the request."""
+    blender.blend(*order(parts, "ABC"), selector="mix", ratio=RHO, **ESTIMATED)
+    kept = stored(blender, parts)
+    res = blender.blend(*order(parts, "BCA"), selector="mix", ratio=RHO, **ESTIMATED)
+    assert passes == []
+    at = spans(parts, "BCA")
+    dev = torch.zeros(res.layout.n)
+    depth = {n: at[n][0] - len(parts[0]) for n in "CA"}
+    dev[slice(*at["C"])] = kept["C"] / at_ref(depth["C"])
+    dev[slice(*at["A"])] = float(kept["C"].mean()) / at_ref(depth["A"])
+    qa = measured(blender, parts, "BCA")["qa"]
+    torch.testing.assert_close(res.scores, product(qa, dev, res.layout).float(), rtol=1e-5, atol=1e-7)
+    assert counts(blender, parts) == {"A": 1, "B": 1, "C": 2}  # measured after it: A's first, C's second
 
 
 # ---- a batch of requests (the server's case), on a stand-in engine --------------------------------------------------

@@ -31,6 +31,11 @@ class FeaturePasses(Protocol):
 
     def kv_deviation(self, requests: Sequence[int], layer: int, which: str) -> list[torch.Tensor]: ...
 
+    def exact_kv(self, request: int, layer: int, which: str) -> torch.Tensor:
+        """[N, Hk, D]: K ("k") or V ("v") at `layer` of every token of the request's prompt computed exactly (the
+        prompt alone, from its first token; nothing of the request's KV read or written, so it can run after it)."""
+        ...
+
 
 class Models:
     """The tokenizer and draft models selectors may ask for, loaded on first use and kept for the engine's life."""
@@ -104,6 +109,7 @@ class RequestFeatures:
         self.entries = list(entries)  # layout.chunk_spans order
         self.values: dict[tuple[str, tuple], Any] = {}  # (Features method, args) -> value
         self._had = {e.key: dict(e.features) for e in self.entries}  # features before any selector ran
+        self.unmeasured: tuple[int, str] | None = None  # (layer, which) a remembered deviation was estimated for
 
     def _memo(self, name: str, args: tuple, compute: Callable[[], Any]) -> Any:
         if (name, args) not in self.values:
@@ -125,20 +131,49 @@ class RequestFeatures:
         check_deviation_args(layer, which, self.passes.n_layers)
         return self._memo("known_deviation", (layer, which), lambda: self._known_deviation(layer, which))
 
+    def remembered_deviation(self, layer: int, which: str) -> torch.Tensor:
+        """kv_deviation as each chunk's store entry remembers it, never a pass on the request's path: a chunk away
+        from home with none yet reads an estimate (the mean level of the request's remembered chunks at its own
+        depth, uniform over its tokens; 1 when no chunk remembers one) and is listed in `unmeasured`, for a
+        DeviationJob after the request."""
+        check_deviation_args(layer, which, self.passes.n_layers)
+        return self._memo("remembered_deviation", (layer, which), lambda: self._remembered(layer, which))
+
     def stored_deviation(self, layer: int, which: str) -> torch.Tensor | None:
         """[N] float32: each reused chunk's deviation from its entry at the chunk's depth here, zero for a chunk at the
         place it was computed (its reused KV is exact); None when another chunk has none stored."""
+        out, missing = self._stored(layer, which)
+        return None if missing else out
+
+    def _stored(self, layer: int, which: str) -> tuple[torch.Tensor, list[int]]:
+        """The remembered deviations at the chunks' depths here (zero where a chunk has none) and the chunks away
+        from home that have none (indices into the layout's chunks)."""
         name = deviation_feature(layer, which)
-        out = torch.zeros(self.layout.n)
-        for (s, e), entry in zip(self.layout.chunk_spans, self.entries):
+        out, missing = torch.zeros(self.layout.n), []
+        for i, ((s, e), entry) in enumerate(zip(self.layout.chunk_spans, self.entries)):
             depth = _depth(e, entry)
             if not depth:
                 continue
             stored = entry.features.get(name)
             if stored is None:
-                return None
+                missing.append(i)
+                continue
             # an exact prefix may cover the chunk's head here
             out[s:e] = stored[len(stored) - (e - s):] * _depth_scale(depth)
+        return out, missing
+
+    def _remembered(self, layer: int, which: str) -> torch.Tensor:
+        out, missing = self._stored(layer, which)
+        if not missing:
+            return out
+        name, spans = deviation_feature(layer, which), self.layout.chunk_spans
+        levels = [float(self.entries[i].features[name].mean()) for i, ((s, e), entry)
+                  in enumerate(zip(spans, self.entries)) if _depth(e, entry) and i not in missing]
+        level = sum(levels) / len(levels) if levels else 1.0  # at DEPTH_REF
+        for i in missing:
+            s, e = spans[i]
+            out[s:e] = level * _depth_scale(_depth(e, self.entries[i]))
+        self.unmeasured = (layer, which)
         return out
 
     def _known_deviation(self, layer: int, which: str) -> torch.Tensor:
@@ -149,21 +184,7 @@ class RequestFeatures:
         if stored is not None:
             return stored
         fresh = self.kv_deviation(layer, which)
-        name = deviation_feature(layer, which)
-        count = f"{name}/n"
-        for (s, e), entry in zip(self.layout.chunk_spans, self.entries):
-            # only whole chunks away from home: at home the deviation is zero here and says nothing of elsewhere
-            depth = _depth(e, entry)
-            if not depth or e - s != entry.num_tokens:
-                continue
-            # the pass ran anyway (another chunk had none): every chunk's remembered deviation becomes the mean of
-            # its first measurements, each in another context, so what is particular to one context weighs less
-            kept, n = entry.features.get(name), entry.features.get(count, torch.zeros(1))
-            if n >= DEVIATION_MEASUREMENTS:
-                continue
-            at_ref = fresh[s:e].float() / _depth_scale(depth)
-            entry.features[name] = at_ref if kept is None else kept + (at_ref - kept) / (n + 1)
-            entry.features[count] = n + 1
+        remember(self.layout, self.entries, fresh, layer, which)
         return fresh
 
     def true_deviation(self, attended: bool = False) -> torch.Tensor:
@@ -192,3 +213,53 @@ class RequestFeatures:
             if new:
                 added[e.key] = new
         return added
+
+
+def remember(layout: Layout, entries: Sequence[ChunkEntry], deviation: torch.Tensor, layer: int, which: str) -> None:
+    """Fold a request's measured deviation ([N], its prompt's tokens) into every whole chunk's entry away from home:
+    each entry keeps the mean of its first DEVIATION_MEASUREMENTS measurements at DEPTH_REF, each in another
+    context, so what is particular to one context weighs less. At home the deviation is zero and says nothing of
+    elsewhere; a chunk whose head the radix match covered was measured in part."""
+    name = deviation_feature(layer, which)
+    count = f"{name}/n"
+    for (s, e), entry in zip(layout.chunk_spans, entries):
+        depth = _depth(e, entry)
+        if not depth or e - s != entry.num_tokens:
+            continue
+        kept, n = entry.features.get(name), entry.features.get(count, torch.zeros(1))
+        if n >= DEVIATION_MEASUREMENTS:
+            continue
+        at_ref = deviation[s:e].float() / _depth_scale(depth)
+        entry.features[name] = at_ref if kept is None else kept + (at_ref - kept) / (n + 1)
+        entry.features[count] = n + 1
+
+
+class DeviationJob:
+    """The deviation a request's estimate stood in for, measured after the request (an idle server, or the
+    reference blender once the blend is done): the prompt computed exactly through the check layer, compared with
+    each chunk's stored KV moved to where the chunk sat, and folded into the entries (`remember`)."""
+
+    def __init__(self, passes: FeaturePasses, features: RequestFeatures, rope):
+        self.passes, self.index, self.rope = passes, features.index, rope
+        self.layout, self.entries = features.layout, features.entries
+        self.layer, self.which = features.unmeasured
+
+    def run(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Measures and remembers; returns the features each entry gained (for the store's write-through)."""
+        from ..rope import rerotate
+
+        had = {e.key: dict(e.features) for e in self.entries}
+        fresh = self.passes.exact_kv(self.index, self.layer, self.which).float().cpu()
+        deviation = torch.zeros(self.layout.n)
+        for (s, e), entry in zip(self.layout.chunk_spans, self.entries):
+            if not _depth(e, entry) or e - s != entry.num_tokens:
+                continue
+            if self.which == "k":
+                at = torch.arange(entry.start_pos, entry.start_pos + entry.num_tokens)
+                reused = rerotate(entry.k.float(), s - entry.start_pos, self.rope, at)[self.layer]
+            else:
+                reused = entry.v[self.layer].float()
+            deviation[s:e] = (fresh[s:e] - reused).flatten(1).norm(dim=1)
+        remember(self.layout, self.entries, deviation, self.layer, self.which)
+        return {e.key: new for e in self.entries
+                if (new := {k: t for k, t in e.features.items() if had[e.key].get(k) is not t})}

@@ -26,7 +26,7 @@ import torch
 
 from ..select.base import Selector, needs
 from ..store import ChunkEntry, ChunkStore
-from .features import FeaturePasses, Models, RequestFeatures, check_deviation_args
+from .features import DeviationJob, FeaturePasses, Models, RequestFeatures, check_deviation_args
 from .plan import Placement, RequestPlan, recompute_set, to_compute
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,7 @@ class Engine(FeaturePasses, Protocol):
 
     fingerprint: str
     models: Models
+    rope: Any  # chunkcache.rope.RopeSpec: stored keys moved to where a chunk sits
     entry_shape: tuple[int, int, int]  # a stored entry's K per token: (layers, KV heads, head dim)
 
     def fill(self, chunks: list[tuple[int, Placement]]) -> list[ChunkEntry]:
@@ -79,6 +80,9 @@ class BatchBlend:
     output: Any  # the engine's recompute output
     requests: list[Blended]
     seconds: dict[str, float]  # per step (STEPS)
+    # deviations estimated for chunks that remembered none (mix's first_reuse "estimate"), for the engine's owner to
+    # measure after the batch: each job's `run` returns the features to write through (ChunkStore.add_features)
+    deferred: list[DeviationJob]
 
 
 def run(engine: Engine, store: ChunkStore, plans: Sequence[RequestPlan],
@@ -121,7 +125,8 @@ def run(engine: Engine, store: ChunkStore, plans: Sequence[RequestPlan],
             store.add_features(key, feats)
     with step("recompute"):
         output = engine.recompute([b.recomputed for b in blended])
-    return BatchBlend(output, blended, seconds)
+    return BatchBlend(output, blended, seconds, [DeviationJob(engine, f, engine.rope) for f in features
+                                                 if f.unmeasured is not None])
 
 
 def lookup(store: ChunkStore, plans: Sequence[RequestPlan], engine: Engine) -> dict[str, ChunkEntry]:

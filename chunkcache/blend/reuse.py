@@ -8,6 +8,8 @@ request's blend plan for one prefill round.
 
 from __future__ import annotations
 
+import logging
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,8 +23,12 @@ from ..segment import break_ids
 from ..select import REGISTRY, Selector
 from ..store import ChunkStore, EntryLayout
 from .auto import AutoChunks, Segments
-from .features import Models
+from .features import DeviationJob, Models
 from .plan import RequestPlan, plan_request
+
+log = logging.getLogger(__name__)
+# deferred deviation measurements kept at most (each holds its request's plan and chunk entries until measured)
+DEFERRED_JOBS = 32
 
 
 @dataclass(frozen=True)
@@ -51,7 +57,23 @@ class ChunkReuse:
         # it); None: unbounded
         self.prefill_budget: int | None = None
         self._selectors: dict[str, Selector] = {}
+        # deviations estimated on requests' paths, measured when the server is idle (`measure_deferred`); the
+        # oldest are dropped past DEFERRED_JOBS (their chunks are estimated again, and queued again, next use)
+        self.deferred: deque[DeviationJob] = deque(maxlen=DEFERRED_JOBS)
         self.auto = AutoChunks(config.auto, self._break_ids(), self.fingerprint) if config.auto.enabled else None
+
+    def measure_deferred(self) -> bool:
+        """Measure the oldest deferred deviation and write what its chunks remember through every tier; False when
+        none is waiting. A failure is logged and the job dropped: its chunks are estimated again next use."""
+        if not self.deferred:
+            return False
+        job = self.deferred.popleft()
+        try:
+            for key, feats in job.run().items():
+                self.store.add_features(key, feats)
+        except Exception:  # noqa: BLE001 - an optimisation of later selections: never the server's failure
+            log.exception("chunkcache: measuring a deferred chunk deviation failed; its chunks stay estimated")
+        return True
 
     @property
     def entry_shape(self) -> tuple[int, int, int]:

@@ -85,6 +85,12 @@ class Features(Protocol):
         by the chunks that had none."""
         ...
 
+    def remembered_deviation(self, layer: int, which: str) -> torch.Tensor:
+        """known_deviation without a pass in the request: a chunk away from home that remembers none yet reads an
+        estimate (the mean level of the request's remembered chunks at its depth, uniform over its tokens), and the
+        engine measures it after the request."""
+        ...
+
     def query_attention(self) -> torch.Tensor:
         """[N] float: ProphetKV's fused score: the query tokens run through all layers against the reused KV;
         per layer the softmax attention from query tokens to each token, averaged over query tokens and heads;

@@ -73,10 +73,13 @@ class MixSelector:
     rho_cap: float = 1.0  # adaptive: largest rho a request gets (the request's rho if smaller)
     # share of the budget spent first on whole sentences holding the query's rarest words (overlap.py); 0: off
     overlap: float = 0.0
-    # the deviation each chunk's store entry remembers (Features.known_deviation): measured by the first request that
-    # blends the chunk elsewhere, so a request whose chunks all have one runs no deviation pass (layers 0..`layer`
-    # over every token, mix's cost above prophet's); False measures it in every request
+    # the deviation each chunk's store entry remembers, so a request whose chunks all have one runs no deviation pass
+    # (layers 0..`layer` over every token, mix's cost above prophet's); False measures it in every request
     stored_deviation: bool = False
+    # with stored_deviation, a chunk blended away from home for the first time: "estimate" reads the mean level of
+    # the request's remembered chunks (Features.remembered_deviation) and measures it after the request, off its
+    # path; "measure" runs the deviation pass in the request (Features.known_deviation)
+    first_reuse: str = "estimate"
 
     def __post_init__(self) -> None:
         weights = (self.relevance, self.deviation, self.boundary)
@@ -90,6 +93,8 @@ class MixSelector:
         if self.combine == "product" and self.boundary:
             raise ValueError("combine='product' needs boundary=0: the chunk starts' distribution is zero elsewhere, "
                              "so the product would keep only them")
+        if self.first_reuse not in ("estimate", "measure"):
+            raise ValueError(f"first_reuse must be 'estimate' or 'measure', got {self.first_reuse!r}")
         if self.which not in ("k", "v"):
             raise ValueError(f"which must be 'k' or 'v', got {self.which!r}")
         if self.layer < 0:
@@ -107,7 +112,9 @@ class MixSelector:
 
     @property
     def _deviation_feature(self) -> str:
-        return "known_deviation" if self.stored_deviation else "kv_deviation"
+        if not self.stored_deviation:
+            return "kv_deviation"
+        return "remembered_deviation" if self.first_reuse == "estimate" else "known_deviation"
 
     def budget(self) -> AdaptiveBudget:
         return AdaptiveBudget(self.mass, self.rho_floor, self.rho_cap)
