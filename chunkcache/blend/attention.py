@@ -334,15 +334,22 @@ def _flash(q, k, v, bias, scale):
 
 
 def _attend_recording(qb, kt, vt, b: _Block, scale, group, record, q_shape):
-    """Explicit softmax, so the mean attention of the queries to each context key can be added to `record`. The query
-    heads of each KV head are stacked along the query axis (K/V are read as they are, never repeated per group: at
-    6.4K keys the repeat copied 15 MB a layer)."""
+    """Explicit softmax in float32, so the mean attention of the queries to each context key can be added to
+    `record`; the mask enters as an additive bias in the score product itself (one baddbmm). The query heads of each
+    KV head are stacked along the query axis (K/V are read as they are, never repeated per group: at 6.4K keys the
+    repeat copied 15 MB a layer). 40 query rows over 6.4K bf16 keys: 5.8 ms a layer, against 10.8 with the scores
+    in bf16 and the mask filled in."""
     hq, rows, d = qb.shape
     hk = kt.shape[0]
-    logits = (qb.reshape(hk, group * rows, d) @ kt.transpose(1, 2)) * scale  # row (g, r) of KV head h
+    q = qb.reshape(hk, group * rows, d).float()  # row (g, r) of KV head h
+    keys = kt.float().transpose(1, 2)
     shared = b.shared - b.first  # kt, vt start at key b.first (0 when recording: plan_blocks' whole context)
-    if b.mask is not None:
-        logits[:, :, shared:] = logits[:, :, shared:].masked_fill(~b.mask.repeat(group, 1), float("-inf"))
+    if b.mask is None:
+        logits = torch.bmm(q, keys).mul_(scale)
+    else:
+        bias = b.bias(torch.float32, group)
+        logits = torch.cat([torch.zeros(group * rows, shared), bias], 1) if shared else bias
+        logits = torch.baddbmm(logits[None], q, keys, alpha=scale)
     probs = logits.softmax(-1)
-    record += probs[:, :, : record.shape[0]].float().sum((0, 1)) / (q_shape[0] * q_shape[1])
-    return (probs @ vt).view(hq, rows, -1).transpose(0, 1)
+    record += probs[:, :, : record.shape[0]].sum((0, 1)) / (q_shape[0] * q_shape[1])
+    return (probs @ vt.float()).view(hq, rows, -1).transpose(0, 1).to(qb.dtype)
