@@ -26,11 +26,12 @@ def make_docs(tok, n_docs: int, words: int, seed: int) -> list[list[int]]:
             for i in range(n_docs)]
 
 
-def hints(spans, selector, ratio):
+def hints(spans, selector, ratio, namespace=None):
     return {"protocol_version": "1", "message_id": "bench", "actions": [{
         "action_id": "c", "action_type": "chunkcache.chunks", "action_version": "1",
         # one namespace per selector: otherwise a selector's request would be an exact radix hit on the previous one's
-        "payload": {"token_spans": spans, "selector": selector, "ratio": ratio, "namespace": selector}}]}
+        "payload": {"token_spans": spans, "selector": selector, "ratio": ratio,
+                    "namespace": namespace or selector}}]}
 
 
 def main() -> None:
@@ -47,13 +48,17 @@ def main() -> None:
     ap.add_argument("--profile", metavar="FILE", help="after the measured requests, run --requests more of the first "
                     "selector's with py-spy sampling the scheduler into FILE (collapsed stacks) and print the costliest "
                     "functions")
+    ap.add_argument("--first-reuse", type=int, default=0, metavar="N", help="N more requests of the first selector, "
+                    "each a chunk's first reuse away from home: in a fresh namespace, right after the request that "
+                    "computed its chunks (not counted), against a later reuse of the same chunks once the server has "
+                    "measured their deviations")
     ap.add_argument("--config", help="server YAML, a path or a packaged name (chunkcache/configs/default.yaml's "
                     "keys), e.g. selector options (select.options.spec.per_chunk)")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
 
-    from chunkbench.floor import Shape
+    from chunkbench.floor import Shape, causal_attention_s
     from chunkcache.config import Config
     from chunkcache.models import resolve_model
     from sglang_patch.launcher import prepare_environment, server_settings
@@ -69,7 +74,6 @@ def main() -> None:
     del settings["host"], settings["port"]
     if args.dtype:
         settings["dtype"] = args.dtype
-    engine = sgl.Engine(**settings, log_level="error")
     docs = make_docs(tok, args.docs, args.words, args.seed)
     prefix = tok.encode("<|im_start|>system\nAnswer using the documents.<|im_end|>\n<|im_start|>user\n",
                         add_special_tokens=False)
@@ -84,6 +88,11 @@ def main() -> None:
         ids += tok.encode(f"What is the archive number of document {order[0]}?<|im_end|>\n<|im_start|>assistant\n",
                           add_special_tokens=False)
         return ids, spans
+
+    shape = Shape.of_model(path, settings.get("dtype", "bfloat16"))
+    # stock's attention, timed before the server starts (nothing else runs then), at the prompts' length
+    attention = causal_attention_s(shape, len(request(list(range(args.chunks)))[0]))
+    engine = sgl.Engine(**settings, log_level="error")
 
     def timed(ids, kv_hints=None):
         t = time.perf_counter()
@@ -100,6 +109,7 @@ def main() -> None:
                 order = [(start + j) % args.docs for j in range(args.chunks)]
                 ids, spans = request(order[rotate:] + order[:rotate])
                 timed(ids, hints(spans, name, args.ratio))
+    idle(engine)
     rows = {name: [] for name in ["stock", *selectors]}
     stages = {name: [] for name in selectors}
     n_tokens = []
@@ -112,6 +122,7 @@ def main() -> None:
             seconds, info = timed(ids, hints(spans, name, args.ratio))
             rows[name].append(seconds)
             stages[name].append(info)
+    first_reuse = measure_first_reuse(args, timed, request, rng, engine) if args.first_reuse else None
     if args.profile:
         from chunkbench.pyspy import print_top, sampled
 
@@ -146,17 +157,46 @@ def main() -> None:
               f"{m('prefill', 1):>11.3f}{1e3 * m('prefill', 1) / m('recomputed_tokens'):>10.3f}"
               + (f"  {fallbacks} of {len(stages[name])} computed in full ({'; '.join(reasons)})" if fallbacks
                  else ""))
-    print_floor(Shape.of_model(path, settings.get("dtype", "bfloat16")), tokens, stock, rows, stages, selectors)
+    print_floor(shape, tokens, attention, stock, rows, stages, selectors)
+    if first_reuse:
+        first, later = (statistics.median(t) for t in first_reuse)
+        print(f"\n{selectors[0]}: a chunk's first reuse away from home {first:.3f} s, a later reuse of the same chunks "
+              f"{later:.3f} s (medians of {args.first_reuse}): first/later {first / later:.2f}")
     if args.profile:
         print_top(args.profile)
 
 
-def print_floor(shape, tokens: int, stock: float, rows: dict, stages: dict, selectors: list[str]) -> None:
-    """Each selector's median request against its floor (chunkbench.floor), per stage; rates measured now, on this
-    host, with the engine idle."""
-    from chunkbench.floor import causal_attention_s, copy_bandwidth, floor
+def measure_first_reuse(args, timed, request, rng, engine) -> tuple[list[float], list[float]]:
+    name, first, later = args.selectors.split(",")[0], [], []
+    for i in range(args.first_reuse):
+        namespace = f"first-reuse-{i}"
+        order = rng.sample(range(args.docs), args.chunks)
+        ids, spans = request(order)
+        timed(ids, hints(spans, name, args.ratio, namespace))  # computes and stores every chunk
+        ids, spans = request(order[len(order) // 2:] + order[: len(order) // 2])  # every chunk elsewhere
+        first.append(timed(ids, hints(spans, name, args.ratio, namespace))[0])
+        idle(engine)
+        ids, spans = request(rng.sample(order, len(order)))
+        later.append(timed(ids, hints(spans, name, args.ratio, namespace))[0])
+    return first, later
 
-    attention = causal_attention_s(shape, int(tokens))
+
+def idle(engine, timeout_s: float = 600.0) -> None:
+    """Wait until the server has measured every deviation the warm-up estimated (it does so when idle), so that no
+    measured request waits behind one."""
+    deadline = time.monotonic() + timeout_s
+    while engine.get_server_info()["internal_states"][0]["chunkcache"]["deferred_deviations"]:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the server still had deferred deviations to measure after the warm-up")
+        time.sleep(0.5)
+
+
+def print_floor(shape, tokens: int, attention: float, stock: float, rows: dict, stages: dict,
+                selectors: list[str]) -> None:
+    """Each selector's median request against its floor (chunkbench.floor), per stage, at rates measured in this run
+    on this host: stock's attention before the server started, the copy bandwidth after it stopped."""
+    from chunkbench.floor import copy_bandwidth, floor
+
     print(f"\nfloor at stock's rates on this host ({shape.layers} layers, {shape.dtype}): stock {stock:.3f} s = "
           f"causal attention {attention:.3f} s (timed here) + the rest {stock - attention:.3f} s")
     print(f"{'side':<10}{'TTFT s':>8}{'floor s':>9}{'floor/TTFT':>12}{'recompute s':>13}{'its floor':>11}"

@@ -93,6 +93,10 @@ class SelectConfig:
     # its default and doc line), e.g. mix's adaptive budget {mass: 0.8, rho_floor: 0.05, rho_cap: 0.3}; a config
     # that gives options replaces these
     options: dict[str, Any] = field(default_factory=lambda: {"mix": {"stored_deviation": True, "overlap": 0.15}})
+    # CPU: a request that teaches the store nothing (every chunk stored) is computed in full when blending it is
+    # predicted slower, from rates measured once on this host (chunkcache/blend/cost.py); reported as the fallback
+    # `predicted_slower`. `selector: full` is never second-guessed.
+    full_when_slower: bool = True
 
     def check(self) -> None:
         """What needs no selector: the names and their options are the registry's to judge (Config.load's

@@ -20,9 +20,11 @@ from collections.abc import Sequence
 import torch
 
 from chunkcache.blend import pipeline
+from chunkcache.blend.cost import Prediction, predict
 from chunkcache.blend.plan import Placement, RequestPlan
 from chunkcache.blend.reuse import ChunkReuse
 from chunkcache.rope import rerotate
+from chunkcache.select.base import needs
 from chunkcache.store import ChunkEntry
 
 from . import admission, report, request_hint
@@ -41,13 +43,20 @@ def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
             report.fallback(row.req, "logprobs", "input logprobs need every prompt token's logits")
         return None
     blending: dict[int, RequestPlan] = {}  # batch row -> its plan
+    predictions: dict[int, Prediction | None] = {}
     for row, hint in hinted:
         prompt = len(row.req.origin_input_ids)
         if row.seq_len != prompt:
             report.fallback(row.req, "partial_prefill", f"tokens [{row.matched}, {row.seq_len}) of "
                             f"{prompt} (chunked prefill or a retracted request): this round is computed in full")
         elif (plan := hint.plan(row.matched)).blends:
+            if (predicted := _predicted(reuse, plan)) is not None and not predicted.blend:
+                report.fallback(row.req, "predicted_slower", f"blending predicted {predicted.blend_s:.3f} s against "
+                                f"{predicted.stock_s:.3f} s computed in full (rates of this host)",
+                                predicted.report())
+                continue
             blending[row.index] = plan
+            predictions[row.index] = predicted
         else:  # the radix tree holds every chunk: computed exactly, and said so
             report.blended(row.req, plan, hits=0, reused=0, recomputed=row.seq_len - row.matched,
                            admitted_compute=admission.charged(row.req), auto=hint.auto)
@@ -70,8 +79,18 @@ def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
                        recomputed=len(request.recomputed), admitted_compute=admission.charged(rows[index].req),
                        select_s=feature_s + request.select_s, blend_s=blend_s, stages=stages, batch=batch,
                        auto=request_hint.of(rows[index].req).auto, passes=request.passes,
-                       pairs=int((request.recomputed + 1).sum()))
+                       pairs=int((request.recomputed + 1).sum()), predicted=predictions[index])
     return done.output
+
+
+def _predicted(reuse: ChunkReuse, plan: RequestPlan) -> Prediction | None:
+    """Blend against full compute, for a request that teaches the store nothing (a missing chunk is computed and
+    stored by its blend, for every later request); None when the server does not decide (GPU, `full_when_slower`
+    off, `selector: full`)."""
+    if reuse.rates is None or plan.selector == "full" or any(c.key not in reuse.store for c in plan.chunks):
+        return None
+    query_pass = any(name == "query_attention" for name, _ in needs(reuse.selector(plan.selector)))
+    return predict(plan, 0, query_pass, reuse.rates)
 
 
 class BatchEngine:

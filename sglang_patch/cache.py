@@ -18,6 +18,9 @@ import os
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_unified_radix_cache
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
+import torch
+
+from chunkcache.blend.cost import ModelShape, host_rates
 from chunkcache.blend.reuse import ChunkReuse
 from chunkcache.hashing import model_fingerprint, shard_fingerprint
 from chunkcache import architectures
@@ -42,14 +45,24 @@ class ChunkRadixCache(UnifiedRadixCache):
         layout = EntryLayout(fingerprint, pool.layer_num, kv_heads, head_dim)
         store = ChunkStore.from_config(config.store, fingerprint, layout, on_change=metrics.set_store_stats)
         self.reuse = ChunkReuse(config, store, layout, rope, model_path, pool.device)
+        if config.select.full_when_slower and torch.device(pool.device).type == "cpu":
+            self.reuse.rates = host_rates(_shape(model_config.hf_config, pool))
         log.info("chunkcache: radix cache backend %r active in scheduler pid %d", BACKEND_NAME, os.getpid())
 
     def chunkcache_state(self) -> dict:
         """What /server_info reports under internal_states[i]['chunkcache']."""
         return {"backend": BACKEND_NAME, "tree_cache": type(self).__name__, "scheduler_pid": os.getpid(),
                 "store": dataclasses.asdict(self.reuse.store.stats()),
+                "deferred_deviations": len(self.reuse.deferred),  # estimated, to be measured when idle
                 "kv_pool": {"available": int(self.token_to_kv_pool_allocator.available_size()),
                             "evictable": int(self.evictable_size()), "protected": int(self.protected_size())}}
+
+
+def _shape(hf_config, pool) -> ModelShape:
+    c = getattr(hf_config, "text_config", hf_config)
+    _, kv_heads, head_dim = pool.get_key_buffer(0).shape
+    return ModelShape(pool.layer_num, c.hidden_size, c.intermediate_size, c.num_attention_heads, kv_heads, head_dim,
+                      str(pool.get_key_buffer(0).dtype).removeprefix("torch."))
 
 
 def reuse_of(tree_cache) -> ChunkReuse | None:

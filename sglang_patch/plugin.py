@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import time
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -100,6 +101,8 @@ def _eager_for_blends(result, graph_runner, forward_batch, *args, **kwargs) -> b
 def _blend_extend(original, runner, forward_batch, pp_proxy_tensors=None):
     reuse, reqs = getattr(forward_batch, "chunkcache_reuse", None), getattr(forward_batch, "chunkcache_reqs", None)
     out = _extend(original, runner, forward_batch, pp_proxy_tensors, reuse, reqs)
+    if reuse is not None:
+        reuse.last_forward = time.monotonic()
     if reuse is not None and reqs and reuse.auto is not None and reuse.config.auto.learn:
         try:
             auto_chunks.learn(reuse, runner.model_runner, forward_batch, reqs, request_hint.of)
@@ -124,9 +127,15 @@ def _extend(original, runner, forward_batch, pp_proxy_tensors, reuse, reqs):
     return original(runner, forward_batch, pp_proxy_tensors) if out is None else out
 
 
+# an idle scheduler starts a deferred measurement only this long after its last forward: a job cannot be preempted,
+# so one started between the requests of a client that sends them back to back would hold the next one up
+DEFER_AFTER_IDLE_S = 0.5
+
+
 def _measure_deferred(scheduler, *args, **kwargs) -> None:
     reuse = reuse_of(scheduler.tree_cache)
-    if reuse is not None and reuse.deferred and scheduler.is_fully_idle():
+    if (reuse is not None and reuse.deferred and scheduler.is_fully_idle()
+            and time.monotonic() - reuse.last_forward >= DEFER_AFTER_IDLE_S):
         reuse.measure_deferred()
 
 

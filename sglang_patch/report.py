@@ -34,12 +34,13 @@ NO_BATCH = {"requests": 0, "plain": 0, "decodes": 0, "forwards": 0}
 def blended(req, plan: RequestPlan, *, hits: int, reused: int, recomputed: int,
             admitted_compute: int | None, select_s: float = 0.0, blend_s: float = 0.0,
             stages: dict[str, float] | None = None, batch: dict[str, int] | None = None, auto: bool = False,
-            passes: tuple[str, ...] = (), pairs: int = 0) -> None:
+            passes: tuple[str, ...] = (), pairs: int = 0, predicted=None) -> None:
     """A round served from the plan: chunk hits, reused and recomputed tokens, the radix match, the selector, timings
     (`stages` and `batch` are the whole batch's; none when the radix tree held every chunk and nothing blended).
     `auto`: the chunks were found by automatic detection, not marked by the client. `passes`: the model passes the
     selector's features took (a remembered deviation takes none: mix's stored_deviation). `pairs`: the (query, key)
-    pairs the recomputed tokens attend, against the n(n+1)/2 of a causal prefill (the benches' floor)."""
+    pairs the recomputed tokens attend, against the n(n+1)/2 of a causal prefill (the benches' floor). `predicted`:
+    the blend-or-full decision (chunkcache.blend.cost.Prediction), when the server made one."""
     info = {
         **(_auto(req) if auto else {}),
         "chunk_hits": hits, "chunk_misses": len(plan.chunks) - hits, "reused_tokens": reused,
@@ -47,6 +48,7 @@ def blended(req, plan: RequestPlan, *, hits: int, reused: int, recomputed: int,
         "select_s": round(select_s, 6), "blend_s": round(blend_s, 6),
         "stages_s": {k: round((stages or {}).get(k, 0.0), 6) for k in STAGES}, "batch": batch or dict(NO_BATCH),
         "admitted_compute": admitted_compute, "feature_passes": list(passes),
+        **(predicted.report() if predicted is not None else {}),
     }
     log.info("chunkcache: request %s %s", getattr(req, "rid", "?"), info)
     metrics.record_request(info)
@@ -74,11 +76,11 @@ def add_learned(req, learned: dict[str, int]) -> None:
         info["learned"] = learned
 
 
-def fallback(req, reason: str, detail: str) -> None:
+def fallback(req, reason: str, detail: str, extra: dict | None = None) -> None:
     """A round computed in full instead of blended: said in the log, a metric and its meta_info."""
     log.warning("chunkcache: request %s computed in full (%s): %s", getattr(req, "rid", "?"), reason, detail)
     metrics.record_fallback(reason)
-    _add_round(req, {"fallback": reason, "detail": detail})
+    _add_round(req, {"fallback": reason, "detail": detail, **(extra or {})})
 
 
 def _add_round(req, info: dict) -> None:

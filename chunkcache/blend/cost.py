@@ -1,0 +1,117 @@
+"""Whether blending a request is predicted faster than computing it in full, from rates measured on this host.
+
+Both sides are priced at the same three rates, since the blend runs the model's own layers and, on CPU, attends at
+the causal kernel's rate per (query, key) pair (chunkcache.blend.attention's staircase):
+
+    stock  = E x token_s + P_stock x pair_s                      E extend tokens, P_stock their causal pairs
+    blend  = (F + M) x token_s + (P_fill + P_blend) x pair_s + R x copy_s + Q x token_s
+             F chunks no entry holds (computed standalone), M tokens recomputed (rho of the reused context, the
+             query, every token between chunks), R reused tokens copied, Q the query pass's tokens (selectors that
+             read the query's attention)
+
+P_blend assumes the picks spread evenly over the reused context (what a pick attends is its position). The rates
+(`Rates`) are measured once per host and model shape and kept (chunkcache.cpu_dtype.kept_per_host): the model's
+matmuls per token, causal SDPA per pair, and a memory copy of a token's KV.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..config import home
+from ..cpu_dtype import host_signature, kept_per_host
+from .plan import RequestPlan
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: str  # torch dtype name, e.g. "bfloat16"
+
+
+@dataclass(frozen=True)
+class Rates:
+    token_s: float  # one token through every layer's matmuls
+    pair_s: float  # one (query, key) pair of causal attention, every layer
+    copy_s: float  # one reused token's KV (every layer) copied into the pool
+
+
+@dataclass(frozen=True)
+class Prediction:
+    blend_s: float
+    stock_s: float
+
+    @property
+    def blend(self) -> bool:
+        return self.blend_s < self.stock_s
+
+    def report(self) -> dict:
+        return {"choice": "blend" if self.blend else "full", "predicted_blend_s": round(self.blend_s, 4),
+                "predicted_full_s": round(self.stock_s, 4)}
+
+
+def host_rates(shape: ModelShape) -> Rates:
+    """This host's rates for `shape`: kept, or measured now (~1 s) and kept in `home()/host-rates.json`."""
+    key = f"{host_signature()}|{shape}"
+    return Rates(**kept_per_host(home() / "host-rates.json", key, lambda: asdict(measure(shape))))
+
+
+def _best(fn, repeats: int = 3) -> float:
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure(shape: ModelShape, tokens: int = 512, keys: int = 1024) -> Rates:
+    dtype = getattr(torch, shape.dtype)
+    h, d = shape.hidden, shape.head_dim
+    x = torch.randn(tokens, h).to(dtype)
+    weights = [torch.randn(h, (shape.heads + 2 * shape.kv_heads) * d), torch.randn(shape.heads * d, h),
+               torch.randn(h, 2 * shape.intermediate), torch.randn(shape.intermediate, h)]
+    weights = [w.to(dtype) for w in weights]
+    inputs = [x, torch.randn(tokens, shape.heads * d).to(dtype), x, torch.randn(tokens, shape.intermediate).to(dtype)]
+    layer = _best(lambda: [a @ w for a, w in zip(inputs, weights)])
+    q = torch.randn(1, shape.heads, keys, d).to(dtype)
+    k, v = (torch.randn(1, shape.kv_heads, keys, d).to(dtype) for _ in range(2))
+    attention = _best(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                             enable_gqa=shape.heads != shape.kv_heads))
+    kv_bytes = 2 * shape.layers * shape.kv_heads * d * dtype.itemsize
+    src = torch.ones(max(64 << 20, kv_bytes) // 2, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy = _best(lambda: dst.copy_(src)) / src.nbytes
+    return Rates(token_s=layer / tokens * shape.layers, pair_s=attention / (keys * (keys + 1) / 2) * shape.layers,
+                 copy_s=copy * kv_bytes * 2)  # read from the entry and written to the pool
+
+
+def predict(plan: RequestPlan, missing: int, query_pass: bool, rates: Rates) -> Prediction:
+    """`missing`: chunk tokens no entry holds (computed standalone before the blend); `query_pass`: the selector
+    runs the query through every layer (prophet, mix)."""
+    n, start = plan.n, plan.matched
+    extend = n - start
+    stock_pairs = (n * (n + 1) - start * (start + 1)) / 2
+    reused = sum(e - s for s, e in (c.span for c in plan.chunks))
+    between = (plan.query - plan.start) - reused  # tokens between chunks: always recomputed
+    picks = math.ceil(plan.ratio * reused) if plan.selector not in ("none", "full") else (
+        reused if plan.selector == "full" else 0)
+    query = n - plan.query
+    exact_prefix = plan.start - start  # the unmatched shared prefix, computed exactly first
+    recomputed = picks + between + query
+    pairs = (picks + between) * (plan.start + plan.query) / 2 + query * n
+    fill_pairs = exact_prefix * (start + plan.start) / 2 + missing * (plan.shared_prefix_len + missing / 2)
+    blend = ((exact_prefix + missing + recomputed + (query if query_pass else 0)) * rates.token_s
+             + (pairs + fill_pairs + (query * n if query_pass else 0)) * rates.pair_s + reused * rates.copy_s)
+    return Prediction(blend, extend * rates.token_s + stock_pairs * rates.pair_s)

@@ -1,0 +1,52 @@
+"""chunkcache.blend.cost: the blend-or-full prediction, priced by hand on rates chosen to isolate each term."""
+
+import torch
+
+from chunkcache.blend.cost import ModelShape, Rates, host_rates, predict
+from chunkcache.blend.plan import plan_request
+
+# 10 prefix tokens, two chunks of 100, a 5-token query: n = 215
+PLAN = plan_request(torch.arange(215), [(10, 110), (110, 210)], ["a", "b"], matched=0, selector="prophet", ratio=0.1)
+
+
+def test_tokens_the_blend_computes_against_the_whole_extend():
+    p = predict(PLAN, 0, query_pass=True, rates=Rates(token_s=1.0, pair_s=0.0, copy_s=0.0))
+    # the prefix (10, computed exactly), ceil(0.1 x 200) picks, the query, the query pass again
+    assert (p.blend_s, p.stock_s) == (10 + 20 + 5 + 5, 215) and p.blend
+    holes = plan_request(torch.arange(215), [(10, 20), (200, 210)], ["a", "b"], matched=0, selector="prophet",
+                         ratio=0.1)  # 180 tokens between the chunks: recomputed whatever the selector picks
+    assert predict(holes, 0, query_pass=False, rates=Rates(1.0, 0.0, 0.0)).blend_s == 10 + 2 + 180 + 5
+    assert predict(PLAN, 40, query_pass=False, rates=Rates(1.0, 0.0, 0.0)).blend_s == 10 + 40 + 20 + 5
+
+
+def test_pairs_each_side_attends():
+    p = predict(PLAN, 0, query_pass=True, rates=Rates(token_s=0.0, pair_s=1.0, copy_s=0.0))
+    assert p.stock_s == 215 * 216 / 2
+    # the prefix's causal pairs; 20 picks spread over [10, 210), each attending its position; the query's 5 rows
+    # (and the query pass's) attending all 215 keys
+    assert p.blend_s == 10 * 10 / 2 + 20 * (10 + 210) / 2 + 5 * 215 + 5 * 215
+
+
+def test_copying_the_reused_kv_can_make_the_blend_lose():
+    p = predict(PLAN, 0, query_pass=False, rates=Rates(token_s=1.0, pair_s=0.0, copy_s=10.0))
+    assert p.blend_s == 35 + 200 * 10 and not p.blend
+    assert p.report() == {"choice": "full", "predicted_blend_s": 2035.0, "predicted_full_s": 215.0}
+
+
+def test_rates_are_measured_once_per_host_and_shape(tmp_path, monkeypatch):
+    from chunkcache.blend import cost
+
+    monkeypatch.setenv("CHUNKCACHE_HOME", str(tmp_path))
+    runs = []
+    monkeypatch.setattr(cost, "measure", lambda shape: runs.append(shape) or Rates(1e-4, 1e-9, 1e-7))
+    shape = ModelShape(2, 64, 128, 4, 2, 16, "float32")
+    assert host_rates(shape) == host_rates(shape) == Rates(1e-4, 1e-9, 1e-7) and runs == [shape]
+    host_rates(ModelShape(4, 64, 128, 4, 2, 16, "float32"))
+    assert len(runs) == 2
+
+
+def test_the_measurement_gives_positive_rates():
+    from chunkcache.blend.cost import measure
+
+    r = measure(ModelShape(2, 64, 128, 4, 2, 16, "float32"), tokens=32, keys=64)
+    assert r.token_s > 0 and r.pair_s > 0 and r.copy_s > 0
