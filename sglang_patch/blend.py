@@ -29,6 +29,7 @@ from chunkcache.store import ChunkEntry
 
 from . import admission, report, request_hint
 from .forward_pass import Pass, Row, Runner, batch_rows
+from .sparse_attention import pool_index
 
 
 def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
@@ -138,28 +139,23 @@ class BatchEngine:
 
     def copy(self, entries: list[list[ChunkEntry]]) -> None:
         """Copy (never alias) every chunk's stored KV into its request's slots, K re-rotated to its new positions:
-        the whole batch at once, one indexed write per layer and buffer."""
-        parts = [(row.slots[slice(*c.span)], c, entry) for plan, row, chunk_entries in
-                 zip(self.plans, self.plan_rows, entries) for c, entry in zip(plan.chunks, chunk_entries)]
+        straight into the pool, one write per chunk, layer and buffer, a plain slice copy where the chunk's slots
+        are one run of the pool (the usual case), so the KV is read once and written once."""
         device = self.plan_rows[0].slots.device
-        layers, heads, dim = self.entry_shape
-        k = torch.empty(layers, sum(len(slots) for slots, *_ in parts), heads, dim,
-                        dtype=self.pool.get_key_buffer(0).dtype, device=device)
-        v = torch.empty_like(k)
-        at = 0
-        for slots, c, entry in parts:
-            n = len(slots)
-            # with the cached positions, re-rotation reproduces the model's own float32 angle rounding (chunkcache.rope)
-            # from page-locked host memory (store.pin_memory) the copies run behind the host's loop, in stream order
-            k[:, at: at + n] = rerotate(entry.k[:, c.head:].to(device, non_blocking=True), c.chunk[0] - entry.start_pos,
-                                        self.reuse.rope,
-                                        torch.arange(entry.start_pos + c.head, entry.start_pos + entry.num_tokens))
-            v[:, at: at + n].copy_(entry.v[:, c.head:], non_blocking=True)
-            at += n
-        slots = torch.cat([slots for slots, *_ in parts])
-        for layer in range(layers):
-            self.pool.get_key_buffer(layer)[slots] = k[layer]
-            self.pool.get_value_buffer(layer)[slots] = v[layer]
+        keys = [self.pool.get_key_buffer(layer) for layer in range(self.n_layers)]
+        values = [self.pool.get_value_buffer(layer) for layer in range(self.n_layers)]
+        for plan, row, chunk_entries in zip(self.plans, self.plan_rows, entries):
+            for c, entry in zip(plan.chunks, chunk_entries):
+                slots = pool_index(row.slots[slice(*c.span)])
+                # with the cached positions, re-rotation reproduces the model's own float32 angle rounding
+                # (chunkcache.rope); from page-locked host memory (store.pin_memory) the copies run behind the
+                # host's loop, in stream order
+                k = rerotate(entry.k[:, c.head:].to(device, non_blocking=True), c.chunk[0] - entry.start_pos,
+                             self.reuse.rope, torch.arange(entry.start_pos + c.head, entry.start_pos + entry.num_tokens))
+                v = entry.v[:, c.head:]
+                for layer in range(self.n_layers):
+                    keys[layer][slots] = k[layer]
+                    values[layer][slots] = v[layer].to(device, non_blocking=True)
 
     def query_attention(self, requests: Sequence[int]) -> list[torch.Tensor]:
         """ProphetKV's score for each request: its query tokens through all layers against its reused KV, the

@@ -30,6 +30,15 @@ class Segment:
     attention_sum: torch.Tensor | None = None  # [c] if set: += mean attention of the queries to each context key
 
 
+def pool_index(slots: torch.Tensor) -> slice | torch.Tensor:
+    """`slots` as a slice when they are one increasing run of the pool (a request's usually are: a view or a copy
+    instead of a gather or a scatter), else as they are."""
+    n = len(slots)
+    if n and int(slots[-1]) - int(slots[0]) == n - 1 and bool((slots[1:] - slots[:-1] == 1).all()):
+        return slice(int(slots[0]), int(slots[0]) + n)
+    return slots
+
+
 def _last_row(s: Segment) -> Segment:
     """The segment's last query only (its output is the one a logits pass reads)."""
     return Segment(slice(s.rows.stop - 1, s.rows.stop), s.q_pos[-1:], s.ctx_slots)
@@ -41,11 +50,8 @@ class _SegmentPlan:
     def __init__(self, s: Segment, device: torch.device, window: int | None = None):
         self.segment = s
         slots = s.ctx_slots
-        # A request's slots are usually one contiguous run of the pool: read the context as a view, not a gather.
         c = len(slots)
-        contiguous = c > 0 and int(slots[-1]) - int(slots[0]) == c - 1 and bool(
-            (slots[1:] - slots[:-1] == 1).all())
-        self.context = slice(int(slots[0]), int(slots[0]) + c) if contiguous else slots
+        self.context = pool_index(slots)
         k_pos = torch.arange(c, device=device)
         if not s.to_pool:  # the segment's own fresh keys come after its context
             k_pos = torch.cat([k_pos, s.q_pos.to(device)])
