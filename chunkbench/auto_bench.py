@@ -12,6 +12,10 @@ works at any moment.
   --phase cold      never-seen documents (each passage tagged with the request's number, so no segment is stored):
                     the same prompt to auto and to stock, alternating which goes first. Greedy output equal to
                     stock's, detection and learning seconds, TTFT ratio (the cost of looking and learning).
+  --phase churn     `--requests` prompts (batches of 15) of `--docs` whole passages drawn with Zipf popularity from a
+                    pool of `--pool` (the store's host budget a fraction of their KV: set it with --config), a
+                    fresh question each, every prompt to both servers (which goes first alternating). Per batch:
+                    median TTFT stock/auto, the slowest request's auto/stock, how many were computed in full.
   --phase sustained `--requests` prompts whose documents are drawn with Zipf popularity from the whole pool (its KV
                     several times the store's host budget: set it with --config), all to the auto server; every
                     tenth also to stock. Per block of 100: hit rate, reused share, TTFT ratio to stock on the
@@ -131,6 +135,57 @@ def cold(args, prompts: Prompts, auto_url: str, stock_url: str, out) -> None:
             out.flush()
 
 
+def churn(args, prompts: Prompts, auto_url: str, stock_url: str, out) -> None:
+    pool = passages()
+    rng = random.Random(args.seed)
+    docs = [d for _, ds in pool for d in ds]
+    docs = [docs[i] for i in rng.sample(range(len(docs)), args.pool)]
+    weights = [1.0 / (rank + 1) ** args.zipf for rank in range(len(docs))]
+    questions = [q for q, _ in pool]
+    for i in range(args.requests):
+        ids = prompts.ids([docs[j] for j in zipf_sample(rng, weights, args.docs)], rng.choice(questions),
+                          "llamaindex")
+        sides = [("auto", auto_url), ("stock", stock_url)]
+        for side, url in (sides if i % 2 == 0 else sides[::-1]):
+            drain(auto_url)  # the auto server's idle work must not share the cores with either side's request
+            o = generate(url, ids, args.max_new_tokens)
+            row = {"phase": "churn", "i": i, "side": side, "prompt_tokens": len(ids), "ttft_s": o.ttft_s,
+                   "report": o.report, "fallback": fell_back(o.report)}
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+            print(side, len(ids), round(o.ttft_s, 3), {k: (o.report or {}).get(k) for k in
+                                                        ("reused_tokens", "recomputed_tokens", "choice",
+                                                         "fallback")}, flush=True)
+
+
+def drain(url: str, timeout_s: float = 600.0) -> None:
+    """Wait until the server has measured the deviations its requests estimated (it does so when idle)."""
+    deadline = time.monotonic() + timeout_s
+    while requests.get(url + "/server_info", timeout=30).json()["internal_states"][0]["chunkcache"][
+            "deferred_deviations"]:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} still had deferred deviations to measure after {timeout_s} s")
+        time.sleep(0.2)
+
+
+def churn_batches(rows: list[dict], size: int = 15) -> list[dict]:
+    """Per batch of `size` churn prompts: median TTFT stock/auto, the largest auto/stock of one prompt, prompts
+    computed in full by the auto server (served as stock, or predicted slower), reused share."""
+    by = {(r["i"], r["side"]): r for r in rows if r["phase"] == "churn"}
+    prompts = sorted({i for i, _ in by})
+    out = []
+    for b in range(0, len(prompts), size):
+        pairs = [(by[i, "stock"], by[i, "auto"]) for i in prompts[b: b + size]
+                 if (i, "stock") in by and (i, "auto") in by]
+        reps = [a["report"] or {} for _, a in pairs]
+        stock, auto = (statistics.median(p[k]["ttft_s"] for p in pairs) for k in (0, 1))
+        out.append({"first": b, "n": len(pairs), "ratio": stock / auto,
+                    "worst": max(a["ttft_s"] / s["ttft_s"] for s, a in pairs),
+                    "full": sum("selector" not in x for x in reps),
+                    "reused": sum(x.get("reused_tokens", 0) for x in reps) / sum(a["prompt_tokens"] for _, a in pairs)})
+    return out
+
+
 def zipf_sample(rng: random.Random, weights: list[float], k: int) -> list[int]:
     chosen: list[int] = []
     while len(chosen) < k:
@@ -183,6 +238,12 @@ def summarize(rows: list[dict]) -> str:
         lines.append(f"auto reuses {reused['auto'] / max(1, reused['hinted']):.3f} of hinted's tokens; auto's first "
                      f"token equals stock's in {sum(a['text'] == b['text'] for a, b in zip(by['auto'], by['stock']))} "
                      f"of {len(by['auto'])}")
+    if any(r["phase"] == "churn" for r in rows):
+        lines += ["churn: per batch of 15 prompts", "| prompts | n | TTFT stock/auto (medians) | slowest auto/stock | "
+                  "computed in full | reused share |", "|---|---|---|---|---|---|"]
+        for b in churn_batches(rows):
+            lines.append(f"| {b['first']}- | {b['n']} | {b['ratio']:.2f} | {b['worst']:.2f} | {b['full']} | "
+                         f"{b['reused']:.2f} |")
     co = [r for r in rows if r["phase"] == "cold"]
     if co:
         auto = {r["i"]: r for r in co if r["side"] == "auto"}
@@ -242,12 +303,13 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="chunkcache bench --workload auto", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default="auto")
-    ap.add_argument("--phase", choices=("shuffled", "cold", "sustained"), default="sustained")
+    ap.add_argument("--phase", choices=("shuffled", "cold", "churn", "sustained"), default="sustained")
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--docs", type=int, default=5, help="passages per prompt (sustained 5 of 120 words: ~1.1K tokens; "
                     "shuffled, whole passages: 5 ~3K, 12 ~7K)")
     ap.add_argument("--words", type=int, default=120, help="sustained: passages cut to this many words")
     ap.add_argument("--zipf", type=float, default=1.0, help="popularity exponent over the passage pool")
+    ap.add_argument("--pool", type=int, default=60, help="churn: passages the prompts draw from")
     ap.add_argument("--max-new-tokens", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--config", help="auto server's YAML (e.g. store.host_bytes for the sustained run)")
@@ -270,8 +332,8 @@ def main(argv: list[str]) -> int:
     with start_server(out_dir / "stock.log", chunk_reuse=False) as stock, \
             start_server(out_dir / "auto.log", chunk_reuse=True, config=str(auto_yaml), auto_chunks=True) as auto:
         with (out_dir / "rows.jsonl").open("w") as out:
-            {"shuffled": shuffled, "cold": cold, "sustained": sustained}[args.phase](args, prompts, auto.url,
-                                                                                     stock.url, out)
+            {"shuffled": shuffled, "cold": cold, "churn": churn, "sustained": sustained}[args.phase](
+                args, prompts, auto.url, stock.url, out)
     report(out_dir)
     return 0
 

@@ -49,16 +49,31 @@ def split(prompt: RagPrompt) -> tuple[list[int], list[list[int]], list[int]]:
 
 
 def blend(blender: ReferenceBlender, parts, name: str, ratio: float, options: dict) -> BlendResult:
-    """One blend. Selectors that keep per-chunk data in the store (clip, per_chunk) run twice, so the one that
-    counts is timed as for a chunk seen before. A deviation the chunks remember (mix's stored_deviation) is warmed in
-    two other orders instead: the same order would store the very deviation the measured blend then reads, which a
-    server sees only when a prompt repeats, not when its chunks come back reordered."""
+    """One blend (`cold=true`: a chunk's first blend, _blend_cold). Selectors that keep per-chunk data in the store
+    (clip, per_chunk) run twice, so the one that counts is timed as for a chunk seen before. A deviation the chunks
+    remember (mix's stored_deviation) is warmed in two other orders instead: the same order would store the very
+    deviation the measured blend then reads, which a server sees only when a prompt repeats, not when its chunks
+    come back reordered."""
+    if options.get("cold"):
+        return _blend_cold(blender, parts, name, ratio, {k: v for k, v in options.items() if k != "cold"})
     if options.get("stored_deviation"):
         return _blend_stored_deviation(blender, parts, name, ratio, options)
     warm = name == "clip" or bool(options.get("per_chunk"))
     for _ in range(1 + warm):
         result = blender.blend(*parts, selector=name, ratio=ratio, **options)
     return result
+
+
+def _blend_cold(blender: ReferenceBlender, parts, name: str, ratio: float, options: dict) -> BlendResult:
+    """`cold=true` (the harness's option, not the selector's): the chunks' first blend anywhere, in a store of its
+    own, so every chunk but the first is away from home with nothing remembered (mix's first reuse)."""
+    from chunkcache.store import ChunkStore
+
+    kept, blender.store = blender.store, ChunkStore()
+    try:
+        return blender.blend(*parts, selector=name, ratio=ratio, **options)
+    finally:
+        blender.store = kept
 
 
 def _blend_stored_deviation(blender: ReferenceBlender, parts, name: str, ratio: float, options: dict) -> BlendResult:

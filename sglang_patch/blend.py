@@ -52,9 +52,10 @@ def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
                             f"{prompt} (chunked prefill or a retracted request): this round is computed in full")
         elif (plan := hint.plan(row.matched)).blends:
             if (predicted := _predicted(reuse, plan)) is not None and not predicted.blend:
-                report.fallback(row.req, "predicted_slower", f"blending predicted {predicted.blend_s:.3f} s against "
-                                f"{predicted.stock_s:.3f} s computed in full (rates of this host)",
-                                predicted.report())
+                report.fallback(row.req, "predicted_slower", f"blending ({predicted.tokens} tokens computed, "
+                                f"{predicted.pairs} pairs attended, {predicted.reused} copied) predicted "
+                                f"{predicted.blend_s:.3f} s against {predicted.stock_s:.3f} s computed in full "
+                                f"({row.seq_len - row.matched} tokens; rates of this host)", predicted.report())
                 continue
             blending[row.index] = plan
             predictions[row.index] = predicted

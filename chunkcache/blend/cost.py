@@ -50,6 +50,9 @@ class Rates:
 class Prediction:
     blend_s: float
     stock_s: float
+    tokens: int = 0  # what the blend computes: tokens through every layer (fill, recompute, query pass)
+    pairs: int = 0  # and the (query, key) pairs they attend
+    reused: int = 0  # tokens whose KV it copies
 
     @property
     def blend(self) -> bool:
@@ -112,6 +115,7 @@ def predict(plan: RequestPlan, missing: int, query_pass: bool, rates: Rates) -> 
     recomputed = picks + between + query
     pairs = (picks + between) * (plan.start + plan.query) / 2 + query * n
     fill_pairs = exact_prefix * (start + plan.start) / 2 + missing * (plan.shared_prefix_len + missing / 2)
-    blend = ((exact_prefix + missing + recomputed + (query if query_pass else 0)) * rates.token_s
-             + (pairs + fill_pairs + (query * n if query_pass else 0)) * rates.pair_s + reused * rates.copy_s)
-    return Prediction(blend, extend * rates.token_s + stock_pairs * rates.pair_s)
+    tokens = exact_prefix + missing + recomputed + (query if query_pass else 0)
+    pairs = pairs + fill_pairs + (query * n if query_pass else 0)
+    blend = tokens * rates.token_s + pairs * rates.pair_s + reused * rates.copy_s
+    return Prediction(blend, extend * rates.token_s + stock_pairs * rates.pair_s, tokens, int(pairs), reused)
