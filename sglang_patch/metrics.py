@@ -23,6 +23,7 @@ REMOTE_COUNTERS = {
     "outages": ("chunkcache_remote_outages", "Times the remote store went from working to failing"),
     "bytes_written": ("chunkcache_remote_bytes_written", "Bytes of entries stored in the remote tier"),
 }
+NODE_COUNTERS = ("hits", "misses", "errors", "outages", "skipped", "writes")  # NodeStats fields, per node
 REMOTE_SKIPS = {"skipped": "down", "oversize": "oversize", "full": "full", "dropped": "queue"}  # field -> reason
 SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -61,6 +62,11 @@ class _Metrics:
                                       "writer behind)", ["reason"], registry=r)
         self.remote_up = Gauge("chunkcache_remote_up", "1 while the remote store works, 0 during an outage",
                                multiprocess_mode="livemin", registry=r)
+        # cluster mode: one series per primary node (`node`: host:port)
+        self.node_up = Gauge("chunkcache_remote_node_up", "1 while a cluster node works, 0 during its outage",
+                             ["node"], registry=r)
+        self.node = {field: Counter(f"chunkcache_remote_node_{field}", f"Remote store {field} on one cluster node",
+                                    ["node"], registry=r) for field in NODE_COUNTERS}
         self.auto_requests = Counter("chunkcache_auto_requests", "Requests without a hint seen by automatic chunk "
                                      "detection, by outcome (blended: stored segments became its chunks; stock: too "
                                      "few, served as stock)", ["outcome"], registry=r)
@@ -163,6 +169,14 @@ def set_store_stats(stats) -> None:
             _count_new(m, f"remote.{field}", getattr(remote, field), m.remote[field])
         for field, reason in REMOTE_SKIPS.items():
             _count_new(m, f"remote.{field}", getattr(remote, field), m.remote_skipped.labels(reason))
+        _count_nodes(m, remote.nodes)
+
+
+def _count_nodes(m: _Metrics, nodes) -> None:
+    for node in nodes:
+        m.node_up.labels(node.node).set(int(node.up))
+        for field in NODE_COUNTERS:
+            _count_new(m, f"remote.{node.node}.{field}", getattr(node, field), m.node[field].labels(node.node))
 
 
 def _count_new(m: _Metrics, name: str, total: int, counter) -> None:

@@ -238,6 +238,26 @@ def test_dropped_entries_and_disk_full_are_series(registry):
     assert value("chunkcache_store_corrupt_total") == 3 and value("chunkcache_store_disk_full_total") == 1
 
 
+def test_cluster_nodes_are_series_of_their_own(registry):
+    """Per node: up while its breaker is closed, counters from cumulative snapshots (a late older one adds nothing)."""
+    from chunkcache.store.endpoint import NodeStats
+    from chunkcache.store.remote import RemoteStats
+
+    def remote(*nodes):
+        return RemoteStats("redis+cluster://a:1", all(n.up for n in nodes), *[0] * 12, nodes=nodes)
+
+    a, b = NodeStats("a:1", True, True, 5, 1, 0, 0, 0, 2), NodeStats("b:2", True, False, 3, 0, 4, 1, 7, 0)
+    metrics.set_store_stats(stats(remote=remote(a, b)))
+    metrics.set_store_stats(stats(remote=remote(NodeStats("a:1", True, True, 2, 1, 0, 0, 0, 2), b)))  # older: a no-op
+    value = registry.get_sample_value
+    assert value("chunkcache_remote_node_up", {"node": "a:1"}) == 1
+    assert value("chunkcache_remote_node_up", {"node": "b:2"}) == 0
+    assert value("chunkcache_remote_node_hits_total", {"node": "a:1"}) == 5
+    assert value("chunkcache_remote_node_errors_total", {"node": "b:2"}) == 4
+    assert value("chunkcache_remote_node_skipped_total", {"node": "b:2"}) == 7
+    assert value("chunkcache_remote_up") == 0
+
+
 def test_request_counters(registry):
     metrics.record_request(INFO)
     metrics.record_request({**INFO, "chunk_hits": 0, "chunk_misses": 3, "selector": "spec"})
