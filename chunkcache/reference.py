@@ -26,7 +26,7 @@ from . import select as selectors
 from .blend import pipeline
 from .blend.auto import AutoChunks
 from .blend.attention import attend_blocks, plan_blocks
-from .blend.features import Models
+from .blend.features import Models, recorded_from
 from .blend.plan import Placement, RequestPlan, plan_request
 from .draft import Draft
 from .draft import load as load_draft
@@ -419,15 +419,16 @@ class _Engine:
         return [fused for _ in requests]
 
     def query_attention_per_layer(self) -> torch.Tensor:
-        """[layers, N] float32: ProphetKV's per-layer attention from the query tokens over the reused KV, before
+        """[layers, N] float32: ProphetKV's per-layer attention from the query's last tokens (recorded_from) over the
+        reused KV, every forced token computed in the same pass, before
         Features.query_attention sums it over layers (chunkbench.select_fidelity weighs layers apart)."""
         # The query tokens' K/V written into the buffers here are rewritten by the final recompute before any
         # token reads them (the query is always recomputed), so the pass leaves no trace in the result.
         b, layout = self.blender, self.plan.layout()
         forced = layout.forced_mask().nonzero().flatten()
-        first_query_row = int((forced < layout.query_span[0]).sum())
         sel = forced.to(b.device)
-        _, attn = b._forward(self.ids[None, sel], sel, self.k_buf, self.v_buf, record_from=first_query_row)
+        _, attn = b._forward(self.ids[None, sel], sel, self.k_buf, self.v_buf,
+                             record_from=recorded_from(forced, layout.query_span[0], layout.n))
         return attn.cpu()
 
     def recompute(self, tokens: list[torch.Tensor]) -> torch.Tensor:

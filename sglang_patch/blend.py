@@ -21,6 +21,7 @@ import torch
 
 from chunkcache.blend import pipeline
 from chunkcache.blend.cost import Prediction, predict
+from chunkcache.blend.features import recorded_from
 from chunkcache.blend.plan import Placement, RequestPlan
 from chunkcache.blend.reuse import ChunkReuse
 from chunkcache.rope import rerotate
@@ -44,14 +45,17 @@ def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
             report.fallback(row.req, "logprobs", "input logprobs need every prompt token's logits")
         return None
     blending: dict[int, RequestPlan] = {}  # batch row -> its plan
-    predictions: dict[int, Prediction | None] = {}
+    predictions: dict[int, Prediction | None] = {}  # calibrated (reported); at_rates: as the rates alone predict
+    at_rates: dict[int, Prediction | None] = {}
     for row, hint in hinted:
         prompt = len(row.req.origin_input_ids)
         if row.seq_len != prompt:
             report.fallback(row.req, "partial_prefill", f"tokens [{row.matched}, {row.seq_len}) of "
                             f"{prompt} (chunked prefill or a retracted request): this round is computed in full")
         elif (plan := hint.plan(row.matched)).blends:
-            if (predicted := _predicted(reuse, plan)) is not None and not predicted.blend:
+            raw = _predicted(reuse, plan)  # at the rates alone; the choice at them scaled by what was observed
+            predicted = None if raw is None else reuse.calibration.apply(raw)
+            if predicted is not None and not predicted.blend:
                 report.fallback(row.req, "predicted_slower", f"blending ({predicted.tokens} tokens computed, "
                                 f"{predicted.pairs} pairs attended, {predicted.reused} copied) predicted "
                                 f"{predicted.blend_s:.3f} s against {predicted.stock_s:.3f} s computed in full "
@@ -59,6 +63,7 @@ def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
                 continue
             blending[row.index] = plan
             predictions[row.index] = predicted
+            at_rates[row.index] = raw
         else:  # the radix tree holds every chunk: computed exactly, and said so
             report.blended(row.req, plan, hits=0, reused=0, recomputed=row.seq_len - row.matched,
                            admitted_compute=admission.charged(row.req), auto=hint.auto)
@@ -67,6 +72,8 @@ def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
     planned = time.perf_counter()
     engine = BatchEngine(reuse, Runner(model_runner, forward_batch), rows, blending)
     done = pipeline.run(engine, reuse.store, list(blending.values()), reuse.selector)
+    if all(p is not None for p in at_rates.values()):  # the batch's blend time against the rates' prediction
+        reuse.calibration.observe("blend", sum(p.blend_s for p in at_rates.values()), time.perf_counter() - t0)
     reuse.deferred.extend(done.deferred)  # measured when the scheduler is idle (plugin: Scheduler.on_idle)
     s = done.seconds
     stages = {"match_fill": planned - t0 + s["lookup"] + s["fill"] + s["learn"], "copy": s["copy"],
@@ -159,13 +166,18 @@ class BatchEngine:
                     values[layer][slots] = v[layer].to(device, non_blocking=True)
 
     def query_attention(self, requests: Sequence[int]) -> list[torch.Tensor]:
-        """ProphetKV's score for each request: its query tokens through all layers against its reused KV, the
-        attention to each token recorded. Their K/V written here are rewritten by the recompute (the query is
-        always recomputed)."""
+        """ProphetKV's score for each request: its forced tokens (anything between chunks, the query) through all
+        layers against its reused KV, the attention of the query's last tokens (recorded_from) to each token
+        recorded; the others attend at flash attention's rate, in the same pass, before them. Their K/V written here
+        are rewritten by the recompute (forced tokens are always recomputed)."""
         p, segments = Pass(), []
         for i in requests:
             plan, row = self.plans[i], self.plan_rows[i]
-            seg = p.add(row, torch.arange(plan.query, plan.n), ctx=plan.n)
+            forced = plan.layout().forced_mask().nonzero().flatten()
+            first = recorded_from(forced, plan.query, plan.n)
+            if first:
+                p.add(row, forced[:first], ctx=plan.n)
+            seg = p.add(row, forced[first:], ctx=plan.n)
             seg.attention_sum = torch.zeros(plan.n, dtype=torch.float32, device=row.slots.device)
             segments.append(seg)
         self.runner.run(p)

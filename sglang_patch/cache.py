@@ -54,6 +54,8 @@ class ChunkRadixCache(UnifiedRadixCache):
         return {"backend": BACKEND_NAME, "tree_cache": type(self).__name__, "scheduler_pid": os.getpid(),
                 "store": dataclasses.asdict(self.reuse.store.stats()),
                 "deferred_deviations": len(self.reuse.deferred),  # estimated, to be measured when idle
+                # the blend-or-full choice's scale per side: this server's forwards over the rates' predictions
+                "calibration": {"factor": self.reuse.calibration.factor, "observed": self.reuse.calibration.observed},
                 "kv_pool": {"available": int(self.token_to_kv_pool_allocator.available_size()),
                             "evictable": int(self.evictable_size()), "protected": int(self.protected_size())}}
 

@@ -16,6 +16,8 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from . import (admission, auto_chunks, blend, chat, decode_attention, hint_validation, ingest, lang, metrics,
                report, request_hint, shutdown, specache)
+from chunkcache.blend.cost import full_s
+
 from .cache import factory, reuse_of
 from .launcher import BACKEND_NAME, cpu_engine_for_stock_command
 
@@ -112,9 +114,10 @@ def _blend_extend(original, runner, forward_batch, pp_proxy_tensors=None):
 
 
 def _extend(original, runner, forward_batch, pp_proxy_tensors, reuse, reqs):
-    if (reuse is None or not reqs or pp_proxy_tensors is not None
-            or all(request_hint.of(r) is None for r in reqs)):
+    if reuse is None or not reqs or pp_proxy_tensors is not None:
         return original(runner, forward_batch, pp_proxy_tensors)
+    if all(request_hint.of(r) is None for r in reqs):
+        return _stock_forward(original, runner, forward_batch, pp_proxy_tensors, reuse)
     try:
         out = blend.run(reuse, runner.model_runner, forward_batch, reqs)
     except Exception as exc:  # noqa: BLE001 - a selector or store failure must not take the scheduler down
@@ -124,7 +127,20 @@ def _extend(original, runner, forward_batch, pp_proxy_tensors, reuse, reqs):
             if request_hint.of(r) is not None:
                 report.fallback(r, "error", f"{type(exc).__name__}: {exc}")
         out = None
-    return original(runner, forward_batch, pp_proxy_tensors) if out is None else out
+    return _stock_forward(original, runner, forward_batch, pp_proxy_tensors, reuse) if out is None else out
+
+
+def _stock_forward(original, runner, forward_batch, pp_proxy_tensors, reuse):
+    """SGLang's own extend forward, timed against the rates' prediction of a full prefill of its rows (the
+    calibration of the blend-or-full choice, chunkcache.blend.cost) when the server makes that choice."""
+    if reuse.rates is None:
+        return original(runner, forward_batch, pp_proxy_tensors)
+    t0 = time.perf_counter()
+    out = original(runner, forward_batch, pp_proxy_tensors)
+    predicted = sum(full_s(e, p, reuse.rates) for e, p in zip(forward_batch.extend_seq_lens_cpu,
+                                                                forward_batch.extend_prefix_lens_cpu))
+    reuse.calibration.observe("full", predicted, time.perf_counter() - t0)
+    return out
 
 
 # an idle scheduler starts a deferred measurement only this long after its last forward: a job cannot be preempted,

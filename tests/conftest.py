@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import safetensors
+import yaml
 
 from sglang_patch.server_process import ServerProcess, chunkcache_serve
 from sglang_patch.shutdown import shutdown_engine
@@ -98,12 +99,33 @@ def gemma_tokenizer():
     return AutoTokenizer.from_pretrained(saved)
 
 
+# What the tests' servers run on, over their own configs: they assert what a blend does, on prompts small enough
+# that a server measuring its own forwards may predict blending them slower and compute them in full instead
+# (select.full_when_slower; that choice has its own test, tests/test_blend_choice.py)
+TEST_DEFAULTS = {"select": {"full_when_slower": False}}
+
+
+def with_test_defaults(config_yaml: str) -> str:
+    config = yaml.safe_load(config_yaml) or {}
+    for section, values in TEST_DEFAULTS.items():
+        for key, value in values.items():
+            config.setdefault(section, {}).setdefault(key, value)
+    return yaml.safe_dump(config)
+
+
 def start_server(log_path: Path, *args: str, env: dict | None = None) -> ServerProcess:
-    """A healthy `chunkcache serve` on a free port, its output captured to `log_path`. Detached: started through a
-    short-lived intermediate process so that it is not a descendant of pytest, because `sgl.Engine.shutdown()` (used
-    by the in-process engine tests) kills every descendant of the calling process, which would otherwise take the
-    session's shared server down with it."""
+    """A healthy `chunkcache serve` on a free port, its output captured to `log_path`, on the packaged default
+    config with TEST_DEFAULTS unless it is given one. Detached: started through a short-lived intermediate process
+    so that it is not a descendant of pytest, because `sgl.Engine.shutdown()` (used by the in-process engine tests)
+    kills every descendant of the calling process, which would otherwise take the session's shared server down with
+    it."""
     require_slow("starts a server")
+    if "--config" not in args:
+        from chunkcache.config import config_file
+
+        config = log_path.with_name("test-defaults.yaml")
+        config.write_text(with_test_defaults(config_file("default").read_text()))
+        args = (*args, "--config", str(config))
     return chunkcache_serve(*args, log_path=log_path, env=env, cwd=ROOT / "tests", detach=True, timeout=600)
 
 
@@ -115,7 +137,7 @@ def sglang_engine(model: Path, config_dir: Path, config_yaml: str = "", **settin
     from sglang_patch.launcher import prepare_environment, server_settings
 
     config = config_dir / "chunkcache.yaml"
-    config.write_text(config_yaml)
+    config.write_text(with_test_defaults(config_yaml))
     prepare_environment(config)
     import sglang as sgl
 

@@ -68,25 +68,6 @@ def test_reordered_chunks_hit_and_reuse(engine, rag):
     assert info["reused_tokens"] == blended_context(spans, meta)
     assert info["recomputed_tokens"] == len(ids) - spans[-1][1]  # the question, its last token included
     assert info["attended_pairs"] == sum(p + 1 for p in range(spans[-1][1], len(ids)))  # each sees keys 0..p
-    assert info["choice"] == "blend" and info["predicted_blend_s"] < info["predicted_full_s"]
-
-
-def test_a_blend_predicted_slower_is_computed_in_full_and_says_so(engine, rag):
-    """Short chunks before a long question: prophet would run the question through every layer twice (its query
-    pass, then the recompute), more work than one full prefill of the prompt, so the server computes it in full once
-    its chunks are stored (a request with a missing chunk blends: it stores the chunk), with stock's output."""
-    from conftest import WORDS
-
-    question = "Read this note first: " + " ".join(WORDS[i % len(WORDS)] for i in range(400)) + ". Code of doc 1?"
-    ids, spans = rag.build([1, 2], question)
-    first = gen(engine, ids, hints(spans, selector="prophet", namespace="slower"), n=4)["meta_info"]["chunkcache"]
-    assert first["chunk_misses"] == 2 and "choice" not in first  # it stores the chunks: blended, no choice made
-    ids, spans = rag.build([2, 1], question)  # no radix match past the system prefix
-    out = gen(engine, ids, hints(spans, selector="prophet", namespace="slower"), n=4)
-    info = out["meta_info"]["chunkcache"]
-    assert info["fallback"] == "predicted_slower" and info["choice"] == "full", info
-    assert info["predicted_blend_s"] > info["predicted_full_s"]
-    assert out["output_ids"] == gen(engine, ids, n=4)["output_ids"]
 
 
 @pytest.mark.parametrize("selector", ["none", "epic"])

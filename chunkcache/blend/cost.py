@@ -4,10 +4,10 @@ Both sides are priced at the same three rates, since the blend runs the model's 
 the causal kernel's rate per (query, key) pair (chunkcache.blend.attention's staircase):
 
     stock  = E x token_s + P_stock x pair_s                      E extend tokens, P_stock their causal pairs
-    blend  = (F + M) x token_s + (P_fill + P_blend) x pair_s + R x copy_s + Q x token_s
+    blend  = (F + M + Q) x token_s + (P_fill + P_blend + P_query) x pair_s + R x copy_s
              F chunks no entry holds (computed standalone), M tokens recomputed (rho of the reused context, the
              query, every token between chunks), R reused tokens copied, Q the query pass's tokens (selectors that
-             read the query's attention)
+             read the query's attention: every token between chunks, and the query)
 
 P_blend assumes the picks spread evenly over the reused context (what a pick attends is its position). The rates
 (`Rates`) are measured once per host and model shape and kept (chunkcache.cpu_dtype.kept_per_host): the model's
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +63,35 @@ class Prediction:
                 "predicted_full_s": round(self.stock_s, 4)}
 
 
+class Calibration:
+    """How far this server's own forwards run from the rates' predictions, per side: the mean of actual over
+    predicted seconds (exponentially weighted), which each prediction is then scaled by. What the rates leave out
+    (Python per layer, the selector's passes, SGLang's own extend path) is thereby measured where it runs."""
+
+    WEIGHT = 0.2  # of the newest observation
+    BOUNDS = (0.25, 8.0)  # an observation's ratio is clamped here: one stalled forward must not flip every choice
+
+    def __init__(self):
+        self.factor = {"blend": 1.0, "full": 1.0}
+        self.observed = {"blend": 0, "full": 0}
+
+    def observe(self, side: str, predicted_s: float, actual_s: float) -> None:
+        if predicted_s <= 0:
+            return
+        ratio = min(max(actual_s / predicted_s, self.BOUNDS[0]), self.BOUNDS[1])
+        self.factor[side] += self.WEIGHT * (ratio - self.factor[side])
+        self.observed[side] += 1
+
+    def apply(self, p: "Prediction") -> "Prediction":
+        return replace(p, blend_s=p.blend_s * self.factor["blend"], stock_s=p.stock_s * self.factor["full"])
+
+
+def full_s(extend: int, prefix: int, rates: Rates) -> float:
+    """A plain prefill of `extend` tokens after `prefix` cached ones, at the rates."""
+    n = prefix + extend
+    return extend * rates.token_s + (n * (n + 1) - prefix * (prefix + 1)) / 2 * rates.pair_s
+
+
 def host_rates(shape: ModelShape) -> Rates:
     """This host's rates for `shape`: kept, or measured now (~1 s) and kept in `home()/host-rates.json`."""
     key = f"{host_signature()}|{shape}"
@@ -105,7 +134,6 @@ def predict(plan: RequestPlan, missing: int, query_pass: bool, rates: Rates) -> 
     runs the query through every layer (prophet, mix)."""
     n, start = plan.n, plan.matched
     extend = n - start
-    stock_pairs = (n * (n + 1) - start * (start + 1)) / 2
     reused = sum(e - s for s, e in (c.span for c in plan.chunks))
     between = (plan.query - plan.start) - reused  # tokens between chunks: always recomputed
     picks = math.ceil(plan.ratio * reused) if plan.selector not in ("none", "full") else (
@@ -115,7 +143,9 @@ def predict(plan: RequestPlan, missing: int, query_pass: bool, rates: Rates) -> 
     recomputed = picks + between + query
     pairs = (picks + between) * (plan.start + plan.query) / 2 + query * n
     fill_pairs = exact_prefix * (start + plan.start) / 2 + missing * (plan.shared_prefix_len + missing / 2)
-    tokens = exact_prefix + missing + recomputed + (query if query_pass else 0)
-    pairs = pairs + fill_pairs + (query * n if query_pass else 0)
+    # the query pass computes every forced token (between chunks, the query): those pairs and tokens twice
+    forced_pairs = between * (plan.start + plan.query) / 2 + query * n
+    tokens = exact_prefix + missing + recomputed + ((between + query) if query_pass else 0)
+    pairs = pairs + fill_pairs + (forced_pairs if query_pass else 0)
     blend = tokens * rates.token_s + pairs * rates.pair_s + reused * rates.copy_s
-    return Prediction(blend, extend * rates.token_s + stock_pairs * rates.pair_s, tokens, int(pairs), reused)
+    return Prediction(blend, full_s(extend, start, rates), tokens, int(pairs), reused)

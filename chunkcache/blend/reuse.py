@@ -23,7 +23,7 @@ from ..segment import break_ids
 from ..select import REGISTRY, Selector
 from ..store import ChunkStore, EntryLayout
 from .auto import AutoChunks, Segments
-from .cost import Rates
+from .cost import Calibration, Rates
 from .features import DeviationJob, Models
 from .plan import RequestPlan, plan_request
 
@@ -63,6 +63,7 @@ class ChunkReuse:
         self.deferred: deque[DeviationJob] = deque(maxlen=DEFERRED_JOBS)
         self.last_forward = 0.0  # time.monotonic() of the server's last extend forward (the glue sets it)
         self.rates: Rates | None = None  # this host's rates when requests are blended only if predicted faster
+        self.calibration = Calibration()  # this server's forwards against the rates' predictions
         self.auto = AutoChunks(config.auto, self._break_ids(), self.fingerprint) if config.auto.enabled else None
 
     def measure_deferred(self) -> bool:
