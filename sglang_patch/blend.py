@@ -166,18 +166,19 @@ class BatchEngine:
                     values[layer][slots] = v[layer].to(device, non_blocking=True)
 
     def query_attention(self, requests: Sequence[int]) -> list[torch.Tensor]:
-        """ProphetKV's score for each request: its forced tokens (anything between chunks, the query) through all
-        layers against its reused KV, the attention of the query's last tokens (recorded_from) to each token
-        recorded; the others attend at flash attention's rate, in the same pass, before them. Their K/V written here
-        are rewritten by the recompute (forced tokens are always recomputed)."""
+        """ProphetKV's score for each request: its query tokens through all layers against its reused KV, the
+        attention of the query's last tokens (recorded_from) to each token recorded, the query's other tokens
+        attending at flash attention's rate in the same pass before them. Tokens between chunks are left to the
+        recompute: computing them here too would compute an automatic hint's uncovered passages twice. Their K/V
+        written here are rewritten by the recompute (the query is always recomputed)."""
         p, segments = Pass(), []
         for i in requests:
             plan, row = self.plans[i], self.plan_rows[i]
-            forced = plan.layout().forced_mask().nonzero().flatten()
-            first = recorded_from(forced, plan.query, plan.n)
+            query = torch.arange(plan.query, plan.n)
+            first = recorded_from(query, plan.query, plan.n)
             if first:
-                p.add(row, forced[:first], ctx=plan.n)
-            seg = p.add(row, forced[first:], ctx=plan.n)
+                p.add(row, query[:first], ctx=plan.n)
+            seg = p.add(row, query[first:], ctx=plan.n)
             seg.attention_sum = torch.zeros(plan.n, dtype=torch.float32, device=row.slots.device)
             segments.append(seg)
         self.runner.run(p)

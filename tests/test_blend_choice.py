@@ -21,10 +21,6 @@ def rag(default_model):
     return Rag(AutoTokenizer.from_pretrained(default_model), n_docs=4, words=300)
 
 
-def calibration(engine) -> dict:
-    return engine.get_server_info()["internal_states"][0]["chunkcache"]["calibration"]
-
-
 def test_a_blend_predicted_slower_is_computed_in_full_and_says_so(engine, rag):
     """Short chunks before a long question: prophet would run the question through every layer twice (its query
     pass, then the recompute), more work than one full prefill of the prompt, so the server computes it in full once
@@ -33,22 +29,18 @@ def test_a_blend_predicted_slower_is_computed_in_full_and_says_so(engine, rag):
     ids, spans = rag.build([1, 2], question)
     first = gen(engine, ids, hints(spans, selector="prophet", namespace="slower"), n=4)["meta_info"]["chunkcache"]
     assert first["chunk_misses"] == 2 and "choice" not in first  # it stores the chunks: blended, no choice made
-    assert calibration(engine)["observed"]["blend"] == 0  # a blend without a prediction teaches nothing
     ids, spans = rag.build([2, 1], question)  # no radix match past the system prefix
     out = gen(engine, ids, hints(spans, selector="prophet", namespace="slower"), n=4)
     info = out["meta_info"]["chunkcache"]
     assert info["fallback"] == "predicted_slower" and info["choice"] == "full", info
     assert info["predicted_blend_s"] > info["predicted_full_s"]
     assert out["output_ids"] == gen(engine, ids, n=4)["output_ids"]
-    assert calibration(engine)["observed"]["full"] >= 2  # SGLang's own forwards, timed against the prediction
 
 
 def test_a_request_mostly_reused_blends_and_reports_both_predictions(engine, rag):
     ids, spans = rag.build([0, 3, 2], "Code of document 3?")
     gen(engine, ids, hints(spans, selector="epic", namespace="faster"), n=1)  # stores the chunks
     ids, spans = rag.build([3, 2, 0], "Code of document 3?")
-    before = calibration(engine)["observed"]["blend"]
     info = gen(engine, ids, hints(spans, selector="epic", namespace="faster"), n=1)["meta_info"]["chunkcache"]
     assert "fallback" not in info and info["choice"] == "blend", info
     assert info["predicted_blend_s"] < info["predicted_full_s"]
-    assert calibration(engine)["observed"]["blend"] == before + 1

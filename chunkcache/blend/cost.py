@@ -7,7 +7,7 @@ the causal kernel's rate per (query, key) pair (chunkcache.blend.attention's sta
     blend  = (F + M + Q) x token_s + (P_fill + P_blend + P_query) x pair_s + R x copy_s
              F chunks no entry holds (computed standalone), M tokens recomputed (rho of the reused context, the
              query, every token between chunks), R reused tokens copied, Q the query pass's tokens (selectors that
-             read the query's attention: every token between chunks, and the query)
+             read the query's attention)
 
 P_blend assumes the picks spread evenly over the reused context (what a pick attends is its position). The rates
 (`Rates`) are measured once per host and model shape and kept (chunkcache.cpu_dtype.kept_per_host): the model's
@@ -17,7 +17,9 @@ matmuls per token, causal SDPA per pair, and a memory copy of a token's KV.
 from __future__ import annotations
 
 import math
+import statistics
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -64,26 +66,33 @@ class Prediction:
 
 
 class Calibration:
-    """How far this server's own forwards run from the rates' predictions, per side: the mean of actual over
-    predicted seconds (exponentially weighted), which each prediction is then scaled by. What the rates leave out
-    (Python per layer, the selector's passes, SGLang's own extend path) is thereby measured where it runs."""
+    """How far this server's own forwards run from the rates' predictions, per side: the median of actual over
+    predicted seconds of its last WINDOW forwards, which each prediction is then scaled by. What the rates leave out
+    (Python per layer, the selector's passes, SGLang's own extend path) is thereby measured where it runs; a median,
+    so that one stalled forward (the first one after start-up builds oneDNN's kernels) moves nothing."""
 
-    WEIGHT = 0.2  # of the newest observation
-    BOUNDS = (0.25, 8.0)  # an observation's ratio is clamped here: one stalled forward must not flip every choice
+    WINDOW = 15
+    # forwards predicted shorter are not observed: their fixed costs (Python, the scheduler) dwarf what the rates
+    # price, and the choice matters for the long ones
+    MIN_PREDICTED_S = 0.25
 
     def __init__(self):
-        self.factor = {"blend": 1.0, "full": 1.0}
+        self.ratios = {"blend": deque(maxlen=self.WINDOW), "full": deque(maxlen=self.WINDOW)}
         self.observed = {"blend": 0, "full": 0}
 
+    @property
+    def factor(self) -> dict[str, float]:
+        return {side: statistics.median(r) if r else 1.0 for side, r in self.ratios.items()}
+
     def observe(self, side: str, predicted_s: float, actual_s: float) -> None:
-        if predicted_s <= 0:
+        if predicted_s < self.MIN_PREDICTED_S:
             return
-        ratio = min(max(actual_s / predicted_s, self.BOUNDS[0]), self.BOUNDS[1])
-        self.factor[side] += self.WEIGHT * (ratio - self.factor[side])
+        self.ratios[side].append(actual_s / predicted_s)
         self.observed[side] += 1
 
     def apply(self, p: "Prediction") -> "Prediction":
-        return replace(p, blend_s=p.blend_s * self.factor["blend"], stock_s=p.stock_s * self.factor["full"])
+        factor = self.factor
+        return replace(p, blend_s=p.blend_s * factor["blend"], stock_s=p.stock_s * factor["full"])
 
 
 def full_s(extend: int, prefix: int, rates: Rates) -> float:
@@ -143,9 +152,7 @@ def predict(plan: RequestPlan, missing: int, query_pass: bool, rates: Rates) -> 
     recomputed = picks + between + query
     pairs = (picks + between) * (plan.start + plan.query) / 2 + query * n
     fill_pairs = exact_prefix * (start + plan.start) / 2 + missing * (plan.shared_prefix_len + missing / 2)
-    # the query pass computes every forced token (between chunks, the query): those pairs and tokens twice
-    forced_pairs = between * (plan.start + plan.query) / 2 + query * n
-    tokens = exact_prefix + missing + recomputed + ((between + query) if query_pass else 0)
-    pairs = pairs + fill_pairs + (forced_pairs if query_pass else 0)
+    tokens = exact_prefix + missing + recomputed + (query if query_pass else 0)
+    pairs = pairs + fill_pairs + (query * n if query_pass else 0)
     blend = tokens * rates.token_s + pairs * rates.pair_s + reused * rates.copy_s
     return Prediction(blend, full_s(extend, start, rates), tokens, int(pairs), reused)
