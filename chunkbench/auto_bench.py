@@ -33,7 +33,7 @@ from pathlib import Path
 
 import requests
 
-from .client import fell_back, generate
+from .client import drain, fell_back, generate
 from .servers import start_server
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_dev.json"
@@ -112,6 +112,7 @@ def shuffled(args, prompts: Prompts, auto_url: str, stock_url: str, out) -> None
         sides = [("auto", auto_url, ids, None), ("hinted", auto_url, hinted_ids, hints(spans, "hinted")),
                  ("stock", stock_url, ids, None)]
         for side, url, side_ids, kv in (sides if i % 2 == 0 else sides[::-1]):
+            drain(auto_url)  # the deviations the warm-up estimated, measured before any side is timed
             o = generate(url, side_ids, args.max_new_tokens, kv)
             row = {"phase": "shuffled", "i": i, "side": side, "template": template, "prompt_tokens": len(side_ids),
                    "ttft_s": o.ttft_s, "text": o.text, "report": o.report, "fallback": fell_back(o.report)}
@@ -156,16 +157,6 @@ def churn(args, prompts: Prompts, auto_url: str, stock_url: str, out) -> None:
             print(side, len(ids), round(o.ttft_s, 3), {k: (o.report or {}).get(k) for k in
                                                         ("reused_tokens", "recomputed_tokens", "choice",
                                                          "fallback")}, flush=True)
-
-
-def drain(url: str, timeout_s: float = 600.0) -> None:
-    """Wait until the server has measured the deviations its requests estimated (it does so when idle)."""
-    deadline = time.monotonic() + timeout_s
-    while requests.get(url + "/server_info", timeout=30).json()["internal_states"][0]["chunkcache"][
-            "deferred_deviations"]:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url} still had deferred deviations to measure after {timeout_s} s")
-        time.sleep(0.2)
 
 
 def churn_batches(rows: list[dict], size: int = 15) -> list[dict]:

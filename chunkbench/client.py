@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import requests
@@ -92,3 +93,18 @@ def flush_cache(url: str, wait_s: float = 120) -> None:
     r = requests.post(url + "/flush_cache", params={"timeout": wait_s}, timeout=wait_s + 60)
     if r.status_code != 200:
         raise RuntimeError(f"{url}/flush_cache answered {r.status_code}: {r.text[:300]}")
+
+
+def drain(url: str, timeout_s: float = 600.0) -> None:
+    """Wait until the server at `url` has measured the deviations its requests estimated (it does so when idle)."""
+    wait_measured(lambda: requests.get(url + "/server_info", timeout=30).json(), timeout_s)
+
+
+def wait_measured(server_info: Callable[[], dict], timeout_s: float = 600.0) -> None:
+    """Wait until `server_info()` (SGLang's /server_info) shows no deferred deviation left to measure, so that no
+    timed request shares the cores with a server's idle work."""
+    deadline = time.monotonic() + timeout_s
+    while server_info()["internal_states"][0]["chunkcache"]["deferred_deviations"]:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"deferred deviations still waiting to be measured after {timeout_s} s")
+        time.sleep(0.2)

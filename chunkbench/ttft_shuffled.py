@@ -58,6 +58,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
+    from chunkbench.client import wait_measured
     from chunkbench.floor import Shape, causal_attention_s
     from chunkcache.config import Config
     from chunkcache.models import resolve_model
@@ -109,7 +110,7 @@ def main() -> None:
                 order = [(start + j) % args.docs for j in range(args.chunks)]
                 ids, spans = request(order[rotate:] + order[:rotate])
                 timed(ids, hints(spans, name, args.ratio))
-    idle(engine)
+    wait_measured(engine.get_server_info)
     rows = {name: [] for name in ["stock", *selectors]}
     stages = {name: [] for name in selectors}
     n_tokens = []
@@ -167,6 +168,8 @@ def main() -> None:
 
 
 def measure_first_reuse(args, timed, request, rng, engine) -> tuple[list[float], list[float]]:
+    from chunkbench.client import wait_measured
+
     name, first, later = args.selectors.split(",")[0], [], []
     for i in range(args.first_reuse):
         namespace = f"first-reuse-{i}"
@@ -175,20 +178,10 @@ def measure_first_reuse(args, timed, request, rng, engine) -> tuple[list[float],
         timed(ids, hints(spans, name, args.ratio, namespace))  # computes and stores every chunk
         ids, spans = request(order[len(order) // 2:] + order[: len(order) // 2])  # every chunk elsewhere
         first.append(timed(ids, hints(spans, name, args.ratio, namespace))[0])
-        idle(engine)
+        wait_measured(engine.get_server_info)
         ids, spans = request(rng.sample(order, len(order)))
         later.append(timed(ids, hints(spans, name, args.ratio, namespace))[0])
     return first, later
-
-
-def idle(engine, timeout_s: float = 600.0) -> None:
-    """Wait until the server has measured every deviation the warm-up estimated (it does so when idle), so that no
-    measured request waits behind one."""
-    deadline = time.monotonic() + timeout_s
-    while engine.get_server_info()["internal_states"][0]["chunkcache"]["deferred_deviations"]:
-        if time.monotonic() > deadline:
-            raise TimeoutError("the server still had deferred deviations to measure after the warm-up")
-        time.sleep(0.5)
 
 
 def print_floor(shape, tokens: int, attention: float, stock: float, rows: dict, stages: dict,
