@@ -59,6 +59,9 @@ def test_calibration_scales_each_side_by_what_its_forwards_took():
     c = Calibration()
     p = Prediction(blend_s=1.0, stock_s=1.2)
     assert c.apply(p).blend and c.factor == {"blend": 1.0, "full": 1.0}
+    for _ in range(Calibration.MIN_OBSERVED):  # one side observed only: its factor alone would bias the choice
+        c.observe("blend", 1.0, 2.0)
+    assert c.apply(p) == p
     for _ in range(Calibration.WINDOW):  # blends take 2x what the rates predict, full prefills what they predict
         c.observe("blend", 1.0, 2.0)
         c.observe("full", 1.0, 1.0)

@@ -72,6 +72,9 @@ class Calibration:
     so that one stalled forward (the first one after start-up builds oneDNN's kernels) moves nothing."""
 
     WINDOW = 15
+    # forwards each side must have been observed in before either factor applies: the choice compares the sides, so
+    # one side's factor alone (a server's first blends, before any full prefill) would bias it
+    MIN_OBSERVED = 3
     # forwards predicted shorter are not observed: their fixed costs (Python, the scheduler) dwarf what the rates
     # price, and the choice matters for the long ones
     MIN_PREDICTED_S = 0.25
@@ -91,6 +94,8 @@ class Calibration:
         self.observed[side] += 1
 
     def apply(self, p: "Prediction") -> "Prediction":
+        if min(len(r) for r in self.ratios.values()) < self.MIN_OBSERVED:
+            return p
         factor = self.factor
         return replace(p, blend_s=p.blend_s * factor["blend"], stock_s=p.stock_s * factor["full"])
 
