@@ -99,7 +99,7 @@ def _predicted(reuse: ChunkReuse, plan: RequestPlan) -> Prediction | None:
     if reuse.rates is None or plan.selector == "full" or any(c.key not in reuse.store for c in plan.chunks):
         return None
     query_pass = any(name == "query_attention" for name, _ in needs(reuse.selector(plan.selector)))
-    return predict(plan, 0, query_pass, reuse.rates)
+    return predict(plan, query_pass, reuse.rates)
 
 
 class BatchEngine:
@@ -159,7 +159,7 @@ class BatchEngine:
                 # (chunkcache.rope); from page-locked host memory (store.pin_memory) the copies run behind the
                 # host's loop, in stream order
                 k = rerotate(entry.k[:, c.head:].to(device, non_blocking=True), c.chunk[0] - entry.start_pos,
-                             self.reuse.rope, torch.arange(entry.start_pos + c.head, entry.start_pos + entry.num_tokens))
+                             self.rope, torch.arange(entry.start_pos + c.head, entry.start_pos + entry.num_tokens))
                 v = entry.v[:, c.head:]
                 for layer in range(self.n_layers):
                     keys[layer][slots] = k[layer]

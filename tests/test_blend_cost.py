@@ -10,18 +10,17 @@ PLAN = plan_request(torch.arange(215), [(10, 110), (110, 210)], ["a", "b"], matc
 
 
 def test_tokens_the_blend_computes_against_the_whole_extend():
-    p = predict(PLAN, 0, query_pass=True, rates=Rates(token_s=1.0, pair_s=0.0, copy_s=0.0))
+    p = predict(PLAN, query_pass=True, rates=Rates(token_s=1.0, pair_s=0.0, copy_s=0.0))
     # the prefix (10, computed exactly), ceil(0.1 x 200) picks, the query, the query pass again
     assert (p.blend_s, p.stock_s) == (10 + 20 + 5 + 5, 215) and p.blend
     holes = plan_request(torch.arange(215), [(10, 20), (200, 210)], ["a", "b"], matched=0, selector="prophet",
                          ratio=0.1)  # 180 tokens between the chunks: recomputed whatever the selector picks
-    assert predict(holes, 0, query_pass=False, rates=Rates(1.0, 0.0, 0.0)).blend_s == 10 + 2 + 180 + 5
-    assert predict(holes, 0, query_pass=True, rates=Rates(1.0, 0.0, 0.0)).blend_s == 10 + 2 + 180 + 5 + 5
-    assert predict(PLAN, 40, query_pass=False, rates=Rates(1.0, 0.0, 0.0)).blend_s == 10 + 40 + 20 + 5
+    assert predict(holes, query_pass=False, rates=Rates(1.0, 0.0, 0.0)).blend_s == 10 + 2 + 180 + 5
+    assert predict(holes, query_pass=True, rates=Rates(1.0, 0.0, 0.0)).blend_s == 10 + 2 + 180 + 5 + 5
 
 
 def test_pairs_each_side_attends():
-    p = predict(PLAN, 0, query_pass=True, rates=Rates(token_s=0.0, pair_s=1.0, copy_s=0.0))
+    p = predict(PLAN, query_pass=True, rates=Rates(token_s=0.0, pair_s=1.0, copy_s=0.0))
     assert p.stock_s == 215 * 216 / 2
     # the prefix's causal pairs; 20 picks spread over [10, 210), each attending its position; the query's 5 rows
     # (and the query pass's) attending all 215 keys
@@ -29,7 +28,7 @@ def test_pairs_each_side_attends():
 
 
 def test_copying_the_reused_kv_can_make_the_blend_lose():
-    p = predict(PLAN, 0, query_pass=False, rates=Rates(token_s=1.0, pair_s=0.0, copy_s=10.0))
+    p = predict(PLAN, query_pass=False, rates=Rates(token_s=1.0, pair_s=0.0, copy_s=10.0))
     assert p.blend_s == 35 + 200 * 10 and not p.blend
     assert p.report() == {"choice": "full", "predicted_blend_s": 2035.0, "predicted_full_s": 215.0}
 

@@ -5,9 +5,9 @@ the causal kernel's rate per (query, key) pair (chunkcache.blend.attention's sta
 
     stock  = E x token_s + P_stock x pair_s                      E extend tokens, P_stock their causal pairs
     blend  = (F + M + Q) x token_s + (P_fill + P_blend + P_query) x pair_s + R x copy_s
-             F chunks no entry holds (computed standalone), M tokens recomputed (rho of the reused context, the
-             query, every token between chunks), R reused tokens copied, Q the query pass's tokens (selectors that
-             read the query's attention)
+             F the unmatched shared prefix (computed exactly first), M tokens recomputed (rho of the reused context,
+             the query, every token between chunks), R reused tokens copied, Q the query pass's tokens (selectors
+             that read the query's attention)
 
 P_blend assumes the picks spread evenly over the reused context (what a pick attends is its position). The rates
 (`Rates`) are measured once per host and model shape and kept (chunkcache.cpu_dtype.kept_per_host): the model's
@@ -143,9 +143,9 @@ def measure(shape: ModelShape, tokens: int = 512, keys: int = 1024) -> Rates:
                  copy_s=copy * kv_bytes * 2)  # read from the entry and written to the pool
 
 
-def predict(plan: RequestPlan, missing: int, query_pass: bool, rates: Rates) -> Prediction:
-    """`missing`: chunk tokens no entry holds (computed standalone before the blend); `query_pass`: the selector
-    runs the query through every layer (prophet, mix)."""
+def predict(plan: RequestPlan, query_pass: bool, rates: Rates) -> Prediction:
+    """A request whose chunks are all stored (one with a missing chunk blends to store it); `query_pass`: the
+    selector runs the query through every layer (prophet, mix)."""
     n, start = plan.n, plan.matched
     extend = n - start
     reused = sum(e - s for s, e in (c.span for c in plan.chunks))
@@ -156,8 +156,8 @@ def predict(plan: RequestPlan, missing: int, query_pass: bool, rates: Rates) -> 
     exact_prefix = plan.start - start  # the unmatched shared prefix, computed exactly first
     recomputed = picks + between + query
     pairs = (picks + between) * (plan.start + plan.query) / 2 + query * n
-    fill_pairs = exact_prefix * (start + plan.start) / 2 + missing * (plan.shared_prefix_len + missing / 2)
-    tokens = exact_prefix + missing + recomputed + (query if query_pass else 0)
+    fill_pairs = exact_prefix * (start + plan.start) / 2
+    tokens = exact_prefix + recomputed + (query if query_pass else 0)
     pairs = pairs + fill_pairs + (query * n if query_pass else 0)
     blend = tokens * rates.token_s + pairs * rates.pair_s + reused * rates.copy_s
     return Prediction(blend, full_s(extend, start, rates), tokens, int(pairs), reused)
