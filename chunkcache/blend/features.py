@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from ..align import decode_with_offsets
+from ..rope import rerotate
 from ..select.base import Layout
 from ..store import ChunkEntry
 
@@ -258,8 +259,6 @@ class DeviationJob:
 
     def run(self) -> dict[str, dict[str, torch.Tensor]]:
         """Measures and remembers; returns the features each entry gained (for the store's write-through)."""
-        from ..rope import rerotate
-
         had = {e.key: dict(e.features) for e in self.entries}
         fresh = self.passes.exact_kv(self.index, self.layer, self.which).float().cpu()
         deviation = torch.zeros(self.layout.n)

@@ -66,18 +66,17 @@ class ChunkReuse:
         self.calibration = Calibration()  # this server's forwards against the rates' predictions
         self.auto = AutoChunks(config.auto, self._break_ids(), self.fingerprint) if config.auto.enabled else None
 
-    def measure_deferred(self) -> bool:
-        """Measure the oldest deferred deviation and write what its chunks remember through every tier; False when
-        none is waiting. A failure is logged and the job dropped: its chunks are estimated again next use."""
+    def measure_deferred(self) -> None:
+        """Measure the oldest deferred deviation, if any, and write what its chunks remember through every tier. A
+        failure is logged and the job dropped: its chunks are estimated again next use."""
         if not self.deferred:
-            return False
+            return
         job = self.deferred.popleft()
         try:
             for key, feats in job.run().items():
                 self.store.add_features(key, feats)
         except Exception:  # noqa: BLE001 - an optimisation of later selections: never the server's failure
             log.exception("chunkcache: measuring a deferred chunk deviation failed; its chunks stay estimated")
-        return True
 
     @property
     def entry_shape(self) -> tuple[int, int, int]:
