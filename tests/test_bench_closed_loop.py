@@ -111,9 +111,10 @@ def test_closed_clients_take_the_next_request_when_theirs_finished(monkeypatch):
 
 
 def test_run_alternates_the_sides_on_two_live_servers_and_report_rerenders(tmp_path, monkeypatch, default_model):
-    """closed_loop.run with stand-in servers and clients: both servers up before the first block, warmed once,
-    blocks stock, chunkcache, stock, ... per client count, a pair of blocks sharing its prompts, no prompt twice."""
-    up, warmed, blocks = [], [], []
+    """closed_loop.run with stand-in servers and clients: both servers up before the first block, warmed once (the
+    chunkcache side then drained of its deferred work), blocks stock, chunkcache, stock, ... per client count, a pair
+    of blocks sharing its prompts, no prompt twice."""
+    up, warmed, blocks, drained = [], [], [], []
 
     class FakeServer:
         def __init__(self, log_path, *, chunk_reuse, config, model):
@@ -138,11 +139,13 @@ def test_run_alternates_the_sides_on_two_live_servers_and_report_rerenders(tmp_p
     monkeypatch.setattr(closed_loop, "start_server", FakeServer)
     monkeypatch.setattr(closed_loop, "warm", lambda url, requests, hinted: warmed.append((url, hinted)))
     monkeypatch.setattr(closed_loop, "closed", fake_closed)
+    monkeypatch.setattr(closed_loop, "drain", lambda url: drained.append((url, len(warmed))))
     config = closed_loop.ClosedConfig(workload=WorkloadConfig(requests=3, docs=2, words=20, pool=5), clients=(1, 2),
                                       requests=2, blocks=2, out=tmp_path)
     closed_loop.run(config)
 
     assert warmed == [("fake://stock", False), ("fake://chunkcache", True)] and up == []
+    assert drained == [("fake://chunkcache", 2)]  # once, right after its warm-up
     assert [(url, clients) for url, clients, *_ in blocks] == [("fake://stock", 1), ("fake://chunkcache", 1)] * 2 + [
         ("fake://stock", 2), ("fake://chunkcache", 2)] * 2
     assert all(stock[2] == cc[2] for stock, cc in zip(blocks[::2], blocks[1::2]))  # a pair: the same prompts
