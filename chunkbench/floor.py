@@ -15,12 +15,12 @@ Selection passes (features, select) and the fill have no floor: a selector that 
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from chunkcache.cpu_dtype import best_seconds
 
 
 @dataclass(frozen=True)
@@ -46,21 +46,11 @@ class Shape:
         return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype.itemsize
 
 
-def _best(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def causal_attention_s(shape: Shape, n: int, repeats: int = 3) -> float:
     """Seconds of stock's causal attention over an n-token prompt, all layers (one layer timed, times the count)."""
     q = torch.randn(1, shape.heads, n, shape.head_dim).to(shape.dtype)
     k, v = (torch.randn(1, shape.kv_heads, n, shape.head_dim).to(shape.dtype) for _ in range(2))
-    one = _best(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=shape.head_dim ** -0.5,
+    one = best_seconds(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=shape.head_dim ** -0.5,
                                                        enable_gqa=shape.heads != shape.kv_heads), repeats)
     return one * shape.layers
 
@@ -70,15 +60,13 @@ def copy_bandwidth(nbytes: int, repeats: int = 3) -> float:
     nbytes = max(nbytes, 64 << 20)
     src = torch.ones(nbytes // 2, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    return nbytes / _best(lambda: dst.copy_(src), repeats)
+    return nbytes / best_seconds(lambda: dst.copy_(src), repeats)
 
 
 @dataclass(frozen=True)
 class Floor:
     recompute_s: float  # rho_eff x T_linear + pairs share x T_attention
     copy_s: float  # bytes copied / bandwidth
-    linear_s: float  # stock's T_linear on this prompt
-    attention_s: float  # stock's T_attention on this prompt
 
     @property
     def total_s(self) -> float:
@@ -90,4 +78,4 @@ def floor(shape: Shape, n: int, stock_s: float, recomputed: int, pairs: int, reu
     """The floor of one blended request of n prompt tokens whose stock TTFT was `stock_s`."""
     linear = max(stock_s - attention_s, 0.0)
     recompute = recomputed / n * linear + pairs / (n * (n + 1) / 2) * attention_s
-    return Floor(recompute, reused * shape.kv_bytes_per_token / bandwidth, linear, attention_s)
+    return Floor(recompute, reused * shape.kv_bytes_per_token / bandwidth)

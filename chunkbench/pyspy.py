@@ -12,6 +12,7 @@ import collections
 import shutil
 import signal
 import subprocess
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,7 +22,7 @@ RATE = 100  # samples per second
 @contextmanager
 def sampled(pid: int, out: str | Path):
     """py-spy's collapsed stacks of process `pid` (and its threads) into `out` while the block runs."""
-    exe = shutil.which("py-spy") or str(Path(__import__("sys").executable).with_name("py-spy"))
+    exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     proc = subprocess.Popen([exe, "record", "--pid", str(pid), "--rate", str(RATE), "--format", "raw", "--output",
                              str(out), "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:

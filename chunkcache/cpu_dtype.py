@@ -97,6 +97,17 @@ def fastest_cpu_dtype(cache: Path | None = None) -> Choice:
     return choice
 
 
+def best_seconds(fn, repeats: int = 3) -> float:
+    """The fastest of `repeats` timed calls of `fn`, after one untimed call (oneDNN builds its kernels on the first)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def kept_per_host(path: Path, host: str, choose) -> dict:
     """The JSON object kept for `host` in `path`, or `choose()`'s, kept there now: a measured choice is made once
     per host, so every process and both sides of an A/B on it run the same, whatever the noise of a later

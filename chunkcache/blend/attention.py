@@ -13,14 +13,13 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from ..config import home
-from ..cpu_dtype import host_signature, kept_per_host
+from ..cpu_dtype import best_seconds, host_signature, kept_per_host
 
 # Query rows per attention call of the block plan (GPU SDPA, recording, sliding windows, the bf16 matmul kernel).
 # Rows are sorted by position, so a block only needs the keys up to its last row's position: smaller blocks skip more
@@ -160,13 +159,7 @@ def _measure_bf16_kernels(keys: int = 3200, repeats: int = 3) -> dict:
                              for b in plan.blocks]}
     ms = {}
     for name, run in runs.items():
-        run()
-        best = float("inf")
-        for _ in range(repeats):
-            t = time.perf_counter()
-            run()
-            best = min(best, time.perf_counter() - t)
-        ms[name] = round(1e3 * best, 2)
+        ms[name] = round(1e3 * best_seconds(run, repeats), 2)
     return {"kernel": min(ms, key=ms.get), "ms": ms}
 
 

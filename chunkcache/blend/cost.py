@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections import deque
 from dataclasses import asdict, dataclass, replace
 
@@ -26,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import home
-from ..cpu_dtype import host_signature, kept_per_host
+from ..cpu_dtype import best_seconds, host_signature, kept_per_host
 from .plan import RequestPlan
 
 
@@ -112,16 +111,6 @@ def host_rates(shape: ModelShape) -> Rates:
     return Rates(**kept_per_host(home() / "host-rates.json", key, lambda: asdict(measure(shape))))
 
 
-def _best(fn, repeats: int = 3) -> float:
-    fn()
-    best = math.inf
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def measure(shape: ModelShape, tokens: int = 512, keys: int = 1024) -> Rates:
     dtype = getattr(torch, shape.dtype)
     h, d = shape.hidden, shape.head_dim
@@ -130,15 +119,15 @@ def measure(shape: ModelShape, tokens: int = 512, keys: int = 1024) -> Rates:
                torch.randn(h, 2 * shape.intermediate), torch.randn(shape.intermediate, h)]
     weights = [w.to(dtype) for w in weights]
     inputs = [x, torch.randn(tokens, shape.heads * d).to(dtype), x, torch.randn(tokens, shape.intermediate).to(dtype)]
-    layer = _best(lambda: [a @ w for a, w in zip(inputs, weights)])
+    layer = best_seconds(lambda: [a @ w for a, w in zip(inputs, weights)])
     q = torch.randn(1, shape.heads, keys, d).to(dtype)
     k, v = (torch.randn(1, shape.kv_heads, keys, d).to(dtype) for _ in range(2))
-    attention = _best(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+    attention = best_seconds(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                              enable_gqa=shape.heads != shape.kv_heads))
     kv_bytes = 2 * shape.layers * shape.kv_heads * d * dtype.itemsize
     src = torch.ones(max(64 << 20, kv_bytes) // 2, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    copy = _best(lambda: dst.copy_(src)) / src.nbytes
+    copy = best_seconds(lambda: dst.copy_(src)) / src.nbytes
     return Rates(token_s=layer / tokens * shape.layers, pair_s=attention / (keys * (keys + 1) / 2) * shape.layers,
                  copy_s=copy * kv_bytes * 2)  # read from the entry and written to the pool
 
