@@ -39,9 +39,13 @@ class StoreConfig:
     remote_retry_s: float = 5.0  # after a failure the remote tier is skipped (gets miss, puts dropped) this long
     remote_max_value_bytes: int = 512 << 20  # larger entries stay local (lowered to the server's proto-max-bulk-len)
     remote_write_queue: int = 64  # entries waiting for the background writer; a put beyond this is dropped
+    # K and V as the disk and remote tiers write them: none, int8 or int4 (chunkcache/store/codec.py; SmolLM2: 56 % /
+    # 31 % of the bytes), decoded on read, the host tier full width; quality cost: docs/bench/compression.md
+    compress: str = "none"
 
     def check(self) -> None:
         _at_least(self, "host_bytes", 0)
+        _one_of(self, "compress", ("none", "int8", "int4"))  # store.codec.NAMES
         _at_least(self, "disk_bytes", 1)
         _non_empty(self, "disk_dir", "namespace")
         if self.remote_url is not None:
@@ -84,7 +88,8 @@ class DraftConfig:
 
 @dataclass
 class SelectConfig:
-    # default selector: full, none, epic, cacheblend, prophet, spec, clip, mix (or oracle). mix with the deviations
+    # default selector: full (SGLang's own prefill, no reused KV: hints `exact`), none, epic, cacheblend, prophet,
+    # spec, clip, mix (or oracle). mix with the deviations
     # its chunks remember runs at prophet's TTFT (3K / 7K tokens: 1.11 / 3.37 s against 1.16 / 3.47 s) with a lower
     # first-token KL than prophet's (-13.9 % multikey, -8.6 % MuSiQue; docs/bench/eval_select.md, serving.md)
     selector: str = "mix"
@@ -95,7 +100,7 @@ class SelectConfig:
     options: dict[str, Any] = field(default_factory=lambda: {"mix": {"stored_deviation": True, "overlap": 0.15}})
     # CPU: a request that teaches the store nothing (every chunk stored) is computed in full when blending it is
     # predicted slower, from rates measured once on this host (chunkcache/blend/cost.py); reported as the fallback
-    # `predicted_slower`. `selector: full` is never second-guessed.
+    # `predicted_slower`.
     full_when_slower: bool = True
 
     def check(self) -> None:

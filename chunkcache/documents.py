@@ -3,7 +3,8 @@ and the body of POST /chunkcache/ingest.
 
     {"documents": ["...", "..."], "selector": "prophet", "ratio": 0.15, "namespace": "kb1"}
 
-Each document becomes one chunk (see prompt.build). Pure Python: validated here, so both routes answer a malformed
+Each document becomes one chunk (see prompt.build). A chat request may send `{"exact": true}` instead (documents
+optional): computed by the model's own prefill, no reused KV (hints: `exact`). Pure Python: validated here, so both routes answer a malformed
 body with the same HTTP 400 message. Ingest also takes `cache_salt` (SGLang's per-tenant isolation salt; chat
 requests carry theirs in the OpenAI body): chunks stored under a salt are found only by requests with that salt.
 """
@@ -13,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .hints import HintError, parse_options
+from .hints import HintError, SelectorNames, parse_options
 
-CHAT_KEYS = ("documents", "selector", "ratio", "namespace")
+CHAT_KEYS = ("documents", "selector", "ratio", "namespace", "exact")
 INGEST_KEYS = ("documents", "system", "namespace", "cache_salt")
 
 
@@ -25,30 +26,38 @@ class DocumentsError(ValueError):
 
 @dataclass(frozen=True)
 class Documents:
-    documents: tuple[str, ...]
+    documents: tuple[str, ...]  # empty only for an `exact` request without documents
     namespace: str | None = None
     selector: str | None = None
     ratio: float | None = None
     system: str | None = None
     cache_salt: str | None = None
+    exact: bool | None = None
 
     def hint_options(self) -> dict[str, Any]:
         """The chunk hint's optional keys (prompt.RagPrompt.kv_hints), None values left out."""
-        options = {"namespace": self.namespace, "selector": self.selector, "ratio": self.ratio}
+        options = {"namespace": self.namespace, "selector": self.selector, "ratio": self.ratio, "exact": self.exact}
         return {k: v for k, v in options.items() if v is not None}
 
 
 def parse(body: Any, *, where: str, allowed: tuple[str, ...], max_documents: int | None = None,
-          limit: str = "") -> Documents:
+          limit: str = "", selectors: SelectorNames | None = None) -> Documents:
     """Validate a documents body; `where` names it in errors (e.g. "chunkcache" for the chat extra body). More than
-    `max_documents` documents is an error naming `limit`, the config key that sets it."""
+    `max_documents` documents is an error naming `limit`, the config key that sets it; `selectors` judges a
+    `selector` (hints.parse_options)."""
     if not isinstance(body, dict):
         raise DocumentsError(f'{where} must be an object like {{"documents": ["..."]}}, got {_kind(body)}')
     unknown = sorted(set(body) - set(allowed))
     if unknown:
         raise DocumentsError(f"unknown key(s) {', '.join(map(repr, unknown))} in {where}; "
                              f"allowed: {', '.join(map(repr, allowed))}")
+    try:
+        namespace, selector, ratio, exact = parse_options(body, selectors)
+    except HintError as exc:
+        raise DocumentsError(f"{where}: {str(exc).removeprefix('chunkcache hint: ')}") from None
     docs = body.get("documents")
+    if docs is None and exact:
+        return Documents((), namespace, selector, ratio, exact=exact)
     if not isinstance(docs, list) or not docs:
         raise DocumentsError(f"{where}.documents must be a non-empty list of strings, got {_kind(docs)}")
     if max_documents is not None and len(docs) > max_documents:
@@ -62,11 +71,7 @@ def parse(body: Any, *, where: str, allowed: tuple[str, ...], max_documents: int
         raise DocumentsError(f"{where}.system must be a non-empty string, got {_kind(system)}")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise DocumentsError(f"{where}.cache_salt must be a non-empty string, got {_kind(salt)}")
-    try:
-        namespace, selector, ratio = parse_options(body)
-    except HintError as exc:
-        raise DocumentsError(f"{where}: {str(exc).removeprefix('chunkcache hint: ')}") from None
-    return Documents(tuple(docs), namespace, selector, ratio, system, salt)
+    return Documents(tuple(docs), namespace, selector, ratio, system, salt, exact)
 
 
 def _kind(value: Any) -> str:

@@ -7,20 +7,24 @@
 `token_spans` (end exclusive) index the prompt's tokens and go with `input_ids` requests; a `text` request sends
 `char_spans` instead, which the server maps to token spans with the tokenizer's offsets before the scheduler sees
 them. Optional payload keys: `namespace` (str of at most MAX_NAMESPACE_CHARS), `selector` (a registered selector
-name), `ratio` (float in [0, 1]). The server bounds the number of spans (config `limits.max_spans`).
+name), `ratio` (float in [0, 1]), `exact` (bool). The server bounds the number of spans (config `limits.max_spans`).
 A request without a chunkcache action is not ours: it must be served exactly like stock SGLang.
 
-Pure Python: the envelope may be a plain dict (JSON) or SGLang's typed struct (read by attribute), so this module
-never imports sglang.
+`exact: true` asks for no approximate KV at all: the request is computed by SGLang's own prefill, reusing only the
+radix tree's exact prefix, so its output is stock's bit for bit. Its spans may be left out (a client that pastes
+passages to a server with automatic detection opts out with `{"exact": true}` alone); `selector` and `ratio` have no
+meaning with it and are refused. `selector: full` is served the same way.
+
+Pure Python, never importing sglang or torch: the envelope may be a plain dict (JSON) or SGLang's typed struct (read
+by attribute), and the selector names are judged by the registry a caller passes in (`SelectorNames`), so the
+request contract, the prompt builder and frontend programs load without the model stack.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
-
-from .select import REGISTRY
+from typing import Any, Protocol, Sequence
 
 ACTION_TYPE = "chunkcache.chunks"
 ACTION_VERSION = "1"
@@ -28,7 +32,16 @@ PROTOCOL_VERSION = "1"  # of SGLang's kv_hints envelope: the only one whose sema
 # A namespace is hashed into chunk keys and names the request's radix partition: it identifies a tenant, it is not
 # a place for data, so it is bounded (a megabyte namespace would be copied into every radix key of the request).
 MAX_NAMESPACE_CHARS = 256
-OPTIONAL_KEYS = ("namespace", "selector", "ratio")
+OPTIONAL_KEYS = ("namespace", "selector", "ratio", "exact")
+EXACT_SELECTOR = "full"  # the selector that recomputes every token: served as `exact` is
+
+
+class SelectorNames(Protocol):
+    """The selector registry (chunkcache.select.REGISTRY) as a payload's `selector` is judged against it."""
+
+    def __contains__(self, name: object) -> bool: ...
+
+    def names(self) -> list[str]: ...
 
 
 class HintError(ValueError):
@@ -44,10 +57,11 @@ class ChunkHint:
     namespace: str | None = None
     selector: str | None = None
     ratio: float | None = None
+    exact: bool | None = None  # True: SGLang's own prefill, no reused KV (token_spans may then be empty)
 
     def to_payload(self) -> dict:
         """The canonical payload (token spans only), as the server forwards it to the scheduler."""
-        payload: dict[str, Any] = {"token_spans": [list(s) for s in self.token_spans]}
+        payload: dict[str, Any] = {"token_spans": [list(s) for s in self.token_spans]} if self.token_spans else {}
         for key in OPTIONAL_KEYS:
             if getattr(self, key) is not None:
                 payload[key] = getattr(self, key)
@@ -57,14 +71,18 @@ class ChunkHint:
 def envelope(token_spans: Sequence[Sequence[int]] | None = None, *, char_spans: Sequence[Sequence[int]] | None = None,
              message_id: str = "chunkcache", **options: Any) -> dict:
     """A `kv_hints` envelope (JSON-ready) carrying one chunkcache action; `options` are the optional payload keys,
-    None values left out."""
-    if (token_spans is None) == (char_spans is None):
-        raise ValueError("give exactly one of token_spans and char_spans")
+    None values left out. An `exact=True` envelope may carry no spans."""
+    if token_spans is not None and char_spans is not None:
+        raise ValueError("give one of token_spans and char_spans, not both")
+    if token_spans is None and char_spans is None and options.get("exact") is not True:
+        raise ValueError("give token_spans or char_spans (only an exact=True envelope may carry no spans)")
     unknown = set(options) - set(OPTIONAL_KEYS)
     if unknown:
         raise ValueError(f"unknown chunkcache payload keys {sorted(unknown)}; allowed: {', '.join(OPTIONAL_KEYS)}")
-    key, spans = ("token_spans", token_spans) if token_spans is not None else ("char_spans", char_spans)
-    payload = {key: [list(s) for s in spans], **{k: v for k, v in options.items() if v is not None}}
+    payload = {k: v for k, v in options.items() if v is not None}
+    for key, spans in (("token_spans", token_spans), ("char_spans", char_spans)):
+        if spans is not None:
+            payload[key] = [list(s) for s in spans]
     return {"protocol_version": "1", "message_id": message_id, "actions": [
         {"action_id": "chunks", "action_type": ACTION_TYPE, "action_version": ACTION_VERSION, "payload": payload}]}
 
@@ -97,21 +115,27 @@ def find_payload(kv_hints: Any) -> dict | None:
     return payload
 
 
-def parse(payload: dict, prompt_len: int, max_spans: int | None = None) -> ChunkHint:
-    """Validate a token-span payload against a prompt of `prompt_len` tokens (and at most `max_spans` spans)."""
-    _check_keys(payload, "token_spans")
+def parse(payload: dict, prompt_len: int, max_spans: int | None = None,
+          selectors: SelectorNames | None = None) -> ChunkHint:
+    """Validate a token-span payload against a prompt of `prompt_len` tokens (and at most `max_spans` spans);
+    `selectors`: the registry a `selector` must be registered in (None: not judged here)."""
+    options = parse_options(payload, selectors)
+    if not _check_keys(payload, "token_spans", required=not options[3]):
+        return ChunkHint((), *options)
     spans = _check_spans(payload["token_spans"], "token_spans", prompt_len, "prompt tokens", max_spans)
     last = prompt_len - 1
     for i, (start, end) in enumerate(spans):
         if end > last:
             raise HintError(f"token_spans[{i}] = [{start}, {end}] contains the last prompt token (index {last}), "
                             f"which is always recomputed; a span must end at {last} or earlier")
-    return ChunkHint(tuple(spans), *parse_options(payload))
+    return ChunkHint(tuple(spans), *options)
 
 
-def parse_options(payload: dict) -> tuple[str | None, str | None, float | None]:
-    """The optional payload keys, validated: (namespace, selector, ratio), None where absent."""
-    namespace, selector, ratio = (payload.get(k) for k in OPTIONAL_KEYS)
+def parse_options(payload: dict, selectors: SelectorNames | None = None
+                  ) -> tuple[str | None, str | None, float | None, bool | None]:
+    """The optional payload keys, validated: (namespace, selector, ratio, exact), None where absent; `selectors`:
+    the registry a `selector` must be registered in (None: not judged here)."""
+    namespace, selector, ratio, exact = (payload.get(k) for k in OPTIONAL_KEYS)
     if namespace is not None and (not isinstance(namespace, str) or not namespace):
         raise HintError(f"namespace must be a non-empty string, got {namespace!r}")
     if namespace is not None and len(namespace) > MAX_NAMESPACE_CHARS:
@@ -119,15 +143,23 @@ def parse_options(payload: dict) -> tuple[str | None, str | None, float | None]:
     if selector is not None:
         if not isinstance(selector, str):
             raise HintError(f"selector must be a string, got {selector!r}")
-        if selector not in REGISTRY:  # looked up now, so selectors registered later are accepted
-            raise HintError(f"selector {selector!r} is not registered; known: {', '.join(REGISTRY.names())}")
+        if selectors is not None and selector not in selectors:  # looked up now: later registrations count
+            raise HintError(f"selector {selector!r} is not registered; known: {', '.join(selectors.names())}")
     if ratio is not None:
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio):
             raise HintError(f"ratio must be a number in [0, 1], got {ratio!r}")
         if not 0.0 <= ratio <= 1.0:
             raise HintError(f"ratio must be in [0, 1], got {ratio}")
         ratio = float(ratio)
-    return namespace, selector, ratio
+    if exact is not None and not isinstance(exact, bool):
+        raise HintError(f"exact must be true or false, got {exact!r}")
+    if exact:
+        if selector not in (None, EXACT_SELECTOR):
+            raise HintError(f"selector {selector!r} cannot apply with exact: true (every token is computed by the "
+                            f"model's own prefill); leave selector out")
+        if ratio is not None:
+            raise HintError("ratio cannot apply with exact: true (every token is computed); leave ratio out")
+    return namespace, selector, ratio, exact
 
 
 def char_spans_to_token_payload(payload: dict, offsets: Sequence[Sequence[int]], text_len: int,
@@ -178,7 +210,8 @@ def _cut(j: int, span: tuple[int, int], which: str, offset: int, token: int, a: 
             f"(characters [{a}, {b})); a chunk must start and end on token boundaries, e.g. {a} or {b}")
 
 
-def _check_keys(payload: dict, spans_key: str) -> None:
+def _check_keys(payload: dict, spans_key: str, required: bool = True) -> bool:
+    """Whether the payload has `spans_key` (an error when `required`); any other key is an error."""
     other = "char_spans" if spans_key == "token_spans" else "token_spans"
     if other in payload:
         kind = "a text request" if other == "char_spans" else "an input_ids request"
@@ -187,8 +220,9 @@ def _check_keys(payload: dict, spans_key: str) -> None:
     if unknown:
         raise HintError(f"unknown payload key(s) {', '.join(map(repr, unknown))}; "
                         f"allowed: {', '.join(map(repr, (spans_key, *OPTIONAL_KEYS)))}")
-    if spans_key not in payload:
+    if spans_key not in payload and required:
         raise HintError(f"payload has no {spans_key!r}")
+    return spans_key in payload
 
 
 def _check_spans(spans: Any, name: str, limit: int, unit: str, max_spans: int | None = None) -> list[tuple[int, int]]:

@@ -41,7 +41,7 @@ def compute_tokens(reuse: ChunkReuse, req, prefix_len: int) -> int | None:
         return None
     plan = hint.plan(prefix_len)
     extend = plan.n - prefix_len
-    if plan.selector == "full" or not plan.blends:
+    if not plan.blends:
         return extend
     context = sum(e - s for s, e in (c.span for c in plan.chunks))
     missing = sum(e - s for s, e in (c.chunk for c in plan.chunks if c.key not in reuse.store))

@@ -75,7 +75,7 @@ def learn(reuse: ChunkReuse, model_runner, forward_batch, reqs, hint_of) -> None
         todo = reuse.auto.to_learn(segments, computed, reuse.store, crowded)
         row.req.__dict__.pop(SEGMENTS)  # learned once per prompt, whatever later rounds do
         learned = _store(reuse, pool, row, todo)
-        if hint is None:
+        if hint is None and report.EXACT not in row.req.__dict__:
             report.auto_stock(row.req, radix=row.matched, computed=row.seq_len - row.matched, learned=learned)
         elif learned:
             report.add_learned(row.req, learned)

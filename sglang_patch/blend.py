@@ -95,8 +95,8 @@ def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
 def _predicted(reuse: ChunkReuse, plan: RequestPlan) -> Prediction | None:
     """Blend against full compute, for a request that teaches the store nothing (a missing chunk is computed and
     stored by its blend, for every later request); None when the server does not decide (GPU, `full_when_slower`
-    off, `selector: full`)."""
-    if reuse.rates is None or plan.selector == "full" or any(c.key not in reuse.store for c in plan.chunks):
+    off)."""
+    if reuse.rates is None or any(c.key not in reuse.store for c in plan.chunks):
         return None
     query_pass = any(name == "query_attention" for name, _ in needs(reuse.selector(plan.selector)))
     return predict(plan, query_pass, reuse.rates)

@@ -3,6 +3,9 @@
     {"messages": [{"role": "system", "content": "..."}, {"role": "user", "content": "the question"}],
      "chunkcache": {"documents": ["...", "..."], "selector": "prophet", "ratio": 0.15}}
 
+`"chunkcache": {"exact": true}` (documents optional) asks for stock's prefill, no reused KV: without documents the
+messages are templated by SGLang as usual and only the hint travels.
+
 The request schema drops unknown fields, so the `chunkcache` object is read from the raw JSON body (or from
 `chat_template_kwargs.chunkcache`, which passes SGLang's router: see `routed`). Three hooks on
 OpenAIServingChat (plugin.hooks):
@@ -21,7 +24,9 @@ from __future__ import annotations
 from typing import Any
 
 from chunkcache.documents import CHAT_KEYS, parse
+from chunkcache.hints import envelope
 from chunkcache.prompt import DEFAULT_SYSTEM
+from chunkcache.select import REGISTRY
 
 from .launcher import server_limits
 from .prompt_worker import build_prompt
@@ -36,7 +41,10 @@ async def handle_request(original, serving, request, raw_request=None):
     try:
         # each document is one chunk: bounded like the spans of a hint
         docs = parse(body[KEY], where=KEY, allowed=CHAT_KEYS, max_documents=server_limits().max_spans,
-                     limit="limits.max_spans")
+                     limit="limits.max_spans", selectors=REGISTRY)
+        if not docs.documents:  # exact, nothing to build
+            raw_request.state.chunkcache_hints = envelope(**docs.hint_options())
+            return await original(serving, request, raw_request)
         system, question = conversation(request)
         prompt = await build_prompt(serving.tokenizer_manager.tokenizer, docs.documents, question,
                                     system or DEFAULT_SYSTEM)

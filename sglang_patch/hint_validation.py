@@ -15,6 +15,7 @@ from __future__ import annotations
 import msgspec
 
 from chunkcache.hints import ACTION_TYPE, HintError, char_spans_to_token_payload, find_payload, parse
+from chunkcache.select import REGISTRY
 
 from .launcher import server_limits
 from .request_hint import RESERVED_EXTRA_KEY
@@ -33,10 +34,11 @@ def check_request(tokenized, manager, obj, input_text, input_ids, *args, **kwarg
     if input_ids is None:
         raise HintError("chunks need a prompt of token ids: send text or input_ids, not input_embeds")
     max_spans = server_limits().max_spans
-    if obj.input_ids is None and obj.input_embeds is None:  # SGLang tokenized `text` itself
+    spanless = payload.get("exact") is True and "char_spans" not in payload  # nothing to map
+    if obj.input_ids is None and obj.input_embeds is None and not spanless:  # SGLang tokenized `text` itself
         offsets = text_offsets(manager.tokenizer, input_text, input_ids)
         payload = char_spans_to_token_payload(payload, offsets, len(input_text), max_spans)
-    hint = parse(payload, len(input_ids), max_spans)
+    hint = parse(payload, len(input_ids), max_spans, selectors=REGISTRY)
     tokenized.kv_hints = with_payload(envelope, hint.to_payload())
 
 

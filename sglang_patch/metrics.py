@@ -56,6 +56,9 @@ class _Metrics:
                                  registry=r)
         self.fallbacks = Counter("chunkcache_fallbacks", "Hinted requests computed in full, by reason", ["reason"],
                                  registry=r)
+        self.exact = Counter("chunkcache_exact_requests", "Requests with a chunkcache payload computed by the model's "
+                             "own prefill at their asking, by reason (exact: `exact: true`; selector_full: "
+                             "`selector: full`)", ["reason"], registry=r)
         self.remote = {field: Counter(name, doc, registry=r) for field, (name, doc) in REMOTE_COUNTERS.items()}
         self.remote_skipped = Counter("chunkcache_remote_skipped", "Remote gets and puts not done, by reason (down: "
                                       "outage in progress; oversize, full: puts the server cannot take; queue: "
@@ -119,6 +122,12 @@ def record_request(info: dict) -> None:
     m.recomputed_tokens.inc(info["recomputed_tokens"])
     m.select_seconds.observe(info["select_s"])
     m.blend_seconds.observe(info["blend_s"])
+
+
+def record_exact(reason: str) -> None:
+    """One request computed by the model's own prefill because it asked for exact KV."""
+    if _metrics is not None:
+        _metrics.exact.labels(reason).inc()
 
 
 def record_auto_lookup(hits: int, misses: int, seconds: float) -> None:

@@ -105,6 +105,7 @@ def _blend_extend(original, runner, forward_batch, pp_proxy_tensors=None):
     out = _extend(original, runner, forward_batch, pp_proxy_tensors, reuse, reqs)
     if reuse is not None:
         reuse.last_forward = time.monotonic()
+        _report_exact(forward_batch, reqs or ())
     if reuse is not None and reqs and reuse.auto is not None and reuse.config.auto.learn:
         try:
             auto_chunks.learn(reuse, runner.model_runner, forward_batch, reqs, request_hint.of)
@@ -128,6 +129,15 @@ def _extend(original, runner, forward_batch, pp_proxy_tensors, reuse, reqs):
                 report.fallback(r, "error", f"{type(exc).__name__}: {exc}")
         out = None
     return _stock_forward(original, runner, forward_batch, pp_proxy_tensors, reuse) if out is None else out
+
+
+def _report_exact(forward_batch, reqs) -> None:
+    """The prompt rounds of requests that asked for exact KV, which SGLang's own forward just computed (a decode
+    row of a mixed batch, or a retracted request's re-prefill, is not a prompt round)."""
+    for i, req in enumerate(reqs):
+        if request_hint.exact(req) is not None and not req.output_ids:
+            report.exact(req, radix=int(forward_batch.extend_prefix_lens_cpu[i]),
+                         computed=int(forward_batch.extend_seq_lens_cpu[i]))
 
 
 def _stock_forward(original, runner, forward_batch, pp_proxy_tensors, reuse):

@@ -28,6 +28,7 @@ STAGES = ("match_fill", "copy", "features", "select", "prefill")  # stages_s: th
 # Req attribute: the segments automatic detection looked up past the radix match (sglang_patch.auto_chunks)
 AUTO_SEGMENTS = "chunkcache_auto_segments"
 AUTO_DETECT_S = "chunkcache_auto_detect_s"  # Req attribute: seconds automatic detection took
+EXACT = "chunkcache_exact"  # Req attribute: why a request with a chunkcache payload is computed exactly
 NO_BATCH = {"requests": 0, "plain": 0, "decodes": 0, "forwards": 0}
 
 
@@ -62,6 +63,16 @@ def auto_stock(req, *, radix: int, computed: int, learned: dict[str, int]) -> No
              getattr(req, "rid", "?"), learned)
     _add_round(req, {**_auto(req), "chunk_hits": 0, "reused_tokens": 0, "recomputed_tokens": computed,
                      "radix_tokens": radix, "learned": learned})
+
+
+def exact(req, *, radix: int, computed: int) -> None:
+    """A round computed by SGLang's own prefill because the request asked for exact KV (request_hint.exact_reason):
+    no reused KV, its output stock's."""
+    why = req.__dict__[EXACT]
+    log.info("chunkcache: request %s computed by the model's own prefill (%s)", getattr(req, "rid", "?"), why)
+    metrics.record_exact(why)
+    _add_round(req, {"exact": True, "reason": why, "selector": "full", "chunk_hits": 0, "reused_tokens": 0,
+                     "recomputed_tokens": computed, "radix_tokens": radix})
 
 
 def _auto(req) -> dict:

@@ -4,6 +4,10 @@
 into its radix partition and resolves its validated payload against the server's `ChunkReuse` (defaults filled in,
 chunk keys hashed). Admission (sglang_patch.admission) and the blend (sglang_patch.blend) read it with `of(req)`.
 
+A request that asks for exact KV (`exact: true`, or `selector: full` by its payload or the server's default) gets no
+hint: it stays in its own partition and SGLang's own prefill computes it, so its output is stock's bit for bit; `exact`
+says why, for its report (sglang_patch.report.exact).
+
 `radix_partition` is the radix-tree namespace (SGLang's `extra_key`) of a hinted request: its KV is approximate past
 the first chunk, so no request without chunks may ever match it as an exact prefix. With automatic chunk detection
 on, a request without a hint whose stored segments are enough to blend gets an auto hint (sglang_patch.auto_chunks)
@@ -15,7 +19,7 @@ from __future__ import annotations
 import logging
 
 from chunkcache.blend.reuse import ChunkReuse, RequestHint
-from chunkcache.hints import HintError, find_payload
+from chunkcache.hints import EXACT_SELECTOR, HintError, find_payload
 
 from . import auto_chunks, report
 
@@ -34,13 +38,18 @@ def attach(reuse: ChunkReuse | None, tree_cache, req) -> None:
     try:
         payload = find_payload(getattr(req, "kv_hints", None))
         if payload is not None:
-            req.extra_key = radix_partition(payload.get("namespace"), req.extra_key)
-            if reuse is not None:
-                hint = reuse.hint(payload, req.origin_input_ids, getattr(req, "cache_salt", None))
-                if reuse.auto is not None:
-                    req.__dict__[auto_chunks.SEGMENTS] = reuse.segments(req.origin_input_ids,
-                                                                        getattr(req, "cache_salt", None))
-        elif reuse is not None and reuse.auto is not None and getattr(req, "to_finish", None) is None:
+            why = exact_reason(reuse, payload)
+            if why is not None:
+                req.__dict__[report.EXACT] = why
+            else:
+                req.extra_key = radix_partition(payload.get("namespace"), req.extra_key)
+                if reuse is not None:
+                    hint = reuse.hint(payload, req.origin_input_ids, getattr(req, "cache_salt", None))
+            if reuse is not None and reuse.auto is not None:
+                req.__dict__[auto_chunks.SEGMENTS] = reuse.segments(req.origin_input_ids,
+                                                                    getattr(req, "cache_salt", None))
+        elif (reuse is not None and reuse.auto is not None and getattr(req, "to_finish", None) is None
+              and reuse.config.select.selector != EXACT_SELECTOR):  # a server serving `full` blends nothing
             try:
                 hint = auto_chunks.detect(reuse, tree_cache, req)
             except Exception as exc:  # noqa: BLE001 - e.g. the shared tier failing mid-lookup: serve it as stock
@@ -52,6 +61,19 @@ def attach(reuse: ChunkReuse | None, tree_cache, req) -> None:
         if reuse is not None:
             report.fallback(req, "bad_hint", str(exc))
     req.__dict__[ATTR] = hint
+
+
+def exact_reason(reuse: ChunkReuse | None, payload: dict) -> str | None:
+    """"exact" (asked), "selector_full" (the payload's selector or the server's default), or None (blended)."""
+    if payload.get("exact") is True:
+        return "exact"
+    default = reuse.config.select.selector if reuse is not None else None
+    return "selector_full" if (payload.get("selector") or default) == EXACT_SELECTOR else None
+
+
+def exact(req) -> str | None:
+    """Why the request is computed exactly (exact_reason), None for any other request."""
+    return req.__dict__.get(report.EXACT)
 
 
 def of(req) -> RequestHint | None:

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import requests
 import safetensors
 import yaml
 
@@ -154,6 +155,14 @@ def server(tmp_path_factory, default_model):
     srv = start_server(tmp_path_factory.mktemp("server") / "server.log", "--enable-metrics")  # /metrics is tested too
     yield srv
     srv.stop()
+
+
+def metric(server, name: str, labels: str = "") -> float:
+    """A series' value on the server's /metrics (0 when absent)."""
+    for line in requests.get(server.url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + labels + " ") or (not labels and line.startswith(name + "{")):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 # RAG prompts and chunk hints for the engine tests (tests/test_blend_serving.py, tests/test_serving_load.py)

@@ -113,7 +113,7 @@ def rag(default_model):
 
 
 @pytest.mark.slow
-def test_full_selector_equals_stock_on_every_served_family(family, rag):
+def test_a_blend_recomputing_every_token_equals_stock_on_every_served_family(family, rag):
     arch, _, engine = family
     rng = random.Random(2)
     outputs = set()
@@ -121,9 +121,9 @@ def test_full_selector_equals_stock_on_every_served_family(family, rag):
         order = rng.sample(range(4), 3)
         ids, spans = rag.build(order, f"What is the code of document {order[k]}?")
         stock = gen(engine, ids)
-        blended = gen(engine, ids, hints(spans, selector="full", namespace=f"full-{k}"))
+        blended = gen(engine, ids, hints(spans, selector="epic", ratio=1.0, namespace=f"full-{k}"))
         info = blended["meta_info"]["chunkcache"]
-        assert info["selector"] == "full" and info["chunk_misses"] == 3, info
+        assert info["selector"] == "epic" and info["chunk_misses"] == 3 and info["reused_tokens"] == 0, info
         assert blended["output_ids"] == stock["output_ids"], (arch, order)
         outputs.add(json.dumps(stock["output_ids"]))
     assert len(outputs) > 1  # the tiny model's answer depends on the prompt: equality above means something
@@ -148,9 +148,9 @@ def test_reused_chunks_match_the_reference_blender_where_it_runs(family, rag):
 
 
 @pytest.mark.slow
-def test_gemma_3_270m_blends_with_full_to_stocks_greedy_output(tmp_path):
+def test_gemma_3_270m_blends_every_token_to_stocks_greedy_output(tmp_path):
     """The second real model (chunkcache model gemma-3-270m): local layers' windows of 512 and two RoPE bases, on
-    prompts longer than the window."""
+    prompts longer than the window; ratio 1 recomputes every token through the blend's own passes."""
     from chunkcache.models import resolve_model
 
     model = resolve_model("gemma-3-270m")
@@ -160,8 +160,8 @@ def test_gemma_3_270m_blends_with_full_to_stocks_greedy_output(tmp_path):
             ids, spans = rag.build(order, f"What is the code of document {order[2]}?")
             assert len(ids) > 600  # past the local layers' window
             stock = gen(engine, ids)
-            blended = gen(engine, ids, hints(spans, selector="full", namespace=f"gemma-{k}"))
-            assert blended["meta_info"]["chunkcache"]["selector"] == "full"
+            blended = gen(engine, ids, hints(spans, selector="epic", ratio=1.0, namespace=f"gemma-{k}"))
+            assert blended["meta_info"]["chunkcache"]["selector"] == "epic"
             assert blended["output_ids"] == stock["output_ids"], (order, blended["text"], stock["text"])
 
 

@@ -21,7 +21,7 @@ from chunkcache.store.disk import decode, encode
 from sglang_patch import cli
 from sglang_patch.request_hint import radix_partition
 
-from conftest import start_server
+from conftest import metric, start_server
 
 pytestmark = pytest.mark.slow
 GREEDY = {"max_new_tokens": 6, "temperature": 0}
@@ -57,13 +57,6 @@ def healthy(srv):
     """After the case: the server still answers the known-good prompt exactly as before."""
     yield srv
     assert answer(srv) == srv.known_good
-
-
-def metric(server, name: str, labels: str = "") -> float:
-    for line in requests.get(server.url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith(name + labels + " ") or (not labels and line.startswith(name + "{")):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 def hints(payload, protocol="1", version="1", extra_actions=()):

@@ -16,7 +16,7 @@ def store_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(default_model, tmp_path_factory, store_dir):
-    config = f"select:\n  selector: full\n  ratio: 0.15\nstore:\n  disk_dir: {store_dir}\n"
+    config = f"select:\n  selector: epic\n  ratio: 0.15\nstore:\n  disk_dir: {store_dir}\n"
     # float32: the oracles are stock's greedy tokens and the reference blender's (float32), and in bfloat16 a correct
     # blend rounds differently enough from stock to flip a near-tie (seen: the last code digit of the full-selector
     # test's third prompt, whose top two logits tie exactly in bfloat16 and differ by 0.09 in float32)
@@ -32,14 +32,16 @@ def rag(default_model):
     return Rag(AutoTokenizer.from_pretrained(default_model))
 
 
-def test_full_selector_matches_stock_sglang(engine, rag):
+def test_a_blend_recomputing_every_token_matches_stock_sglang(engine, rag):
+    """Ratio 1: every chunk's stored KV copied in, then every token recomputed through the blend's own passes."""
     rng = random.Random(1)
     for k in range(5):
         order = rng.sample(range(len(rag.docs)), 4)
         ids, spans = rag.build(order, f"What is the code of document {order[k % 4]}?")
         stock = gen(engine, ids)
-        blended = gen(engine, ids, hints(spans, selector="full"))
-        assert blended["meta_info"]["chunkcache"]["selector"] == "full"
+        blended = gen(engine, ids, hints(spans, selector="epic", ratio=1.0))
+        info = blended["meta_info"]["chunkcache"]
+        assert info["selector"] == "epic" and info["reused_tokens"] == 0, info
         assert blended["output_ids"] == stock["output_ids"], (order, blended["text"], stock["text"])
 
 
@@ -49,10 +51,10 @@ def test_one_batch_of_blended_and_plain_requests_matches_stock(engine, rag):
                for order in ([0, 2, 4], [4, 0, 2], [1, 3, 5], [5, 1])]
     params = {"max_new_tokens": 8, "temperature": 0}
     stock = [gen(engine, ids, n=8)["output_ids"] for ids, _ in prompts]
-    kv = [hints(spans, selector="full", namespace="batch") for _, spans in prompts[:-1]] + [None]
+    kv = [hints(spans, selector="epic", ratio=1.0, namespace="batch") for _, spans in prompts[:-1]] + [None]
     outs = engine.generate(input_ids=[ids for ids, _ in prompts], sampling_params=params, kv_hints=kv)
     assert [o["output_ids"] for o in outs] == stock
-    assert all(o["meta_info"]["chunkcache"]["selector"] == "full" for o in outs[:-1])
+    assert all(o["meta_info"]["chunkcache"]["selector"] == "epic" for o in outs[:-1])
     assert "chunkcache" not in outs[-1]["meta_info"]
 
 

@@ -27,11 +27,13 @@ def servers(tmp_path_factory, valkey):
     c.stop()
 
 
-def ask(url: str, docs: list[str], question: str, selector: str = "none") -> tuple[str, dict]:
+def ask(url: str, docs: list[str], question: str, selector: str = "none", ratio: float | None = None
+        ) -> tuple[str, dict]:
     """A chat request with documents, `chunkcache` in `chat_template_kwargs` (what the router forwards)."""
+    options = {"documents": docs, "selector": selector, **({} if ratio is None else {"ratio": ratio})}
     r = requests.post(url + "/v1/chat/completions", timeout=300, json={
         "messages": [{"role": "user", "content": question}], "max_tokens": 8, "temperature": 0,
-        "chat_template_kwargs": {"chunkcache": {"documents": docs, "selector": selector}}})
+        "chat_template_kwargs": {"chunkcache": options}})
     assert r.status_code == 200, r.text
     body = r.json()
     return body["choices"][0]["message"]["content"], body["metadata"]["chunkcache"]
@@ -57,10 +59,10 @@ def test_a_primary_killed_under_load_fails_no_request_and_hits_resume_after_fail
     # 8 requests: 6 of two early documents each, then 2 of six late ones each, which start after the kill below
     loads = [([early[2 * i], early[2 * i + 1]], f"What is the code of document 22-{2 * i}?") for i in range(6)]
     loads += [(late[6 * i:6 * i + 6], f"What is the code of document 23-{6 * i + 1}?") for i in range(2)]
-    # server A computes every chunk and writes it to the cluster; full recomputes every token, so its answers are
-    # stock's, and so must server B's be, whatever the cluster holds, returns or fails to return
+    # server A computes every chunk and writes it to the cluster; a blend at ratio 1 recomputes every token, so its
+    # answers are stock's, and so must server B's be, whatever the cluster holds, returns or fails to return
     a, b = servers.workers
-    expected = [ask(a, docs, question, "full")[0] for docs, question in loads]
+    expected = [ask(a, docs, question, "epic", 1.0)[0] for docs, question in loads]
     servers.drain()
     for primary in valkey.primaries():  # the replicas hold what was written (replication is asynchronous)
         replica = valkey.replica_of(primary)
@@ -69,7 +71,7 @@ def test_a_primary_killed_under_load_fails_no_request_and_hits_resume_after_fail
     replica = valkey.replica_of(victim)
 
     with ThreadPoolExecutor(4) as pool:  # server B has none of these chunks in memory: it asks the cluster
-        futures = [pool.submit(ask, b, docs, question, "full") for docs, question in loads]
+        futures = [pool.submit(ask, b, docs, question, "epic", 1.0) for docs, question in loads]
         wait_until("2 requests answered", lambda: sum(f.done() for f in futures) >= 2, timeout=600)
         valkey.kill(victim)  # mid-load: requests in flight, puts queued
         answers = [f.result() for f in futures]  # ask() asserts HTTP 200

@@ -1,9 +1,12 @@
 """The request contract (chunkcache.hints): envelope lookup, payload validation, char -> token span mapping."""
 
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
 
+from chunkcache import hints
 from chunkcache.hints import (
     ACTION_TYPE,
     MAX_NAMESPACE_CHARS,
@@ -101,19 +104,52 @@ def test_payload_round_trip():
     ({"token_spans": [[0, 2]], "ratio": "0.2"}, "ratio must be a number in [0, 1], got '0.2'"),
     ({"token_spans": [[0, 2]], "ratio": True}, "ratio must be a number in [0, 1], got True"),
     ({"token_spans": [[0, 2]], "ratio": float("nan")}, "ratio must be a number in [0, 1], got nan"),
+    ({"token_spans": [[0, 2]], "exact": 1}, "exact must be true or false, got 1"),
+    ({"token_spans": [[0, 2]], "exact": "true"}, "exact must be true or false, got 'true'"),
+    ({"exact": True, "selector": "mix"}, "selector 'mix' cannot apply with exact: true"),
+    ({"exact": True, "ratio": 0.2}, "ratio cannot apply with exact: true"),
+    ({"exact": False}, "payload has no 'token_spans'"),
+    ({"exact": True, "token_spans": [[0, 11]]}, "end 11 is past the prompt"),
+    ({"exact": True, "char_spans": [[0, 2]]}, "char_spans is for a text request"),
 ])
 def test_parse_rejects(payload, message):
     with pytest.raises(HintError) as e:
-        parse(payload, 10)
+        parse(payload, 10, selectors=REGISTRY)
     assert message in str(e.value)
+
+
+def test_exact_needs_no_spans():
+    """`exact: true` alone is a whole hint: no spans, the canonical payload keeps only the flag."""
+    hint = parse({"exact": True}, 10, selectors=REGISTRY)
+    assert hint == ChunkHint((), exact=True) and hint.to_payload() == {"exact": True}
+    assert parse({"exact": True, "selector": "full"}, 10).selector == "full"
+    assert hints.envelope(exact=True)["actions"][0]["payload"] == {"exact": True}
+    with pytest.raises(ValueError, match="only an exact=True envelope may carry no spans"):
+        hints.envelope(selector="full")
+
+
+def test_selector_names_are_judged_by_the_registry_passed_in():
+    """The contract holds no registry of its own: an unknown name passes without one, fails with one."""
+    assert parse({"token_spans": [[0, 2]], "selector": "nope"}, 10).selector == "nope"
+    with pytest.raises(HintError, match="known: .*mix"):
+        parse({"token_spans": [[0, 2]], "selector": "nope"}, 10, selectors=REGISTRY)
+
+
+def test_request_contract_loads_without_the_model_stack():
+    """The hint contract, the documents body and the prompt builder (imported by clients' frontend programs) need
+    neither torch nor transformers."""
+    code = ("import sys, chunkcache.hints, chunkcache.documents, chunkcache.prompt; "
+            "print(sorted(m for m in ('torch', 'transformers', 'sglang') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_selector_registered_later_is_accepted(monkeypatch):
     with pytest.raises(HintError, match="'later' is not registered"):
-        parse({"token_spans": [[0, 1]], "selector": "later"}, 4)
+        parse({"token_spans": [[0, 1]], "selector": "later"}, 4, selectors=REGISTRY)
     monkeypatch.setattr(REGISTRY, "_classes", dict(REGISTRY._classes))  # the registration ends with the test
     REGISTRY.register(type("Later", (), {"name": "later"}))
-    assert parse({"token_spans": [[0, 1]], "selector": "later"}, 4).selector == "later"
+    assert parse({"token_spans": [[0, 1]], "selector": "later"}, 4, selectors=REGISTRY).selector == "later"
 
 
 def test_hint_error_is_a_value_error():

@@ -81,6 +81,7 @@ class Reuse:
 
     store = SimpleNamespace(stats=lambda: None)
     auto = None  # automatic chunk detection off
+    config = SimpleNamespace(select=SimpleNamespace(selector="mix"))  # the server's default selector
 
     @staticmethod
     def hint(payload, token_ids, cache_salt=None):
@@ -99,6 +100,24 @@ def test_hint_is_resolved_once_at_creation_and_kept():
     plain = SimpleNamespace(kv_hints=None, extra_key="user", to_finish=None)
     request_hint.attach(Reuse(), None, plain)
     assert request_hint.of(plain) is None and plain.extra_key == "user"
+
+
+@pytest.mark.parametrize("payload, default, why", [
+    ({"exact": True}, "mix", "exact"),
+    ({"token_spans": [[0, 2]], "exact": True}, "mix", "exact"),
+    ({"token_spans": [[0, 2]], "selector": "full"}, "mix", "selector_full"),
+    ({"token_spans": [[0, 2]]}, "full", "selector_full"),
+])
+def test_a_request_asking_for_exact_kv_gets_no_hint_and_keeps_its_partition(payload, default, why):
+    """No hint: admission and the forward treat it as plain (SGLang's own prefill); its own partition: the radix
+    tree can serve it only exact KV."""
+    reuse = Reuse()
+    reuse.config = SimpleNamespace(select=SimpleNamespace(selector=default))
+    req = SimpleNamespace(kv_hints=envelope(payload), origin_input_ids=[5, 6, 7], extra_key="user", cache_salt=None,
+                          to_finish=None)
+    request_hint.attach(reuse, None, req)
+    assert request_hint.of(req) is None and req.extra_key == "user"
+    assert request_hint.exact(req) == why
 
 
 def test_malformed_hint_at_creation_is_a_bad_hint_round():

@@ -59,7 +59,7 @@ def test_malformed_hint_is_a_400_and_the_server_keeps_serving(server, body, mess
 
 def test_char_spans_request_is_served(server):
     text, spans = rag_prompt()
-    r = generate(server, text=text, kv_hints=kv_hints({"char_spans": spans, "selector": "full"}))
+    r = generate(server, text=text, kv_hints=kv_hints({"char_spans": spans, "selector": "epic", "ratio": 1.0}))
     assert r.status_code == 200, r.text
     assert r.json()["meta_info"]["completion_tokens"] > 0
 
@@ -68,10 +68,10 @@ def test_hinted_request_reports_chunk_reuse(server):
     """meta_info["chunkcache"] is the round the blend reports on the scheduler's Req (sglang_patch/report.py). The
     chunks in another order than above, so the radix tree cannot serve the whole prompt as an exact prefix."""
     text, spans = rag_prompt(CHUNKS[::-1])
-    r = generate(server, text=text, kv_hints=kv_hints({"char_spans": spans, "selector": "full"}))
+    r = generate(server, text=text, kv_hints=kv_hints({"char_spans": spans, "selector": "epic", "ratio": 1.0}))
     report = r.json()["meta_info"].get("chunkcache")
     assert report is not None, "the blend did not report on a hinted request (did it run?)"
-    assert REPORT_KEYS <= set(report) and report["selector"] == "full"
+    assert REPORT_KEYS <= set(report) and report["selector"] == "epic"
     assert report["chunk_hits"] + report["chunk_misses"] == len(CHUNKS)
 
 

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import requests
+from conftest import metric
 
 from chunkcache.documents import CHAT_KEYS, DocumentsError, parse
 from sglang_patch import cli
@@ -65,6 +66,51 @@ def test_chat_without_documents_is_stock(server):
         "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
     assert "chunkcache" not in (r.json().get("metadata") or {})
+
+
+@slow
+def test_exact_chat_is_stocks_answer_and_says_so(server):
+    """`exact` without documents: SGLang's own templating and prefill, reported and counted; the plain request goes
+    second, so the radix tree serves it only KV that `exact` computed exactly."""
+    body = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 8, "temperature": 0}
+    before = metric(server, "chunkcache_exact_requests_total", '{reason="exact"}')
+    exact = requests.post(server.url + "/v1/chat/completions", timeout=600, json={**body, "chunkcache": {"exact": True}})
+    assert exact.status_code == 200, exact.text
+    report = exact.json()["metadata"]["chunkcache"]
+    assert report["exact"] is True and report["reused_tokens"] == 0, report
+    assert metric(server, "chunkcache_exact_requests_total", '{reason="exact"}') == before + 1
+    plain = requests.post(server.url + "/v1/chat/completions", timeout=600, json=body)
+    assert exact.json()["choices"][0]["message"]["content"] == plain.json()["choices"][0]["message"]["content"]
+
+
+@slow
+def test_exact_chat_with_documents_is_the_plain_prompts_answer(server, default_model):
+    """With documents, the prompt is chunkcache's RAG prompt; the oracle is that prompt sent without chunks."""
+    from transformers import AutoTokenizer
+
+    from chunkcache.prompt import DEFAULT_SYSTEM, build
+
+    documents = docs("Quill")
+    exact = chat(server, documents, max_tokens=8, chunkcache={"documents": documents, "exact": True})
+    assert exact.status_code == 200, exact.text
+    assert exact.json()["metadata"]["chunkcache"]["exact"] is True
+    prompt = build(AutoTokenizer.from_pretrained(default_model), documents, QUESTION, system=DEFAULT_SYSTEM)
+    plain = requests.post(server.url + "/generate", timeout=600, json={
+        "input_ids": prompt.input_ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+    assert exact.json()["choices"][0]["message"]["content"] == plain.json()["text"]
+
+
+@slow
+@pytest.mark.parametrize("chunkcache, message", [
+    ({"exact": "yes"}, "chunkcache: exact must be true or false, got 'yes'"),
+    ({"exact": True, "selector": "mix"}, "chunkcache: selector 'mix' cannot apply with exact: true"),
+    ({"exact": False}, "chunkcache.documents must be a non-empty list of strings, got nothing"),
+])
+def test_bad_exact_is_a_400_naming_the_field(server, chunkcache, message):
+    r = requests.post(server.url + "/v1/chat/completions", timeout=600, json={
+        "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 2, "chunkcache": chunkcache})
+    assert r.status_code == 400, r.text
+    assert message in r.json()["message"]
 
 
 @slow

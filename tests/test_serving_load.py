@@ -47,7 +47,7 @@ def test_a_prompt_longer_than_the_prefill_budget_is_blended(engine, tokenizer):
     assert budget(engine) < 7000 < len(ids) < CONTEXT - 16
     stock = gen(engine, ids, n=8)
     # every chunk misses: the fill computes them standalone in forwards of at most the budget, then all is recomputed
-    full = gen(engine, ids, hints(spans, selector="full", namespace="long"), n=8)
+    full = gen(engine, ids, hints(spans, selector="epic", ratio=1.0, namespace="long"), n=8)
     info = report(full)
     assert info["chunk_misses"] == 16 and info["batch"]["forwards"] >= 3  # >= 2 fill forwards + the recompute
     assert full["output_ids"] == stock["output_ids"], (full["text"], stock["text"])
@@ -100,7 +100,7 @@ def test_blended_prefills_mixed_with_decodes_match_stock(engine, tokenizer):
         first = await stream.__anext__()
         assert not first["meta_info"]["finish_reason"], first["meta_info"]
         rest = asyncio.gather(*[engine.async_generate(
-            input_ids=ids, sampling_params=params, kv_hints=hints(spans, selector="full", namespace="mixed"))
+            input_ids=ids, sampling_params=params, kv_hints=hints(spans, selector="epic", ratio=1.0, namespace="mixed"))
             for ids, spans in prompts])
         async for last in stream:  # chunks are cumulative (SGLang's default): the last is the whole output
             first = last

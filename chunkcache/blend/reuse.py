@@ -91,7 +91,7 @@ class ChunkReuse:
     def hint(self, payload: dict, token_ids: Sequence[int], cache_salt: str | None = None) -> RequestHint:
         """Raises HintError for a malformed payload."""
         ids = list(token_ids)
-        parsed = parse(payload, len(ids), self.config.limits.max_spans)
+        parsed = parse(payload, len(ids), self.config.limits.max_spans, selectors=REGISTRY)
         select = self.config.select
         namespace = parsed.namespace or self.config.store.namespace
         prefix = prefix_key(ids[: parsed.token_spans[0][0]])
