@@ -101,6 +101,24 @@ def test_entries_spread_over_every_primary_on_their_chunk_keys_slot(shared):
     assert {p: n.hits for p, n in node_stats(b).items()} == {p: len(g) for p, g in groups.items()}
 
 
+def test_compressed_entries_are_stored_on_their_primaries_and_read_decoded(shared):
+    from chunkcache.store.codec import Codec
+    from chunkcache.store.disk import decode
+
+    a = remote_store(shared.url, compress="int8")
+    entries = [make_entry(key(i), tokens=40, seed=i) for i in range(6)]
+    for e in entries:
+        a.put(e)
+    drain(a)
+    b = remote_store(shared.url)  # compress: none reads them all the same
+    got = b.get_many([e.key for e in entries])
+    for e in entries:
+        value = shared.node_of(name(e.key)).client().get(name(e.key))
+        assert value == encode(e, Codec(8)) and len(value) < len(encode(e))
+        assert_same(got[e.key], decode(value))
+    assert b.stats().remote.hits == 6 and b.stats().remote.corrupt == 0
+
+
 def test_a_requests_keys_cost_one_round_trip_per_node(shared, monkeypatch):
     a, b = remote_store(shared.url), remote_store(shared.url, host_bytes=0)  # b: every get asks the cluster
     keys = fill(a, 12)

@@ -8,7 +8,8 @@ midpoints of the lower and upper halves of the range, zero = (3*min + max) / 4 a
 value still goes to the nearer level (the threshold stays at the range's midpoint).
 
 Codes are packed 8 // b to a byte along head_dim (the layout whose bytes the pool accounting counts); zero and
-scale are float16, the 16-bit parameters the paper's compression ratios assume.
+scale are float16, the 16-bit parameters the paper's compression ratios assume. quantize, pack and unpack also
+serve the chunk store's 8- and 4-bit codec (chunkcache/store/codec.py).
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 codes [..., D] -> [..., D * bits / 8], the first code in the lowest bits."""
     per = 8 // bits
+    if per == 1:
+        return codes
     c = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per, per).to(torch.int32)
     shifts = torch.arange(per, dtype=torch.int32, device=codes.device) * bits
     return (c << shifts).sum(-1).to(torch.uint8)
@@ -64,6 +67,8 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     per = 8 // bits
+    if per == 1:
+        return packed
     shifts = torch.arange(per, dtype=torch.int32, device=packed.device) * bits
     c = (packed.to(torch.int32)[..., None] >> shifts) & (2**bits - 1)
     return c.reshape(*packed.shape[:-1], packed.shape[-1] * per).to(torch.uint8)

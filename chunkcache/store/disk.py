@@ -4,6 +4,10 @@ File layout: MAGIC | u32 LE header length | msgpack header | tensor payload.
 The header holds the format version, the entry's metadata, one (name, dtype, shape, offset, nbytes) row per
 tensor and `checksum` = xxh3-128 over the header packed without `checksum` followed by the payload, so a flipped
 bit anywhere (start position, a shape, the KV itself) is caught on read.
+Version 1 holds K and V as the entry does; version 2 (written with a codec, `store.compress`) holds them quantised,
+with the codec's bits and group and the entry's dtype in the header's `codec` (codec.py), and is decoded on read.
+An entry is written as version 1 when it is not compressed, so a reader that knows version 1 only still reads it;
+every reader of version 2 reads both, whatever its own `store.compress`.
 
 Writes go to a uniquely named temp file in the same directory and are renamed into place (os.replace is atomic),
 so readers and other processes writing the same key only ever see complete files. No fsync: a file torn by a
@@ -26,12 +30,13 @@ import msgpack
 import torch
 import xxhash
 
+from .codec import TENSORS as CODED, Codec
 from .entry import ChunkEntry, EntryLayout
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"CCKV"
-FORMAT_VERSION = 1
+PLAIN, COMPRESSED = 1, 2  # format versions (above)
 SUFFIX = ".kv"
 # temp files this old were left by a crashed writer, not one still writing
 STALE_TEMP_SECONDS = 3600
@@ -45,8 +50,20 @@ class CorruptEntry(ValueError):
     pass
 
 
-def encode(entry: ChunkEntry) -> bytes:
-    tensors = {"token_ids": entry.token_ids, "k": entry.k, "v": entry.v}
+def encode(entry: ChunkEntry, codec: Codec | None = None) -> bytes:
+    """The entry's bytes; with `codec`, its K and V quantised (version 2), unless the codec cannot hold them (a value
+    not finite or beyond float16's range): then as they are (version 1), which holds any bits. Features as they are."""
+    header = {"version": PLAIN}
+    kv = {"k": entry.k, "v": entry.v}
+    if codec is not None:
+        try:
+            kv = codec.encode(entry.k, entry.v)
+        except ValueError as e:
+            log.debug("chunk-store entry %s written uncompressed: %s", entry.key, e)
+        else:
+            header = {"version": COMPRESSED, "codec": {"bits": codec.bits, "group": codec.group,
+                                                       "dtype": str(entry.dtype).removeprefix("torch.")}}
+    tensors = {"token_ids": entry.token_ids, **kv}
     tensors.update({f"features/{name}": t for name, t in entry.features.items()})
     rows, blobs, offset = [], [], 0
     for name, t in tensors.items():
@@ -55,14 +72,13 @@ def encode(entry: ChunkEntry) -> bytes:
         blobs.append(data)
         offset += len(data)
     payload = b"".join(blobs)
-    header = {
-        "version": FORMAT_VERSION,
+    header.update({
         "key": entry.key,
         "model_fingerprint": entry.model_fingerprint,
         "start_pos": entry.start_pos,
         "tensors": rows,
         "payload_bytes": len(payload),
-    }
+    })
     header["checksum"] = _checksum(header, payload)
     packed = msgpack.packb(header)
     return MAGIC + struct.pack("<I", len(packed)) + packed + payload
@@ -90,8 +106,8 @@ def _parse(data: bytes | bytearray) -> ChunkEntry:
         raise CorruptEntry("truncated header")
     header = msgpack.unpackb(bytes(data[start : start + n]))
     checksum = header.pop("checksum")
-    if header["version"] != FORMAT_VERSION:
-        raise CorruptEntry(f"format version {header['version']}, expected {FORMAT_VERSION}")
+    if header["version"] not in (PLAIN, COMPRESSED):
+        raise CorruptEntry(f"format version {header['version']}, expected {PLAIN} or {COMPRESSED}")
     payload = memoryview(data)[start + n :]
     if len(payload) != header["payload_bytes"]:
         raise CorruptEntry(f"payload is {len(payload)} bytes, header says {header['payload_bytes']} (truncated?)")
@@ -102,8 +118,13 @@ def _parse(data: bytes | bytearray) -> ChunkEntry:
         raw = torch.frombuffer(payload, dtype=torch.uint8, count=nbytes, offset=offset) if nbytes else torch.empty(0, dtype=torch.uint8)
         tensors[name] = raw.view(DTYPES[dtype]).reshape(shape)
     features = {name.removeprefix("features/"): t for name, t in tensors.items() if name.startswith("features/")}
+    if header["version"] == COMPRESSED:
+        spec = header["codec"]
+        k, v = Codec(spec["bits"], spec["group"]).decode({n: tensors[n] for n in CODED}, DTYPES[spec["dtype"]])
+    else:
+        k, v = tensors["k"], tensors["v"]
     return ChunkEntry(
-        key=header["key"], token_ids=tensors["token_ids"], k=tensors["k"], v=tensors["v"],
+        key=header["key"], token_ids=tensors["token_ids"], k=k, v=v,
         start_pos=header["start_pos"], model_fingerprint=header["model_fingerprint"], features=features,
     )
 
@@ -117,10 +138,13 @@ def _checksum(header: dict, payload: bytes | memoryview) -> str:
 class DiskTier:
     """Not locked itself (`ChunkStore` serialises a process's access); safe across processes by construction."""
 
-    def __init__(self, root: str | os.PathLike, budget_bytes: int, layout: EntryLayout | None = None):
-        """`layout`, if given: entries that do not fit it are dropped on read like corrupt ones."""
+    def __init__(self, root: str | os.PathLike, budget_bytes: int, layout: EntryLayout | None = None,
+                 codec: Codec | None = None):
+        """`layout`, if given: entries that do not fit it are dropped on read like corrupt ones. `codec`, if given:
+        entries are written compressed (read either way)."""
         self.root = Path(root)
         self.layout = layout
+        self.codec = codec
         self.root.mkdir(parents=True, exist_ok=True)
         self.budget_bytes = budget_bytes
         self.sizes: OrderedDict[str, int] = OrderedDict()  # oldest use first; files other processes add join on read
@@ -177,7 +201,7 @@ class DiskTier:
 
     def put(self, entry: ChunkEntry) -> bool:
         """Write an entry; False if it was not stored (bigger than the budget, or the disk is full)."""
-        data = encode(entry)
+        data = encode(entry, self.codec)
         if len(data) > self.budget_bytes:
             return False
         path = self.path(entry.key)

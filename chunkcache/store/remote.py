@@ -1,11 +1,13 @@
 """Remote tier: entries in a Redis-protocol server (Valkey, Redis) that every chunkcache server shares.
 
 Contract:
-- One key per entry, `cc:v{FORMAT_VERSION}:{model fingerprint}:{chunk key}` (on a cluster the chunk key is a hash
-  tag, `{chunk key}`: cluster.py), holding the disk tier's checksummed encoding (`disk.encode`). The chunk key
-  already hashes the model, the namespace, the shared prefix and the tokens, so tenants and models never share an
-  entry across servers; the fingerprint in the name lets an operator find or drop one model's entries
-  (`SCAN MATCH cc:v1:{fingerprint}:*`), and the format version keeps older encodings apart.
+- One key per entry, `cc:v1:{model fingerprint}:{chunk key}` (on a cluster the chunk key is a hash tag,
+  `{chunk key}`: cluster.py), holding the disk tier's checksummed encoding (`disk.encode`; K and V compressed when
+  `codec` is given, `store.compress`). The chunk key already hashes the model, the namespace, the shared prefix and
+  the tokens, so tenants and models never share an entry across servers; the fingerprint in the name lets an
+  operator find or drop one model's entries (`SCAN MATCH cc:v1:{fingerprint}:*`). `v1` names the key space, not the
+  encoding: a value's header says whether it is compressed, and every server reads both, whatever its own
+  `store.compress` (a server older than compression counts a compressed value as corrupt: a miss, and deletes it).
 - get and get_many are one MGET (get_many: all of a request's keys; on a cluster, one pipeline per node). A value
   that fails verification (torn, truncated, foreign, another key's) or does not fit the serving model (`layout`:
   fingerprint, layers, KV heads, head_dim; anyone who can write to the server can put a value there) is a miss,
@@ -47,11 +49,14 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from .disk import FORMAT_VERSION, CorruptEntry, decode, encode
+from .codec import Codec
+from .disk import CorruptEntry, decode, encode
 from .endpoint import Endpoint, NodeStats
 from .entry import ChunkEntry, EntryLayout
 
 log = logging.getLogger(__name__)
+
+KEY_SPACE = "cc:v1"  # the servers' key names, shared by both disk encodings (above)
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,7 @@ class RemoteStats:
 
 
 def key_prefix(model_fingerprint: str | None) -> str:
-    return f"cc:v{FORMAT_VERSION}:{model_fingerprint or 'any'}:"
+    return f"{KEY_SPACE}:{model_fingerprint or 'any'}:"
 
 
 def redacted(url: str) -> str:
@@ -84,9 +89,10 @@ def redacted(url: str) -> str:
 
 class RemoteTier:
     def __init__(self, url: str, prefix: str, timeout_s: float, retry_s: float, max_value_bytes: int, write_queue: int,
-                 layout: EntryLayout | None = None):
+                 layout: EntryLayout | None = None, codec: Codec | None = None):
         self.prefix = prefix
         self.layout = layout
+        self.codec = codec
         self.retry_s = retry_s
         self.max_value_bytes = max_value_bytes
         self._limit_known = False  # max_value_bytes not yet lowered to the server's own limit
@@ -227,7 +233,7 @@ class RemoteTier:
         if client is None:
             endpoint.count("skipped")
             return
-        data = encode(entry)
+        data = encode(entry, self.codec)
         try:
             if len(data) > self._value_limit(client, name):
                 self._oversize(entry.key, len(data))

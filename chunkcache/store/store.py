@@ -13,6 +13,8 @@ Contract:
   add_features, which charges them and writes the grown entry through to disk and remote. Features written but not
   yet added are neither charged nor seen by another process.
 - A store bound to a model raises FingerprintMismatch for another model's entry, on put and on get.
+- `compress` (`store.compress`: none, int8, int4) is how the disk and remote tiers write K and V (codec.py); they
+  read any entry, compressed or not, and a hit they serve is promoted decoded: memory holds full-width KV only.
 - `on_change`, if given, gets a stats snapshot after every get_many, put and add_features (the operations that move
   bytes, evict, drop corrupt entries or count), from whichever thread made the call; what the remote tier's writer
   thread does in the background shows in the snapshot after the next operation.
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import StoreConfig
+from . import codec
 from .cluster import ClusterTier, is_cluster_url
 from .disk import DiskTier
 from .entry import ChunkEntry, EntryLayout
@@ -62,12 +65,14 @@ class ChunkStore:
         layout: EntryLayout | None = None,
         on_change: Callable[[StoreStats], None] | None = None,
         pin_memory: bool = False,
+        compress: str = "none",
     ):
         """`model_fingerprint`, if given, binds the store to one model: entries of any other are refused. `layout`,
         if given, is the model's KV layout: a disk or remote entry that does not fit it is dropped on read.
-        `on_change`: see the contract above. `pin_memory`: the memory tier keeps KV page-locked (MemoryTier)."""
+        `on_change`: see the contract above. `pin_memory`: the memory tier keeps KV page-locked (MemoryTier).
+        `compress`: how the disk tier writes KV (a remote tier is given its own)."""
         self.memory = MemoryTier(host_bytes, pin_memory)
-        self.disk = DiskTier(disk_dir, disk_bytes, layout) if disk_dir else None
+        self.disk = DiskTier(disk_dir, disk_bytes, layout, codec.named(compress)) if disk_dir else None
         self.remote = remote
         self.model_fingerprint = model_fingerprint
         self.on_change = on_change
@@ -81,13 +86,14 @@ class ChunkStore:
         if config.remote_url:
             tier = ClusterTier if is_cluster_url(config.remote_url) else RemoteTier
             remote = tier(config.remote_url, key_prefix(model_fingerprint), config.remote_timeout_s,
-                          config.remote_retry_s, config.remote_max_value_bytes, config.remote_write_queue, layout)
+                          config.remote_retry_s, config.remote_max_value_bytes, config.remote_write_queue, layout,
+                          codec.named(config.compress))
         pin = torch.cuda.is_available() if config.pin_memory is None else config.pin_memory
         if pin and not torch.cuda.is_available():
             raise ValueError("store.pin_memory: true needs a CUDA device (page-locked memory is CUDA's); "
                              "leave it unset to pin only where one is present")
         return cls(config.host_bytes, config.disk_dir, config.disk_bytes, model_fingerprint, remote, layout, on_change,
-                   pin)
+                   pin, config.compress)
 
     def get(self, key: str) -> ChunkEntry | None:
         return self.get_many([key]).get(key)
