@@ -30,3 +30,15 @@ def mean_interval(values: Sequence[float], confidence: float = CONFIDENCE, resam
     result = stats.bootstrap((data,), np.mean, n_resamples=resamples, confidence_level=confidence,
                              method="percentile", vectorized=True, rng=np.random.default_rng(seed))
     return float(result.confidence_interval.low), float(result.confidence_interval.high)
+
+
+def wilson(hits: int, n: int, confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """(low, high) of the Wilson score interval of a proportion `hits` / `n`; NaN for n = 0. Unlike the bootstrap
+    it stays informative at 0 or n hits (a share that must stay under a bound, observed never exceeded)."""
+    if n == 0:
+        return math.nan, math.nan
+    z = float(stats.norm.ppf(0.5 + confidence / 2))
+    p = hits / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(centre - half, 0.0), min(centre + half, 1.0)

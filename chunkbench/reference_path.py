@@ -77,19 +77,24 @@ def _blend_cold(blender: ReferenceBlender, parts, name: str, ratio: float, optio
 
 
 def _blend_stored_deviation(blender: ReferenceBlender, parts, name: str, ratio: float, options: dict) -> BlendResult:
-    """Reversed, then rotated by one. The reversed order stores every chunk but the last, each measured after the
-    chunks that follow it in the measured prompt (none of those that precede it there); the rotation stores the last,
-    measured after all the others but the first. The measured prompt's first chunk is at home there (exact KV, no
-    deviation needed). Two chunks have no such orders (rotating is reversing): the measured blend would measure its
-    own deviation, and is refused."""
-    prefix, chunks, query = parts
-    for order in (chunks[::-1], chunks[1:] + chunks[:1]):
-        blender.blend(prefix, order, query, selector=name, ratio=ratio, **options)
+    remember_deviations(blender, parts, name, ratio, options)
     result = blender.blend(*parts, selector=name, ratio=ratio, **options)
     if "kv_deviation" in result.passes:
-        raise RuntimeError(f"the measured blend of {len(chunks)} chunks ran the deviation pass: some chunk had no "
+        raise RuntimeError(f"the measured blend of {len(parts[1])} chunks ran the deviation pass: some chunk had no "
                            "stored deviation after the warm-up")
     return result
+
+
+def remember_deviations(blender: ReferenceBlender, parts, selector, ratio: float, options: dict) -> None:
+    """The chunks' stored deviations for a blend of `parts` (selector: a name with `options`, or an instance with
+    none), from two other orders: reversed, then rotated by one. The reversed order stores every chunk but the last,
+    each measured after the chunks that follow it in the measured prompt (none of those that precede it there); the
+    rotation stores the last, measured after all the others but the first. The measured prompt's first chunk is at
+    home there (exact KV, no deviation needed). Two chunks have no such orders (rotating is reversing): the measured
+    blend would measure its own deviation, and is refused."""
+    prefix, chunks, query = parts
+    for order in (chunks[::-1], chunks[1:] + chunks[:1]):
+        blender.blend(prefix, order, query, selector=selector, ratio=ratio, **options)
 
 
 def blend_seconds(result: BlendResult) -> float:

@@ -1,0 +1,391 @@
+"""The fidelity estimate (chunkcache/blend/fidelity.py, issue 41): measured on the reference engine, fitted, judged.
+
+`collect` blends each case with the server's default selector (`mix`, stored deviations, overlap 0.15) at every rho
+of RATIOS and keeps, per (case, rho), the first-token KL of the blend against full recompute, whether its greedy first
+token is full's, and its answer (needle found, same answer as full); per case, the evidence the selector read before
+any recompute (fidelity.Evidence) and the tokens each rho recomputed, from which `fit` and `judge` compute the signals.
+The evidence is read once per case: the first blend's features are served again to the blends at the other rho (the
+same chunks and stored deviations give the same values), so a case runs one query pass. Rows stream to OUT.jsonl
+(rowlog.py) and the evidence to OUT.evidence/, so a cut-short run goes on with --resume.
+
+Every third case (seed or MuSiQue record index divisible by 3: `role`) is a fit case, the others are held out.
+`fit` fits the estimator on the fit cases of row files (a quantile regression of log KL, a logistic one of the first
+token's agreement, a margin calibrated by cross-validation) and writes the coefficients file; `judge` chooses rho for
+each held-out case with fidelity.smallest_ratio under each bound and reports, per family, the share of cases whose
+measured KL exceeds it (Wilson interval), the mean rho chosen, needle accuracy and agreement with full recompute.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m chunkbench.fidelity_fit collect --family multikey --seed 1000 \
+        --requests 150 --out results/fidelity/multikey.jsonl --resume
+    .venv/bin/python -m chunkbench.fidelity_fit fit results/fidelity/*.jsonl      # writes configs/fidelity.json
+    .venv/bin/python -m chunkbench.fidelity_fit judge results/fidelity/*.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import numpy as np
+from scipy import sparse
+from scipy.optimize import linprog, minimize
+
+from chunkcache.blend import fidelity
+from chunkcache.blend.fidelity import FLOOR, Signals, evidence, signals
+from chunkcache.select.mix import MixSelector
+from . import intervals, scoring
+from .ab import first_line
+from .reference_path import kl_logits, remember_deviations, split
+from .rowlog import RowLog
+from .workloads import Item, WorkloadConfig, items, phase, to_request
+
+RATIOS = fidelity.RATIOS
+BOUNDS = (0.02, 0.05, 0.1, 0.2)  # max_kl bounds the estimate is judged at
+TERMS = ("deviation_left", "deviation")  # the estimate's signals (docs/bench/fidelity.md: why these)
+STORE_BYTES = 512 << 20  # the chunk store of a collecting process (three run side by side in 24 GiB)
+# the server's default selector (chunkcache/configs/default.yaml)
+DEFAULT = {"stored_deviation": True, "overlap": 0.15}
+
+
+@dataclass(frozen=True)
+class Family:
+    spec: str
+    docs: int
+    words: int
+
+
+# the sizes of each family's committed quality tables (docs/bench: eval_select.md, realkey.md, musique.md)
+FAMILIES = {"multikey": Family("synthetic:multikey", 3, 250), "realkey": Family("synthetic:realkey", 8, 110),
+            "musique": Family("musique", 5, 120)}
+
+
+class Recorded:
+    """`mix` serving, in a case's later blends, the features its first blend read: the memo of every feature is
+    filled before select, so the engine runs no pass for them (prompt_text and the stored deviation included)."""
+
+    name = "mix"
+
+    def __init__(self, inner: MixSelector):
+        self.inner = inner
+        self.values: dict | None = None
+
+    @property
+    def needs(self):
+        return self.inner.needs if self.values is None else ()
+
+    def select(self, layout, ratio, features):
+        if self.values is not None:
+            features.values.update(self.values)
+        selection = self.inner.select(layout, ratio, features)
+        if self.values is None:
+            self.values = dict(features.values)
+        return selection
+
+
+def case_items(family: Family, seed: int, requests: int, orders: int) -> list[Item]:
+    """`requests` cases from `seed` (synthetic: seeds; MuSiQue: records from index `seed`), each in `orders` orders
+    (its documents rotated by K, the id suffixed `.K` for K > 0)."""
+    if family.spec == "musique":
+        config = WorkloadConfig(family.spec, seed + requests, family.docs, family.words)
+        pool = items(config)[seed:]
+    else:
+        config = WorkloadConfig(family.spec, requests, family.docs, family.words, seed=seed)
+        pool = items(config)
+    return [replace(it, id=f"{it.id}.{k}" if k else it.id) for k in range(orders) for it in phase(config, pool, k)]
+
+
+def collect(args) -> None:
+    from chunkcache.reference import ReferenceBlender
+    from chunkcache.store import ChunkStore
+
+    family = FAMILIES[args.family]
+    out = Path(args.out)
+    evidence_dir = out.with_suffix(".evidence")
+    evidence_dir.mkdir(parents=True, exist_ok=True)
+    identity = {"family": args.family, "model": args.model, "ratios": list(RATIOS), "options": DEFAULT,
+                "max_new_tokens": args.max_new_tokens}
+    log = RowLog(out, identity, args.resume)
+    cases = case_items(family, args.seed, args.requests, args.orders)
+    # a case's chunks are all the store must hold (and what a realkey or MuSiQue case shares with earlier ones)
+    blender = ReferenceBlender.from_pretrained(args.model, store=ChunkStore(host_bytes=STORE_BYTES))
+    for item in tqdm(cases, desc=f"{args.family} seed {args.seed}", unit="case"):
+        file = evidence_dir / f"{item.id}.pt"
+        if file.is_file() and all(_key(family, item.id, r) in log for r in RATIOS):
+            continue
+        for row in measure(blender, item, file, family, args.max_new_tokens):
+            log.append(row)
+
+
+def measure(blender, item: Item, file: Path, family: Family, max_new_tokens: int) -> list[dict]:
+    """One case: full recompute; the chunks' deviations remembered from two other orders; a blend at rho 0 (the
+    forced tokens only: its features are the case's evidence, its logits naive reuse's); then a blend per rho."""
+    parts = split(to_request(blender.tokenizer, item).prompt)
+    full = blender.full_prefill(*parts)
+    full_ids = blender.generate(full, max_new_tokens)
+    full_line = first_line(blender.tokenizer.decode(full_ids, skip_special_tokens=True))
+    selector = Recorded(MixSelector(**DEFAULT))
+    remember_deviations(blender, parts, selector.inner, 0.0, {})
+    naive = blender.blend(*parts, selector=selector, ratio=0.0)
+    if "kv_deviation" in naive.passes:
+        raise RuntimeError(f"{item.id}: the measured blend ran the deviation pass after the warm-up")
+    rows, recomputed = [], {}
+    for ratio in RATIOS:
+        res = blender.blend(*parts, selector=selector, ratio=ratio)
+        recomputed[ratio] = res.recomputed
+        line = first_line(_answer(blender, res, full_ids, max_new_tokens))
+        rows.append({"task": family.spec, "item": item.id, "selector": "mix", "ratio": ratio, "path": "reference",
+                     "kl": kl_logits(full.logits, res.logits),
+                     "agree": float(int(res.logits.argmax()) == int(full.logits.argmax())),
+                     "contains": _contains(line, item.answers), "full_contains": _contains(full_line, item.answers),
+                     "same": scoring.exact_match(line, full_line), "f1": scoring.best_f1(line, item.answers),
+                     "answer": line, "full_answer": full_line})
+    torch.save({"evidence": evidence(naive.layout, naive.scores, selector.values), "recomputed": recomputed,
+                "naive_logits": naive.logits.half(), "naive_kl": kl_logits(full.logits, naive.logits)}, file)
+    return rows
+
+
+def _answer(blender, result, full_ids: list[int], max_new_tokens: int) -> str:
+    """The blend's greedy answer: full recompute's when the blend's argmax is full's token at every position of it
+    (one teacher-forced pass; greedy decoding would produce the same tokens), else decoded step by step."""
+    forced = blender.teacher_forced_logits(result, full_ids).argmax(-1).tolist()
+    ids = full_ids if forced == full_ids else blender.generate(result, max_new_tokens)
+    return blender.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _contains(line: str, answers) -> float:
+    """RULER-style: every gold answer appears in the reply's first line."""
+    normalized = scoring.normalize(line)
+    return float(all(scoring.normalize(a) in normalized for a in answers))
+
+
+def _key(family: Family, item: str, ratio: float) -> tuple:
+    return family.spec, item, "mix", ratio, "reference"
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured blend: a case at one rho."""
+
+    family: str
+    item: str
+    signals: Signals
+    row: dict  # the collected row: kl, agree, contains, full_contains, same, f1
+
+
+def load_points(paths: list[str]) -> list[Point]:
+    """Every (case, rho) of the row files whose case has its evidence, signals computed by fidelity.signals."""
+    points = []
+    for path in map(Path, paths):
+        rows = [json.loads(line) for line in path.read_text().splitlines()[1:] if line.strip()]
+        by_item: dict[str, list[dict]] = {}
+        for r in rows:
+            by_item.setdefault(r["item"], []).append(r)
+        family = next(name for name, f in FAMILIES.items() if rows and f.spec == rows[0]["task"]) if rows else None
+        for item, rs in by_item.items():
+            file = path.with_suffix(".evidence") / f"{item}.pt"
+            if not file.is_file():
+                continue
+            case = torch.load(file, weights_only=False)
+            for r in rs:
+                points.append(Point(family, item, signals(case["evidence"], case["recomputed"][r["ratio"]]), r))
+    return points
+
+
+def role(item: str) -> str:
+    """"fit" for every third case (seed or MuSiQue record index divisible by 3), "judge" for the others: a rule fixed
+    before any case was measured, so the two sets are disjoint however far a collection gets."""
+    return "fit" if _number(item) % 3 == 0 else "judge"
+
+
+def _number(item: str) -> int:
+    """A case's seed or record index: the number of its id ("multikey1003", "musique30.1" -> 1003, 30)."""
+    return int(re.search(r"(\d+)(?:\.\d+)?$", item).group(1))
+
+
+def cases_of(points: list[Point]) -> dict[tuple[str, str], dict[float, Point]]:
+    """(family, item) -> rho -> point, for the cases measured at every rho of RATIOS."""
+    out: dict[tuple[str, str], dict[float, Point]] = {}
+    for p in points:
+        out.setdefault((p.family, p.item), {})[p.row["ratio"]] = p
+    return {k: v for k, v in out.items() if set(v) == set(RATIOS)}
+
+
+def design(points: list[Point], terms: tuple[str, ...]) -> np.ndarray:
+    """Rows [1, log max(signal, FLOOR) for each term], as fidelity.Linear reads them."""
+    return np.array([[1.0] + [math.log(max(float(getattr(p.signals, t)), FLOOR)) for t in terms] for p in points])
+
+
+def log_kl(points: list[Point]) -> np.ndarray:
+    return np.array([math.log(max(p.row["kl"], FLOOR)) for p in points])
+
+
+def quantile_regression(x: np.ndarray, y: np.ndarray, quantile: float) -> np.ndarray:
+    """Coefficients minimising the pinball loss at `quantile` (the linear programme of Koenker and Bassett)."""
+    n, k = x.shape
+    cost = np.concatenate([np.zeros(k), np.full(n, quantile), np.full(n, 1 - quantile)])
+    a = sparse.hstack([sparse.csr_matrix(x), sparse.eye(n), -sparse.eye(n)])
+    res = linprog(cost, A_eq=a, b_eq=y, bounds=[(None, None)] * k + [(0, None)] * (2 * n), method="highs")
+    if not res.success:
+        raise RuntimeError(f"quantile regression failed: {res.message}")
+    return res.x[:k]
+
+
+def logistic_regression(x: np.ndarray, y: np.ndarray, ridge: float = 1e-3) -> np.ndarray:
+    """Maximum-likelihood logistic coefficients, a small ridge on the weights (not the intercept) keeping them finite
+    when the fit cases separate."""
+    def loss(b):
+        z = x @ b
+        penalty = ridge * float(b[1:] @ b[1:])
+        return float(np.sum(np.logaddexp(0, z) - y * z)) / len(y) + penalty, \
+            x.T @ (1 / (1 + np.exp(-z)) - y) / len(y) + 2 * ridge * np.concatenate([[0], b[1:]])
+    return minimize(loss, np.zeros(x.shape[1]), jac=True, method="L-BFGS-B").x
+
+
+def choose(estimates: dict[float, float], bound: float, margin: float) -> float | None:
+    """fidelity.smallest_ratio over precomputed log-KL estimates per rho (the grid capped at its largest rho)."""
+    return next((r for r in sorted(estimates) if estimates[r] + margin <= math.log(bound)), None)
+
+
+def calibrate(cases: dict, terms: tuple[str, ...], quantile: float, target: float, folds: int) -> float:
+    """The smallest margin (log KL, steps of 0.05) at which choosing rho by the estimate lets at most `target` of each
+    family's choices (its fit cases at every bound of BOUNDS) exceed the bound, every case estimated by a fit on the
+    other folds (cases dealt to folds in turn). Choosing the smallest rho that meets a bound favours a rho the
+    estimate underrates, so a quantile fitted over all rho alone exceeds the bound more often than 1 - quantile, and
+    a fit pooled over families is looser on some than on others: the margin pays for both."""
+    keys = sorted(cases)
+    held: dict[tuple[str, str], dict[float, float]] = {}
+    for f in range(folds):
+        train = [p for i, k in enumerate(keys) if i % folds != f for p in cases[k].values()]
+        beta = quantile_regression(design(train, terms), log_kl(train), quantile)
+        for i, k in enumerate(keys):
+            if i % folds == f:
+                held[k] = {r: float(design([p], terms)[0] @ beta) for r, p in cases[k].items()}
+    families = {k[0] for k in keys}
+    for margin in np.arange(0, 5, 0.05):
+        worst = max(_exceeded({k: c for k, c in cases.items() if k[0] == family}, held, margin)
+                    for family in families)
+        if worst <= target:
+            return float(margin)
+    raise RuntimeError("no margin below 5 keeps the fit cases' exceedance at the target")
+
+
+def _exceeded(cases: dict, estimates: dict, margin: float) -> float:
+    """Share of the (case, bound) choices whose measured KL exceeds the bound."""
+    chosen = [(k, bound, choose(estimates[k], bound, margin)) for k in cases for bound in BOUNDS]
+    return sum(r is not None and cases[k][r].row["kl"] > bound for k, bound, r in chosen) / len(chosen)
+
+
+def fit(args) -> None:
+    cases = {k: v for k, v in cases_of(load_points(args.paths)).items() if role(k[1]) == "fit"}
+    points = [p for case in cases.values() for p in case.values()]
+    terms = tuple(args.terms.split(","))
+    kl = quantile_regression(design(points, terms), log_kl(points), args.quantile)
+    agree = logistic_regression(design(points, terms), np.array([p.row["agree"] for p in points]))
+    margin = calibrate(cases, terms, args.quantile, args.target, args.folds)
+    counts = {f: sum(k[0] == f for k in cases) for f in FAMILIES}
+    where = "; ".join(f"{f} {n} cases ({_ids(sorted(_number(k[1]) for k in cases if k[0] == f))})"
+                      for f, n in counts.items() if n)
+    fitted_on = (f"SmolLM2-135M-Instruct, reference engine, float32; mix with the server defaults (stored deviations, "
+                 f"overlap 0.15) at rho {', '.join(map(str, RATIOS))}; {where}: every third seed / record, "
+                 "chunkbench/fidelity_fit.py role(); docs/bench/fidelity.md")
+    out = {
+        "doc": {
+            "quantile": "the share of blends whose first-token KL the kl estimate is meant to be at least (pinball "
+                        "loss at this quantile, fitted on the cases of fitted_on, all rho pooled)",
+            "kl": "log KL estimate = intercept + sum of weight * log(max(signal, 1e-6)) over the named Signals fields "
+                  "(quantile regression of the measured log first-token KL against full recompute)",
+            "margin": f"added to the log KL estimate: the smallest (steps of 0.05) at which choosing rho by "
+                      f"smallest_ratio let at most {args.target:g} of each family's choices (its fit cases at the "
+                      f"bounds {', '.join(map(str, BOUNDS))}) exceed the bound, each case estimated by a fit on the "
+                      f"other {args.folds - 1} of {args.folds} folds",
+            "agree": "logit of P(greedy first token = full recompute's) = intercept + sum of weight * log(max(signal, "
+                     "1e-6)) (logistic regression on the same cases and rho)",
+            "fitted_on": "the cases, selector, model and engine the coefficients come from",
+        },
+        "quantile": args.quantile,
+        "kl": {"intercept": round(float(kl[0]), 4), "weights": {t: round(float(w), 4) for t, w in zip(terms, kl[1:])}},
+        "margin": round(margin, 2),
+        "agree": {"intercept": round(float(agree[0]), 4),
+                  "weights": {t: round(float(w), 4) for t, w in zip(terms, agree[1:])}},
+        "fitted_on": fitted_on,
+    }
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps(out, indent=1))
+
+
+def _ids(numbers: list[int]) -> str:
+    """3, 6, 9, ... as "3-9 step 3" runs where they are regular."""
+    return f"{numbers[0]}-{numbers[-1]} step 3" if numbers == list(range(numbers[0], numbers[-1] + 1, 3)) else \
+        ", ".join(map(str, numbers))
+
+
+def judge(args) -> None:
+    model = fidelity.load(args.coefficients)
+    cases = {k: v for k, v in cases_of(load_points(args.paths)).items() if role(k[1]) == "judge"}
+    lines = ["| family | bound | n | KL > bound [95 % Wilson] | mean rho | in full | best fixed rho | oracle mean rho | "
+             "needle / full's | first token = full's | same answer as full |", "|---" * 11 + "|"]
+    for family in FAMILIES:
+        mine = [c for k, c in cases.items() if k[0] == family]
+        if not mine:
+            continue
+        for bound in BOUNDS:
+            picked = [(c, fidelity.smallest_ratio(lambda r, c=c: c[r].signals, bound, model, RATIOS, max(RATIOS)))
+                      for c in mine]
+            rows = [c[r].row if r is not None else None for c, r in picked]
+            full = [c[RATIOS[0]].row for c in mine]
+            n = len(mine)
+            over = sum(r is not None and r["kl"] > bound for r in rows)
+            low, high = intervals.wilson(over, n)
+            rho = [1.0 if r is None else r for _, r in picked]
+            oracle = [next((r for r in RATIOS if c[r].row["kl"] <= bound), 1.0) for c in mine]
+            fixed = next((r for r in RATIOS if sum(c[r].row["kl"] > bound for c in mine) <= 0.1 * n), None)
+            needle = (f"{_mean(r['contains'] if r else f['full_contains'] for r, f in zip(rows, full)):.2f} / "
+                      f"{_mean(f['full_contains'] for f in full):.2f}" if family != "musique" else "")
+            lines.append(
+                f"| {family} | {bound} | {n} | {over / n:.3f} [{low:.3f}, {high:.3f}] | {_mean(rho):.3f} | "
+                f"{sum(r is None for _, r in picked)} | {fixed if fixed is not None else '> 0.4'} | {_mean(oracle):.3f} | "
+                f"{needle} | {_mean(r['agree'] if r else 1.0 for r in rows):.2f} | "
+                f"{_mean(r['same'] if r else 1.0 for r in rows):.2f} |")
+    print("\n".join(lines))
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m chunkbench.fidelity_fit", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("collect", help="measure cases on the reference engine")
+    c.add_argument("--family", choices=FAMILIES, required=True)
+    c.add_argument("--seed", type=int, default=1000, help="first seed (MuSiQue: first record index)")
+    c.add_argument("--requests", type=int, default=20)
+    c.add_argument("--orders", type=int, default=1, help="each case in this many rotations of its documents")
+    c.add_argument("--model", default="smollm2-135m-instruct")
+    c.add_argument("--max-new-tokens", type=int, default=24)
+    c.add_argument("--out", required=True)
+    c.add_argument("--resume", action="store_true")
+    f = sub.add_parser("fit", help="fit the estimator on the fit cases of row files, write the coefficients file")
+    f.add_argument("paths", nargs="+", help="collect's OUT.jsonl files (their evidence beside them)")
+    f.add_argument("--terms", default=",".join(TERMS), help="the Signals fields the estimate reads")
+    f.add_argument("--quantile", type=float, default=0.9)
+    f.add_argument("--target", type=float, default=0.1, help="share of fit cases allowed over each bound")
+    f.add_argument("--folds", type=int, default=5)
+    f.add_argument("--out", default=str(fidelity.PACKAGED))
+    j = sub.add_parser("judge", help="choose rho by the estimate for the held-out cases, per family and bound")
+    j.add_argument("paths", nargs="+")
+    j.add_argument("--coefficients", default=str(fidelity.PACKAGED))
+    args = ap.parse_args()
+    {"collect": collect, "fit": fit, "judge": judge}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""A blended request's fidelity estimate: the first-token KL divergence of its answer against full recompute (an upper
+quantile of it) and the probability that its greedy first token is full recompute's, predicted before the recompute.
+
+Everything the estimate reads is what the selector already read (`Evidence`: its scores, and for `mix` the query's
+attention and the chunks' KV deviation, memoised in the request's features), so the signals exist for every candidate
+rho without another model pass: `smallest_ratio` tries rho in ascending order, each a selector call over the memoised
+features, and the server recomputes once, at the rho it chose. The estimator's form and coefficients are in
+configs/fidelity.json (fitted by chunkbench/fidelity_fit.py; the file's `doc` says on what).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from ..select.base import Layout, Selector
+from .plan import recompute_set
+
+# the features a deviation-reading selector (mix, cacheblend) may have read, in the order they are preferred
+DEVIATIONS = ("remembered_deviation", "known_deviation", "kv_deviation")
+RATIOS = (0.05, 0.1, 0.15, 0.25, 0.4)  # the grid the shipped coefficients were fitted on
+# a signal's log is taken at this floor at least: a share left of 0 (everything recomputed) stays finite
+FLOOR = 1e-6
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What one request's selector read before its recompute."""
+
+    layout: Layout
+    scores: torch.Tensor  # [N] the selector's per-token scores (Selection.scores; mix: a distribution on the context)
+    attention: torch.Tensor | None  # [N] Features.query_attention: per layer a distribution over slots, summed
+    deviation: torch.Tensor | None  # [N] the KV deviation at the selector's check layer (absolute, L2 over heads)
+
+
+def evidence(layout: Layout, scores: torch.Tensor, values: Mapping[tuple[str, tuple], torch.Tensor]) -> Evidence:
+    """The evidence in a request's memoised features (`values`: RequestFeatures.values, (method, args) -> value)."""
+    attention = values.get(("query_attention", ()))
+    deviation = next((v for name in DEVIATIONS for (n, _), v in values.items() if n == name), None)
+    cpu = (lambda t: None if t is None else t.detach().float().cpu())
+    return Evidence(layout, scores.detach().float().cpu(), cpu(attention), cpu(deviation))
+
+
+@dataclass(frozen=True)
+class Signals:
+    """One blend's signals: the evidence at one recompute set."""
+
+    ratio: float  # share of the context tokens recomputed
+    mass_left: float  # share of the selector's score mass on context tokens not recomputed
+    # share of the query's attention (all layers) on context tokens not recomputed; None: the selector read none
+    attention_left: float | None
+    # the query's attention on each context token times that token's KV deviation, summed over the context tokens,
+    # over the query's whole attention: the deviation the answer would read from reused KV with nothing recomputed (the
+    # request's level, the same at every rho); None: the selector read no attention or no deviation
+    deviation: float | None
+    # the same sum over the context tokens not recomputed: the deviation the answer reads from stale KV
+    deviation_left: float | None
+
+
+def signals(ev: Evidence, recomputed: torch.Tensor) -> Signals:
+    """`recomputed`: the sorted prompt indices the blend recomputes (Blended.recomputed, plan.recompute_set)."""
+    ctx = ev.layout.context_mask()
+    left = ctx.clone()
+    left[recomputed.long().cpu()] = False
+    n_ctx, n_left = int(ctx.sum()), int(left.sum())
+    scores = ev.scores.double().clamp_min(0)
+    mass = float(scores[ctx].sum())
+    attention = ev.attention.double() if ev.attention is not None else None
+    total = float(attention.sum()) if attention is not None else 0.0
+    read = (attention * ev.deviation.double().clamp_min(0) / total
+            if total > 0 and ev.deviation is not None else None)  # [N] the deviation the query reads, per token
+    return Signals(
+        ratio=(n_ctx - n_left) / n_ctx if n_ctx else 1.0,
+        mass_left=float(scores[left].sum()) / mass if mass > 0 else n_left / max(n_ctx, 1),
+        attention_left=float(attention[left].sum()) / total if total > 0 else None,
+        deviation=float(read[ctx].sum()) if read is not None else None,
+        deviation_left=float(read[left].sum()) if read is not None else None)
+
+
+def at_ratios(selector: Selector, layout: Layout, features) -> Callable[[float], Signals]:
+    """Signals at any rho for a request whose features the selector has read already (`features`: the request's
+    RequestFeatures, whose memo every call reads: no model pass): the selector's picks at rho, then `signals`."""
+    def at(ratio: float) -> Signals:
+        selection = selector.select(layout, ratio, features)
+        return signals(evidence(layout, selection.scores, features.values), recompute_set(layout, selection.indices))
+
+    return at
+
+
+@dataclass(frozen=True)
+class Linear:
+    """intercept + sum of weight * log(max(signal, FLOOR)) over the named Signals fields."""
+
+    intercept: float
+    weights: dict[str, float]
+
+    def __call__(self, s: Signals) -> float | None:
+        """None when a named signal is None (the blend's selector did not read it)."""
+        if any(getattr(s, name) is None for name in self.weights):
+            return None
+        return self.intercept + sum(w * math.log(max(float(getattr(s, name)), FLOOR))
+                                    for name, w in self.weights.items())
+
+
+@dataclass(frozen=True)
+class Model:
+    """The estimator (configs/fidelity.json's `doc` has a line for each field and what it was fitted on)."""
+
+    quantile: float  # the share of blends whose KL the kl estimate is meant to be at least
+    kl: Linear  # log of the KL estimate, `margin` excluded
+    margin: float  # added to the log KL: calibrated so choosing rho by the estimate keeps exceedance at `quantile`
+    agree: Linear  # logit of the probability that the greedy first token is full recompute's
+    fitted_on: str  # cases, selector and model the coefficients come from
+
+
+@dataclass(frozen=True)
+class Estimate:
+    kl: float  # upper quantile (Model.quantile) of the first-token KL against full recompute, nats
+    agree: float  # probability that the greedy first token is full recompute's
+
+
+def estimate(s: Signals, model: Model | None = None) -> Estimate | None:
+    """None when the blend lacks a signal the model reads (a selector other than mix: no attention or deviation)."""
+    model = model or load()
+    kl, agree = model.kl(s), model.agree(s)
+    if kl is None or agree is None:
+        return None
+    return Estimate(kl=math.exp(kl + model.margin), agree=1.0 / (1.0 + math.exp(-agree)))
+
+
+def smallest_ratio(signals_at: Callable[[float], Signals], max_kl: float, model: Model | None = None,
+                   ratios: Sequence[float] = RATIOS, cap: float = 1.0) -> float | None:
+    """The smallest rho of `ratios`, at most `cap`, whose estimated KL is at most `max_kl`; None when none is, or the
+    blend has no estimate (the request is then computed in full). `signals_at(rho)`: the blend's signals at rho
+    (at_ratios). A looser bound never picks a larger rho: every rho that meets a bound meets a looser one."""
+    if max_kl < 0:
+        raise ValueError(f"max_kl must be >= 0, got {max_kl}")
+    for ratio in sorted(r for r in ratios if r <= cap):
+        est = estimate(signals_at(ratio), model)
+        if est is not None and est.kl <= max_kl:
+            return ratio
+    return None
+
+
+PACKAGED = Path(__file__).parents[1] / "configs" / "fidelity.json"  # package data, beside the server configs
+
+
+@cache
+def load(path: str | Path = PACKAGED) -> Model:
+    """The coefficients file, read once per path."""
+    return parse(json.loads(Path(path).read_text()))
+
+
+def parse(data: Mapping) -> Model:
+    """A Model from the coefficients file's mapping (its fields, and `doc`: a line for each); ValueError naming what
+    is missing or unknown."""
+    names = {f.name for f in fields(Model)}
+    documented = set(data.get("doc", {}))
+    if set(data) - {"doc"} != names or documented != names:
+        raise ValueError(f"fidelity coefficients: expected fields {sorted(names)}, each with a doc line; got "
+                         f"{sorted(set(data) - {'doc'})}, documented {sorted(documented)}")
+    known = {f.name for f in fields(Signals)}
+    linear = {}
+    for key in ("kl", "agree"):
+        part = data[key]
+        unknown = set(part.get("weights", {})) - known
+        if unknown or "intercept" not in part:
+            raise ValueError(f"fidelity coefficients: {key} needs an intercept and weights on Signals fields; "
+                             f"unknown {sorted(unknown)}")
+        linear[key] = Linear(float(part["intercept"]), {k: float(v) for k, v in part["weights"].items()})
+    return Model(quantile=float(data["quantile"]), kl=linear["kl"], margin=float(data["margin"]),
+                 agree=linear["agree"], fitted_on=str(data["fitted_on"]))

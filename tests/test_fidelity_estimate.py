@@ -1,0 +1,139 @@
+"""The fidelity estimate (chunkcache/blend/fidelity.py): the signals computed by hand on a hand-made request, the
+choice of rho (monotone in the bound, None when even the cap misses it, the grid's smallest when the bound is loose),
+and the shipped coefficients file."""
+
+import json
+import math
+import random
+from dataclasses import fields, replace
+
+import pytest
+import torch
+
+from chunkcache.blend import fidelity
+from chunkcache.blend.fidelity import Linear, Model, Signals
+from chunkcache.select import create
+from chunkcache.select.base import Layout
+
+# prefix [0, 2), chunks [2, 6) and [6, 10), query [10, 12): context tokens 2..9
+LAYOUT = Layout(torch.arange(12), 2, ((2, 6), (6, 10)), (10, 12))
+SCORES = torch.tensor([0, 0, .1, .2, .3, .1, .1, .1, .05, .05, 0, 0])  # a distribution on the context
+ATTENTION = torch.tensor([1.0, .2, .1, .2, .3, .1, .1, .1, .05, .05, .5, .3])  # three layers: sums to 3
+DEVIATION = torch.tensor([0.0, 0, 0, 0, 0, 0, 2, 4, 1, 3, 9, 9])  # the first chunk is at home: exact, no deviation
+RECOMPUTED = torch.tensor([4, 7, 10, 11])  # context tokens 4 and 7, and the query
+
+
+def test_signals_by_hand():
+    s = fidelity.signals(fidelity.Evidence(LAYOUT, SCORES, ATTENTION, DEVIATION), RECOMPUTED)
+    assert s.ratio == 2 / 8
+    assert s.mass_left == pytest.approx(1 - .3 - .1)
+    # context tokens left: 2, 3, 5, 6, 8, 9
+    assert s.attention_left == pytest.approx((.1 + .2 + .1 + .1 + .05 + .05) / 3)
+    assert s.deviation == pytest.approx((.1 * 2 + .1 * 4 + .05 * 1 + .05 * 3) / 3)  # the query and prefix: not context
+    assert s.deviation_left == pytest.approx((.1 * 2 + .05 * 1 + .05 * 3) / 3)  # token 7's deviation 4 recomputed
+
+
+def test_signals_without_attention_or_deviation():
+    s = fidelity.signals(fidelity.Evidence(LAYOUT, SCORES, None, None), RECOMPUTED)
+    assert (s.attention_left, s.deviation, s.deviation_left) == (None, None, None)
+    reads_deviation = replace(IDENTITY, kl=Linear(0.0, {"deviation_left": 1.0}))
+    assert fidelity.estimate(s, reads_deviation) is None  # no estimate: a bound is then met by computing in full
+    assert fidelity.smallest_ratio(lambda r: replace(s, ratio=r), 1e9, reads_deviation) is None
+    assert fidelity.signals(fidelity.Evidence(LAYOUT, SCORES, ATTENTION, None), RECOMPUTED).deviation_left is None
+    everything = fidelity.signals(fidelity.Evidence(LAYOUT, SCORES, ATTENTION, DEVIATION), torch.arange(2, 12))
+    assert (everything.ratio, everything.mass_left, everything.attention_left, everything.deviation_left) == \
+        (1.0, 0.0, 0.0, 0.0)
+    assert everything.deviation == pytest.approx((.1 * 2 + .1 * 4 + .05 * 1 + .05 * 3) / 3)
+
+
+def test_evidence_reads_the_memoised_features():
+    values = {("query_attention", ()): ATTENTION, ("remembered_deviation", (3, "k")): DEVIATION,
+              ("prompt_text", ()): ("", [])}
+    ev = fidelity.evidence(LAYOUT, SCORES, values)
+    assert torch.equal(ev.attention, ATTENTION) and torch.equal(ev.deviation, DEVIATION)
+    assert fidelity.evidence(LAYOUT, SCORES, {}).attention is None
+
+
+class Memo:
+    """Features with every value memoised, as RequestFeatures holds them after the prefetch."""
+
+    def __init__(self):
+        self.values = {("query_attention", ()): ATTENTION, ("kv_deviation", (3, "k")): DEVIATION}
+
+    def query_attention(self):
+        return self.values["query_attention", ()]
+
+    def kv_deviation(self, layer, which):
+        return self.values["kv_deviation", (layer, which)]
+
+
+def test_at_ratios_is_the_selectors_pick():
+    mix = create("mix")
+    at = fidelity.at_ratios(mix, LAYOUT, Memo())
+    for ratio in (0.25, 0.5):
+        sel = mix.select(LAYOUT, ratio, Memo())
+        ev = fidelity.Evidence(LAYOUT, sel.scores, ATTENTION, DEVIATION)
+        assert at(ratio) == fidelity.signals(ev, sel.indices)
+    assert at(0.25).ratio == 0.25 and at(0.5).mass_left < at(0.25).mass_left
+
+
+# the estimate is the share of score mass left itself: log KL = log(mass_left)
+IDENTITY = Model(quantile=0.9, kl=Linear(0.0, {"mass_left": 1.0}), margin=0.0, agree=Linear(0.0, {}),
+                 fitted_on="by hand")
+BASE = Signals(ratio=0, mass_left=1, attention_left=0, deviation=1, deviation_left=0)
+# not monotone in rho (0.15 estimates more than 0.1): the choice must be monotone in the bound anyway
+LEFT = {0.05: 0.5, 0.1: 0.3, 0.15: 0.35, 0.25: 0.1, 0.4: 0.05}
+
+
+def at(ratio: float) -> Signals:
+    return replace(BASE, ratio=ratio, mass_left=LEFT[ratio])
+
+
+def test_estimate_by_hand():
+    est = fidelity.estimate(at(0.1), IDENTITY)
+    assert est.kl == pytest.approx(0.3) and est.agree == 0.5
+    shifted = fidelity.estimate(at(0.1), replace(IDENTITY, margin=math.log(2)))
+    assert shifted.kl == pytest.approx(0.6)
+
+
+@pytest.mark.parametrize(("max_kl", "cap", "chosen"), [(1.0, 1.0, 0.05), (0.5, 1.0, 0.05), (0.32, 1.0, 0.1),
+                                                      (0.08, 1.0, 0.4), (0.01, 1.0, None), (0.08, 0.25, None),
+                                                      (0.3, 0.05, None)])
+def test_smallest_ratio(max_kl, cap, chosen):
+    assert fidelity.smallest_ratio(at, max_kl, IDENTITY, cap=cap) == chosen
+
+
+def test_smallest_ratio_is_monotone_in_the_bound():
+    rng = random.Random(0)
+    for _ in range(50):
+        left = {r: rng.random() for r in fidelity.RATIOS}
+        signals_at = (lambda r, left=left: replace(BASE, ratio=r, mass_left=left[r]))
+        chosen = [fidelity.smallest_ratio(signals_at, b, IDENTITY) for b in sorted(rng.random() for _ in range(20))]
+        as_rho = [2.0 if c is None else c for c in chosen]  # None: computed in full, more than any rho
+        assert as_rho == sorted(as_rho, reverse=True)
+
+
+def test_smallest_ratio_refuses_a_negative_bound():
+    with pytest.raises(ValueError, match="max_kl"):
+        fidelity.smallest_ratio(at, -0.1, IDENTITY)
+
+
+def test_the_shipped_coefficients_load_with_a_doc_line_per_field():
+    data = json.loads(fidelity.PACKAGED.read_text())
+    assert set(data["doc"]) == {f.name for f in fields(Model)} and all(data["doc"].values())
+    model = fidelity.load()
+    assert 0.5 < model.quantile < 1 and model.fitted_on == data["fitted_on"]
+    assert set(model.kl.weights) <= {f.name for f in fields(Signals)}
+    est = fidelity.estimate(at(0.15), model)
+    assert est.kl > 0 and 0 < est.agree < 1
+
+
+def test_a_coefficients_file_without_a_doc_line_is_refused():
+    data = json.loads(fidelity.PACKAGED.read_text())
+    del data["doc"]["margin"]
+    with pytest.raises(ValueError, match="doc line"):
+        fidelity.parse(data)
+    data = json.loads(fidelity.PACKAGED.read_text())
+    data["kl"]["weights"]["nonsense"] = 1.0
+    with pytest.raises(ValueError, match="nonsense"):
+        fidelity.parse(data)
