@@ -102,12 +102,22 @@ class SelectConfig:
     # predicted slower, from rates measured once on this host (chunkcache/blend/cost.py); reported as the fallback
     # `predicted_slower`.
     full_when_slower: bool = True
+    # the quality floor of a request that sends none (hints `max_kl`): the smallest rho whose estimated first-token
+    # KL against full recompute (chunkcache/blend/fidelity.py) is at most this many nats; null: `ratio` as given
+    max_kl: float | None = None
+    # the largest rho a quality floor may choose; a request whose estimate misses its bound even there has every
+    # context token recomputed (reported as the fallback `quality_floor`)
+    max_kl_cap: float = 0.4
 
     def check(self) -> None:
         """What needs no selector: the names and their options are the registry's to judge (Config.load's
         `selectors`)."""
         if not 0.0 <= self.ratio <= 1.0:
             raise ConfigError("ratio", f"must be in [0, 1], got {self.ratio}")
+        if self.max_kl is not None and not self.max_kl > 0:
+            raise ConfigError("max_kl", f"must be > 0 (nats) or null, got {self.max_kl}")
+        if not 0.0 < self.max_kl_cap <= 1.0:
+            raise ConfigError("max_kl_cap", f"must be in (0, 1], got {self.max_kl_cap}")
         for name, opts in self.options.items():
             if not isinstance(opts, dict):
                 raise ConfigError(f"options:{name}", f"must be a mapping of keyword options, got {opts!r}")

@@ -16,7 +16,7 @@ from typing import Any
 
 from .hints import HintError, SelectorNames, parse_options
 
-CHAT_KEYS = ("documents", "selector", "ratio", "namespace", "exact")
+CHAT_KEYS = ("documents", "selector", "ratio", "namespace", "exact", "max_kl")
 INGEST_KEYS = ("documents", "system", "namespace", "cache_salt")
 
 
@@ -33,10 +33,12 @@ class Documents:
     system: str | None = None
     cache_salt: str | None = None
     exact: bool | None = None
+    max_kl: float | None = None
 
     def hint_options(self) -> dict[str, Any]:
         """The chunk hint's optional keys (prompt.RagPrompt.kv_hints), None values left out."""
-        options = {"namespace": self.namespace, "selector": self.selector, "ratio": self.ratio, "exact": self.exact}
+        options = {"namespace": self.namespace, "selector": self.selector, "ratio": self.ratio, "exact": self.exact,
+                   "max_kl": self.max_kl}
         return {k: v for k, v in options.items() if v is not None}
 
 
@@ -52,12 +54,12 @@ def parse(body: Any, *, where: str, allowed: tuple[str, ...], max_documents: int
         raise DocumentsError(f"unknown key(s) {', '.join(map(repr, unknown))} in {where}; "
                              f"allowed: {', '.join(map(repr, allowed))}")
     try:
-        namespace, selector, ratio, exact = parse_options(body, selectors)
+        namespace, selector, ratio, exact, max_kl = parse_options(body, selectors)
     except HintError as exc:
         raise DocumentsError(f"{where}: {str(exc).removeprefix('chunkcache hint: ')}") from None
     docs = body.get("documents")
     if docs is None and exact:
-        return Documents((), namespace, selector, ratio, exact=exact)
+        return Documents((), namespace, selector, ratio, exact=exact, max_kl=max_kl)
     if not isinstance(docs, list) or not docs:
         raise DocumentsError(f"{where}.documents must be a non-empty list of strings, got {_kind(docs)}")
     if max_documents is not None and len(docs) > max_documents:
@@ -71,7 +73,7 @@ def parse(body: Any, *, where: str, allowed: tuple[str, ...], max_documents: int
         raise DocumentsError(f"{where}.system must be a non-empty string, got {_kind(system)}")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise DocumentsError(f"{where}.cache_salt must be a non-empty string, got {_kind(salt)}")
-    return Documents(tuple(docs), namespace, selector, ratio, system, salt, exact)
+    return Documents(tuple(docs), namespace, selector, ratio, system, salt, exact, max_kl)
 
 
 def _kind(value: Any) -> str:

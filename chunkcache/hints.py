@@ -7,7 +7,8 @@
 `token_spans` (end exclusive) index the prompt's tokens and go with `input_ids` requests; a `text` request sends
 `char_spans` instead, which the server maps to token spans with the tokenizer's offsets before the scheduler sees
 them. Optional payload keys: `namespace` (str of at most MAX_NAMESPACE_CHARS), `selector` (a registered selector
-name), `ratio` (float in [0, 1]), `exact` (bool). The server bounds the number of spans (config `limits.max_spans`).
+name), `ratio` (float in [0, 1]), `exact` (bool), `max_kl` (float > 0: the quality floor, a bound on the blend's
+estimated first-token KL against full recompute, chunkcache.blend.fidelity). The server bounds the number of spans (config `limits.max_spans`).
 A request without a chunkcache action is not ours: it must be served exactly like stock SGLang.
 
 `exact: true` asks for no approximate KV at all: the request is computed by SGLang's own prefill, reusing only the
@@ -23,7 +24,7 @@ request contract, the prompt builder and frontend programs load without the mode
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, Sequence
 
 ACTION_TYPE = "chunkcache.chunks"
@@ -32,7 +33,7 @@ PROTOCOL_VERSION = "1"  # of SGLang's kv_hints envelope: the only one whose sema
 # A namespace is hashed into chunk keys and names the request's radix partition: it identifies a tenant, it is not
 # a place for data, so it is bounded (a megabyte namespace would be copied into every radix key of the request).
 MAX_NAMESPACE_CHARS = 256
-OPTIONAL_KEYS = ("namespace", "selector", "ratio", "exact")
+OPTIONAL_KEYS = ("namespace", "selector", "ratio", "exact", "max_kl")
 EXACT_SELECTOR = "full"  # the selector that recomputes every token: served as `exact` is
 
 
@@ -58,6 +59,7 @@ class ChunkHint:
     selector: str | None = None
     ratio: float | None = None
     exact: bool | None = None  # True: SGLang's own prefill, no reused KV (token_spans may then be empty)
+    max_kl: float | None = None  # the quality floor: the smallest rho whose estimated KL is at most this
 
     def to_payload(self) -> dict:
         """The canonical payload (token spans only), as the server forwards it to the scheduler."""
@@ -119,23 +121,23 @@ def parse(payload: dict, prompt_len: int, max_spans: int | None = None,
           selectors: SelectorNames | None = None) -> ChunkHint:
     """Validate a token-span payload against a prompt of `prompt_len` tokens (and at most `max_spans` spans);
     `selectors`: the registry a `selector` must be registered in (None: not judged here)."""
-    options = parse_options(payload, selectors)
-    if not _check_keys(payload, "token_spans", required=not options[3]):
-        return ChunkHint((), *options)
+    spanless = ChunkHint((), *parse_options(payload, selectors))
+    if not _check_keys(payload, "token_spans", required=not spanless.exact):
+        return spanless
     spans = _check_spans(payload["token_spans"], "token_spans", prompt_len, "prompt tokens", max_spans)
     last = prompt_len - 1
     for i, (start, end) in enumerate(spans):
         if end > last:
             raise HintError(f"token_spans[{i}] = [{start}, {end}] contains the last prompt token (index {last}), "
                             f"which is always recomputed; a span must end at {last} or earlier")
-    return ChunkHint(tuple(spans), *options)
+    return replace(spanless, token_spans=tuple(spans))
 
 
 def parse_options(payload: dict, selectors: SelectorNames | None = None
-                  ) -> tuple[str | None, str | None, float | None, bool | None]:
-    """The optional payload keys, validated: (namespace, selector, ratio, exact), None where absent; `selectors`:
-    the registry a `selector` must be registered in (None: not judged here)."""
-    namespace, selector, ratio, exact = (payload.get(k) for k in OPTIONAL_KEYS)
+                  ) -> tuple[str | None, str | None, float | None, bool | None, float | None]:
+    """The optional payload keys, validated: (namespace, selector, ratio, exact, max_kl), None where absent;
+    `selectors`: the registry a `selector` must be registered in (None: not judged here)."""
+    namespace, selector, ratio, exact, max_kl = (payload.get(k) for k in OPTIONAL_KEYS)
     if namespace is not None and (not isinstance(namespace, str) or not namespace):
         raise HintError(f"namespace must be a non-empty string, got {namespace!r}")
     if namespace is not None and len(namespace) > MAX_NAMESPACE_CHARS:
@@ -153,13 +155,22 @@ def parse_options(payload: dict, selectors: SelectorNames | None = None
         ratio = float(ratio)
     if exact is not None and not isinstance(exact, bool):
         raise HintError(f"exact must be true or false, got {exact!r}")
+    if max_kl is not None:
+        if isinstance(max_kl, bool) or not isinstance(max_kl, (int, float)) or not math.isfinite(max_kl) \
+                or max_kl <= 0:
+            raise HintError(f"max_kl must be a number > 0 (nats of first-token KL), got {max_kl!r}")
+        if ratio is not None:
+            raise HintError("max_kl and ratio both set the recompute budget: send one of them")
+        max_kl = float(max_kl)
     if exact:
+        if max_kl is not None:
+            raise HintError("max_kl cannot apply with exact: true (no approximate KV at all); leave max_kl out")
         if selector not in (None, EXACT_SELECTOR):
             raise HintError(f"selector {selector!r} cannot apply with exact: true (every token is computed by the "
                             f"model's own prefill); leave selector out")
         if ratio is not None:
             raise HintError("ratio cannot apply with exact: true (every token is computed); leave ratio out")
-    return namespace, selector, ratio, exact
+    return namespace, selector, ratio, exact, max_kl
 
 
 def char_spans_to_token_payload(payload: dict, offsets: Sequence[Sequence[int]], text_len: int,

@@ -71,7 +71,8 @@ def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
         return None
     planned = time.perf_counter()
     engine = BatchEngine(reuse, Runner(model_runner, forward_batch), rows, blending)
-    done = pipeline.run(engine, reuse.store, list(blending.values()), reuse.selector)
+    done = pipeline.run(engine, reuse.store, list(blending.values()), reuse.selector,
+                        floor_cap=reuse.config.select.max_kl_cap)
     if all(p is not None for p in at_rates.values()):  # the batch's blend time against the rates' prediction
         reuse.calibration.observe("blend", sum(p.blend_s for p in at_rates.values()), time.perf_counter() - t0)
     reuse.deferred.extend(done.deferred)  # measured when the scheduler is idle (plugin: Scheduler.on_idle)
@@ -88,7 +89,7 @@ def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
                        recomputed=len(request.recomputed), admitted_compute=admission.charged(rows[index].req),
                        select_s=feature_s + request.select_s, blend_s=blend_s, stages=stages, batch=batch,
                        auto=request_hint.of(rows[index].req).auto, passes=request.passes,
-                       pairs=int((request.recomputed + 1).sum()), predicted=predictions[index])
+                       pairs=int((request.recomputed + 1).sum()), predicted=predictions[index], blended=request)
     return done.output
 
 

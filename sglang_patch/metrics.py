@@ -25,6 +25,7 @@ REMOTE_COUNTERS = {
 }
 NODE_COUNTERS = ("hits", "misses", "errors", "outages", "skipped", "writes")  # NodeStats fields, per node
 REMOTE_SKIPS = {"skipped": "down", "oversize": "oversize", "full": "full", "dropped": "queue"}  # field -> reason
+KL_BUCKETS = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -46,6 +47,9 @@ class _Metrics:
                                         buckets=SECONDS_BUCKETS, registry=r)
         self.blend_seconds = Histogram("chunkcache_blend_seconds", "Blended prefill time per request, selection "
                                        "excluded", buckets=SECONDS_BUCKETS, registry=r)
+        self.estimated_kl = Histogram("chunkcache_estimated_kl", "Fidelity estimate per blended request: the upper "
+                                      "quantile of its first-token KL against full recompute, nats "
+                                      "(chunkcache/blend/fidelity.py)", buckets=KL_BUCKETS, registry=r)
         # livesum: with data parallelism each scheduler has its own store, and the total is what is held
         self.store_bytes = Gauge("chunkcache_store_bytes", "Bytes held by the chunk store, by tier", ["tier"],
                                  multiprocess_mode="livesum", registry=r)
@@ -122,6 +126,8 @@ def record_request(info: dict) -> None:
     m.recomputed_tokens.inc(info["recomputed_tokens"])
     m.select_seconds.observe(info["select_s"])
     m.blend_seconds.observe(info["blend_s"])
+    if "fidelity" in info:
+        m.estimated_kl.observe(info["fidelity"]["kl"])
 
 
 def record_exact(reason: str) -> None:

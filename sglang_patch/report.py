@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 
+from chunkcache.blend.pipeline import Blended
 from chunkcache.blend.plan import RequestPlan
 
 from . import metrics
@@ -35,21 +36,24 @@ NO_BATCH = {"requests": 0, "plain": 0, "decodes": 0, "forwards": 0}
 def blended(req, plan: RequestPlan, *, hits: int, reused: int, recomputed: int,
             admitted_compute: int | None, select_s: float = 0.0, blend_s: float = 0.0,
             stages: dict[str, float] | None = None, batch: dict[str, int] | None = None, auto: bool = False,
-            passes: tuple[str, ...] = (), pairs: int = 0, predicted=None) -> None:
+            passes: tuple[str, ...] = (), pairs: int = 0, predicted=None, blended: Blended | None = None) -> None:
     """A round served from the plan: chunk hits, reused and recomputed tokens, the radix match, the selector, timings
     (`stages` and `batch` are the whole batch's; none when the radix tree held every chunk and nothing blended).
     `auto`: the chunks were found by automatic detection, not marked by the client. `passes`: the model passes the
     selector's features took (a remembered deviation takes none: mix's stored_deviation). `pairs`: the (query, key)
     pairs the recomputed tokens attend, against the n(n+1)/2 of a causal prefill (the benches' floor). `predicted`:
-    the blend-or-full decision (chunkcache.blend.cost.Prediction), when the server made one."""
+    the blend-or-full decision (chunkcache.blend.cost.Prediction), when the server made one. `blended`: the
+    pipeline's record (its rho, fidelity estimate and quality floor); none when nothing blended."""
     info = {
         **(_auto(req) if auto else {}),
         "chunk_hits": hits, "chunk_misses": len(plan.chunks) - hits, "reused_tokens": reused,
-        "recomputed_tokens": recomputed, "attended_pairs": pairs, "radix_tokens": plan.matched, "selector": plan.selector, "ratio": plan.ratio,
+        "recomputed_tokens": recomputed, "attended_pairs": pairs, "radix_tokens": plan.matched, "selector": plan.selector,
+        "ratio": plan.ratio if blended is None else blended.ratio,
         "select_s": round(select_s, 6), "blend_s": round(blend_s, 6),
         "stages_s": {k: round((stages or {}).get(k, 0.0), 6) for k in STAGES}, "batch": batch or dict(NO_BATCH),
         "admitted_compute": admitted_compute, "feature_passes": list(passes),
         **(predicted.report() if predicted is not None else {}),
+        **(_fidelity(req, plan, blended) if blended is not None else {}),
     }
     log.info("chunkcache: request %s %s", getattr(req, "rid", "?"), info)
     metrics.record_request(info)
@@ -63,6 +67,24 @@ def auto_stock(req, *, radix: int, computed: int, learned: dict[str, int]) -> No
              getattr(req, "rid", "?"), learned)
     _add_round(req, {**_auto(req), "chunk_hits": 0, "reused_tokens": 0, "recomputed_tokens": computed,
                      "radix_tokens": radix, "learned": learned})
+
+
+def _fidelity(req, plan: RequestPlan, blended: Blended) -> dict:
+    """The fidelity estimate at the rho the request got and, with a quality floor, the bound and whether a rho up to
+    the cap met it: one that none met had every context token recomputed, a fallback said in the log and metrics."""
+    est = blended.estimate
+    info = {} if est is None else {"fidelity": {"kl": round(est.kl, 6), "agree": round(est.agree, 4)}}
+    if plan.max_kl is None:
+        return info
+    info["max_kl"] = plan.max_kl
+    if not blended.floor_met:
+        detail = (f"no rho up to select.max_kl_cap has an estimated first-token KL of at most {plan.max_kl}"
+                  if est is not None else f"selector {plan.selector!r} gives no fidelity estimate (the estimator "
+                  f"reads mix's signals)") + ": every context token recomputed"
+        log.warning("chunkcache: request %s computed in full (quality_floor): %s", getattr(req, "rid", "?"), detail)
+        metrics.record_fallback("quality_floor")
+        info.update(fallback="quality_floor", detail=detail)
+    return info
 
 
 def exact(req, *, radix: int, computed: int) -> None:

@@ -169,3 +169,25 @@ def test_mix_measures_each_chunks_deviation_off_the_requests_path(engine, rag, s
             break
         time.sleep(0.5)
     assert len(remembered) == 3 and all(e.features[name].abs().sum() > 0 for e in remembered)
+
+
+def test_a_quality_floor_picks_rho_by_the_estimate_and_every_blend_reports_one(engine, rag):
+    """A loose bound takes the fidelity grid's smallest rho, one no rho up to the cap meets recomputes every context
+    token and says so; a request without a bound keeps its ratio and still gets an estimate."""
+    from chunkcache.blend.fidelity import RATIOS
+
+    ids, spans = rag.build([0, 3, 5], "What is the code of document 3?")
+    gen(engine, ids, hints(spans, selector="mix", namespace="floor"), n=1)  # stores the chunks
+    reports = {}
+    # each its own first document: the radix tree holds no other request's chunks of it
+    for name, order, options in (("plain", [5, 0, 3], {}), ("loose", [3, 5, 0], {"max_kl": 1e6}),
+                                 ("tight", [0, 5, 3], {"max_kl": 1e-12})):
+        ids, spans = rag.build(order, "What is the code of document 5?")
+        out = gen(engine, ids, hints(spans, selector="mix", namespace="floor", **options), n=1)
+        reports[name] = out["meta_info"]["chunkcache"]
+        assert reports[name]["chunk_hits"] >= 2, reports[name]
+    plain, loose, tight = reports["plain"], reports["loose"], reports["tight"]
+    assert plain["ratio"] == 0.15 and "max_kl" not in plain and plain["fidelity"]["kl"] > 0, plain
+    assert loose["ratio"] == min(RATIOS) and loose["max_kl"] == 1e6 and "fallback" not in loose, loose
+    assert tight["ratio"] == 1.0 and tight["fallback"] == "quality_floor" and tight["reused_tokens"] == 0, tight
+    assert loose["recomputed_tokens"] < plain["recomputed_tokens"] < tight["recomputed_tokens"]

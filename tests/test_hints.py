@@ -111,11 +111,24 @@ def test_payload_round_trip():
     ({"exact": False}, "payload has no 'token_spans'"),
     ({"exact": True, "token_spans": [[0, 11]]}, "end 11 is past the prompt"),
     ({"exact": True, "char_spans": [[0, 2]]}, "char_spans is for a text request"),
+    ({"token_spans": [[0, 2]], "max_kl": 0}, "max_kl must be a number > 0 (nats of first-token KL), got 0"),
+    ({"token_spans": [[0, 2]], "max_kl": -0.1}, "max_kl must be a number > 0"),
+    ({"token_spans": [[0, 2]], "max_kl": "0.1"}, "max_kl must be a number > 0"),
+    ({"token_spans": [[0, 2]], "max_kl": float("inf")}, "max_kl must be a number > 0"),
+    ({"token_spans": [[0, 2]], "max_kl": True}, "max_kl must be a number > 0"),
+    ({"token_spans": [[0, 2]], "max_kl": 0.1, "ratio": 0.2}, "max_kl and ratio both set the recompute budget"),
+    ({"exact": True, "max_kl": 0.1}, "max_kl cannot apply with exact: true"),
 ])
 def test_parse_rejects(payload, message):
     with pytest.raises(HintError) as e:
         parse(payload, 10, selectors=REGISTRY)
     assert message in str(e.value)
+
+
+def test_max_kl_is_kept_as_a_float():
+    hint = parse({"token_spans": [[0, 2]], "max_kl": 1}, 10)
+    assert hint.max_kl == 1.0 and isinstance(hint.max_kl, float)
+    assert parse(hint.to_payload(), 10) == hint
 
 
 def test_exact_needs_no_spans():

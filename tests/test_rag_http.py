@@ -9,6 +9,7 @@ import requests
 from conftest import metric
 
 from chunkcache.documents import CHAT_KEYS, DocumentsError, parse
+from chunkcache.select import REGISTRY
 from sglang_patch import cli
 
 QUESTION = "Which day does the market open?"
@@ -40,7 +41,7 @@ def ingest(server, documents, **extra):
 ])
 def test_documents_body_is_validated(body, message):
     with pytest.raises(DocumentsError) as info:
-        parse(body, where="chunkcache", allowed=CHAT_KEYS)
+        parse(body, where="chunkcache", allowed=CHAT_KEYS, selectors=REGISTRY)
     assert message in str(info.value)
 
 

@@ -6,7 +6,9 @@
   learn      those chunks go into the store;
   copy       every chunk's KV into its request's slots, K re-rotated to where the chunk now sits;
   features   the model passes the batch's selectors declare (Selector.needs), one per feature for the whole batch;
-  select     per request; per-chunk features a selector kept go into the store with their entry;
+  select     per request, at its ratio or, with a quality floor (plan.max_kl), at the smallest rho whose fidelity
+             estimate meets it (chunkcache.blend.fidelity: no model pass); every request's estimate at the rho it
+             got; per-chunk features a selector kept go into the store with their entry;
   recompute  the selected tokens of every request through all layers; its output is the engine's.
 
 The engine (`Engine`) runs the model: the reference blender on HF modules (chunkcache.reference), SGLang's model
@@ -26,6 +28,7 @@ import torch
 
 from ..select.base import Selector, needs
 from ..store import ChunkEntry, ChunkStore
+from . import fidelity
 from .features import DeviationJob, FeaturePasses, Models, RequestFeatures, check_deviation_args
 from .plan import Placement, RequestPlan, recompute_set, to_compute
 
@@ -66,6 +69,9 @@ class Blended:
     scores: torch.Tensor | None  # the selector's per-token scores, if it has any
     select_s: float  # this request's own selection time (batched feature passes excluded)
     passes: tuple[str, ...] = ()  # the engine's feature passes this request took part in (FeaturePasses methods)
+    ratio: float = 0.0  # the rho it was selected at (plan.ratio, or the quality floor's choice)
+    estimate: fidelity.Estimate | None = None  # its fidelity estimate at that rho; None for a selector without scores
+    floor_met: bool | None = None  # with a quality floor: whether some rho up to the cap met it (else ratio 1)
 
     @property
     def reused_tokens(self) -> int:
@@ -86,7 +92,8 @@ class BatchBlend:
 
 
 def run(engine: Engine, store: ChunkStore, plans: Sequence[RequestPlan],
-        selector: Callable[[str], Selector]) -> BatchBlend:
+        selector: Callable[[str], Selector], floor_cap: float = 1.0) -> BatchBlend:
+    """`floor_cap`: the largest rho a request's quality floor may choose."""
     seconds = dict.fromkeys(STEPS, 0.0)
     step = _stopwatch(seconds)
     with step("lookup"):
@@ -112,11 +119,15 @@ def run(engine: Engine, store: ChunkStore, plans: Sequence[RequestPlan],
         for p, f, sel in zip(plans, features, selectors):
             t = time.perf_counter()
             layout = f.layout
-            selection = sel.select(layout, p.ratio, f)
+            ratio, met = _budget(p, sel, f, floor_cap)
+            selection = sel.select(layout, ratio, f)
             recomputed = recompute_set(layout, selection.indices)
+            estimate = None if selection.scores is None else fidelity.estimate(
+                fidelity.signals(fidelity.evidence(layout, selection.scores, f.values), recomputed))
             blended.append(Blended(p, sum(c.key in found for c in p.chunks), recomputed, selection.scores,
                                    time.perf_counter() - t, tuple(sorted({name for name, _ in f.values
-                                                                          if name in PASSES}))))
+                                                                          if name in PASSES})),
+                                   ratio, estimate, met))
         added: dict[str, dict[str, torch.Tensor]] = {}
         for f in features:  # per-chunk selector features reach every tier and the host budget
             for key, feats in f.added_features().items():
@@ -127,6 +138,15 @@ def run(engine: Engine, store: ChunkStore, plans: Sequence[RequestPlan],
         output = engine.recompute([b.recomputed for b in blended])
     return BatchBlend(output, blended, seconds, [DeviationJob(engine, f, engine.rope) for f in features
                                                  if f.unmeasured is not None])
+
+
+def _budget(plan: RequestPlan, sel: Selector, features: RequestFeatures, cap: float) -> tuple[float, bool | None]:
+    """(rho, whether the quality floor was met): the plan's ratio without a floor; with one, the smallest rho of the
+    fidelity grid up to `cap` whose estimate meets it, else 1 (every context token recomputed)."""
+    if plan.max_kl is None:
+        return plan.ratio, None
+    chosen = fidelity.smallest_ratio(fidelity.at_ratios(sel, features.layout, features), plan.max_kl, cap=cap)
+    return (1.0, False) if chosen is None else (chosen, True)
 
 
 def lookup(store: ChunkStore, plans: Sequence[RequestPlan], engine: Engine) -> dict[str, ChunkEntry]:

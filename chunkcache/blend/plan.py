@@ -46,6 +46,7 @@ class RequestPlan:
     chunks: tuple[Placement, ...]  # in prompt order; empty when the exact prefix covers every chunk
     selector: str
     ratio: float
+    max_kl: float | None = None  # the quality floor: rho is then the smallest whose estimate meets it (blend.fidelity)
 
     @property
     def n(self) -> int:
@@ -71,7 +72,8 @@ class RequestPlan:
 
 
 def plan_request(token_ids: torch.Tensor, spans: Sequence[tuple[int, int]], keys: Sequence[str], matched: int,
-                 selector: str, ratio: float, shared_prefix_len: int | None = None) -> RequestPlan:
+                 selector: str, ratio: float, shared_prefix_len: int | None = None,
+                 max_kl: float | None = None) -> RequestPlan:
     """`spans`: the chunks (sorted, disjoint, before the last token) with their store `keys`; `matched`: the exact
     prefix the engine holds; `shared_prefix_len`: by default where the first chunk starts (a prompt without chunks
     must give it). A chunk the exact prefix reaches into keeps the exact KV of its head."""
@@ -85,7 +87,7 @@ def plan_request(token_ids: torch.Tensor, spans: Sequence[tuple[int, int]], keys
                    for (s, e), key in zip(spans, keys) if e > matched)
     return RequestPlan(token_ids=token_ids, matched=matched, shared_prefix_len=shared_prefix_len,
                        query=spans[-1][1] if spans else shared_prefix_len,
-                       chunks=chunks, selector=selector, ratio=ratio)
+                       chunks=chunks, selector=selector, ratio=ratio, max_kl=max_kl)
 
 
 def to_compute(plans: Sequence[RequestPlan], stored: set[str] | dict) -> list[tuple[int, Placement]]:

@@ -41,10 +41,12 @@ class RequestHint:
     ratio: float
     namespace: str
     auto: bool = False  # found by automatic chunk detection (chunkcache.blend.auto), not marked by the client
+    max_kl: float | None = None  # the quality floor (RequestPlan.max_kl)
 
     def plan(self, matched: int) -> RequestPlan:
         """The blend plan of a prefill round that finds the prompt's first `matched` tokens already exact."""
-        return plan_request(self.token_ids, self.spans, self.keys, matched, self.selector, self.ratio)
+        return plan_request(self.token_ids, self.spans, self.keys, matched, self.selector, self.ratio,
+                            max_kl=self.max_kl)
 
 
 class ChunkReuse:
@@ -100,7 +102,7 @@ class ChunkReuse:
             keys=tuple(chunk_key(self.fingerprint, namespace, prefix, ids[s:e], cache_salt)
                        for s, e in parsed.token_spans),
             selector=parsed.selector or select.selector, ratio=select.ratio if parsed.ratio is None else parsed.ratio,
-            namespace=namespace)
+            namespace=namespace, max_kl=self._floor(parsed.max_kl, parsed.ratio))
 
     def segments(self, token_ids: Sequence[int], cache_salt: str | None) -> Segments:
         """The prompt's reusable segments under the server's namespace (auto detection must be on)."""
@@ -117,7 +119,11 @@ class ChunkReuse:
             return None
         return RequestHint(token_ids=torch.as_tensor(list(token_ids), dtype=torch.long), spans=found.spans,
                            keys=found.keys, selector=self.config.select.selector, ratio=self.config.select.ratio,
-                           namespace=self.config.store.namespace, auto=True)
+                           namespace=self.config.store.namespace, auto=True, max_kl=self.config.select.max_kl)
+
+    def _floor(self, asked: float | None, ratio: float | None) -> float | None:
+        """A request's quality floor: its own, else the server's unless the request set its ratio."""
+        return asked if asked is not None else (self.config.select.max_kl if ratio is None else None)
 
     def _break_ids(self) -> frozenset[int]:
         """Token ids whose text holds a line break: every segment ends after one (chunkcache.segment)."""
