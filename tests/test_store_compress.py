@@ -9,7 +9,7 @@ import struct
 import msgpack
 import pytest
 import torch
-from test_store import FP, assert_same, corrupt_file, key, make_entry
+from test_store import FP, assert_same, corrupt_file, key
 from test_store_remote import drain, remote_store, valkey  # noqa: F401 - valkey is a fixture
 
 from chunkcache.config import Config, ConfigError

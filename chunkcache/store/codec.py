@@ -44,35 +44,45 @@ class Codec:
         if self.bits not in (4, 8) or self.group < 1:
             raise ValueError(f"no codec for {self.bits} bits in groups of {self.group}")
 
-    @property
-    def name(self) -> str:
-        return f"int{self.bits}"
-
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
         """K and V [L, T, H, D] -> TENSORS: uint8 codes [L, T, H, D * bits / 8], K's float16 scale and zero
         [L, ceil(T / GROUP), H, D], V's [L, T, H, D / group]. ValueError if a value is not finite or beyond float16."""
-        L, T, H, D = k.shape
-        pad = -T % self.group
-        if pad:
-            k = torch.cat([k, k[:, -1:].expand(L, pad, H, D)], 1)
-        k_codes, k_scale, k_zero = quant.quantize(k.unflatten(1, (-1, self.group)), self.bits, dim=2)
-        v_group = math.gcd(D, self.group)  # GROUP, or the largest power of two dividing head_dim (80: 16)
-        v_codes, v_scale, v_zero = quant.quantize(v.unflatten(-1, (-1, v_group)), self.bits, dim=-1)
-        return {"k": quant.pack(k_codes.flatten(1, 2)[:, :T], self.bits), "k_scale": k_scale.squeeze(2),
-                "k_zero": k_zero.squeeze(2), "v": quant.pack(v_codes.flatten(-2), self.bits),
-                "v_scale": v_scale.squeeze(-1), "v_zero": v_zero.squeeze(-1)}
+        return dict(zip(TENSORS, (*self.per_channel(k), *self.per_token(v))))
 
     def decode(self, t: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [L, T, H, D] in `dtype` from what encode returned (a ValueError or RuntimeError if the shapes
         do not fit each other)."""
-        k_codes = quant.unpack(t["k"], self.bits)
-        T = k_codes.shape[1]
-        k_codes = F.pad(k_codes, (0, 0, 0, 0, 0, -T % self.group)).unflatten(1, (-1, self.group))
-        k = quant.dequantize(k_codes, t["k_scale"].unsqueeze(2), t["k_zero"].unsqueeze(2)).flatten(1, 2)[:, :T]
-        v_codes = quant.unpack(t["v"], self.bits)
-        v_codes = v_codes.unflatten(-1, (t["v_scale"].shape[-1], -1))
-        v = quant.dequantize(v_codes, t["v_scale"].unsqueeze(-1), t["v_zero"].unsqueeze(-1)).flatten(-2)
-        return k.to(dtype).contiguous(), v.to(dtype)
+        k = self.from_per_channel(t["k"], t["k_scale"], t["k_zero"])
+        return k.to(dtype).contiguous(), self.from_per_token(t["v"], t["v_scale"], t["v_zero"]).to(dtype)
+
+    def per_channel(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [L, T, H, D], each channel over groups of GROUP tokens -> packed codes, scale and zero
+        [L, ceil(T / GROUP), H, D]."""
+        L, T, H, D = x.shape
+        pad = -T % self.group
+        if pad:
+            x = torch.cat([x, x[:, -1:].expand(L, pad, H, D)], 1)
+        codes, scale, zero = quant.quantize(x.unflatten(1, (-1, self.group)), self.bits, dim=2)
+        return quant.pack(codes.flatten(1, 2)[:, :T], self.bits), scale.squeeze(2), zero.squeeze(2)
+
+    def from_per_channel(self, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        """float32 x back from what per_channel returned."""
+        codes = quant.unpack(packed, self.bits)
+        T = codes.shape[1]
+        codes = F.pad(codes, (0, 0, 0, 0, 0, -T % self.group)).unflatten(1, (-1, self.group))
+        return quant.dequantize(codes, scale.unsqueeze(2), zero.unsqueeze(2)).flatten(1, 2)[:, :T]
+
+    def per_token(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [L, T, H, D], each token's channels in groups of `group` (GROUP, or the largest power of two dividing
+        D: 80 -> 16) -> packed codes, scale and zero [L, T, H, D / group]."""
+        group = math.gcd(x.shape[-1], self.group)
+        codes, scale, zero = quant.quantize(x.unflatten(-1, (-1, group)), self.bits, dim=-1)
+        return quant.pack(codes.flatten(-2), self.bits), scale.squeeze(-1), zero.squeeze(-1)
+
+    def from_per_token(self, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        """float32 x back from what per_token returned."""
+        codes = quant.unpack(packed, self.bits).unflatten(-1, (scale.shape[-1], -1))
+        return quant.dequantize(codes, scale.unsqueeze(-1), zero.unsqueeze(-1)).flatten(-2)
 
 
 def named(name: str) -> Codec | None:
