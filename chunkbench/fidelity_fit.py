@@ -252,12 +252,8 @@ def choose(estimates: dict[float, float], bound: float, margin: float) -> float 
     return next((r for r in sorted(estimates) if estimates[r] + margin <= math.log(bound)), None)
 
 
-def calibrate(cases: dict, terms: tuple[str, ...], quantile: float, target: float, folds: int) -> float:
-    """The smallest margin (log KL, steps of 0.05) at which choosing rho by the estimate lets at most `target` of each
-    family's choices (its fit cases at every bound of BOUNDS) exceed the bound, every case estimated by a fit on the
-    other folds (cases dealt to folds in turn). Choosing the smallest rho that meets a bound favours a rho the
-    estimate underrates, so a quantile fitted over all rho alone exceeds the bound more often than 1 - quantile, and
-    a fit pooled over families is looser on some than on others: the margin pays for both."""
+def held_out(cases: dict, terms: tuple[str, ...], quantile: float, folds: int) -> dict[tuple[str, str], dict]:
+    """Each fit case's log-KL estimate per rho by a fit on the other folds (cases dealt to folds in turn)."""
     keys = sorted(cases)
     held: dict[tuple[str, str], dict[float, float]] = {}
     for f in range(folds):
@@ -266,13 +262,36 @@ def calibrate(cases: dict, terms: tuple[str, ...], quantile: float, target: floa
         for i, k in enumerate(keys):
             if i % folds == f:
                 held[k] = {r: float(design([p], terms)[0] @ beta) for r, p in cases[k].items()}
-    families = {k[0] for k in keys}
+    return held
+
+
+def calibrate(cases: dict, terms: tuple[str, ...], quantile: float, target: float, folds: int) -> float:
+    """The smallest margin (log KL, steps of 0.05) at which choosing rho by the estimate lets at most `target` of each
+    family's choices (its fit cases at every bound of BOUNDS) exceed the bound, every case estimated by a fit on the
+    other folds. Choosing the smallest rho that meets a bound favours a rho the estimate underrates, so a quantile
+    fitted over all rho alone exceeds the bound more often than 1 - quantile, and a fit pooled over families is
+    looser on some than on others: the margin pays for both."""
+    held = held_out(cases, terms, quantile, folds)
+    families = {k[0] for k in cases}
     for margin in np.arange(0, 5, 0.05):
         worst = max(_exceeded({k: c for k, c in cases.items() if k[0] == family}, held, margin)
                     for family in families)
         if worst <= target:
             return float(margin)
     raise RuntimeError("no margin below 5 keeps the fit cases' exceedance at the target")
+
+
+def compare(args) -> None:
+    """Cross-validated pinball loss (lower is better) and coverage of each term set on the fit cases."""
+    cases = {k: v for k, v in cases_of(load_points(args.paths)).items() if role(k[1]) == "fit"}
+    print(f"{len(cases)} fit cases; {args.folds}-fold cross-validation at quantile {args.quantile}\n")
+    print("| terms | pinball loss | share of blends over the estimate |\n|---|---|---|")
+    for terms in (tuple(t.split(",")) for t in args.sets.split(";")):
+        held = held_out(cases, terms, args.quantile, args.folds)
+        residual = np.array([math.log(max(p.row["kl"], FLOOR)) - held[k][r] for k, c in cases.items()
+                             for r, p in c.items()])
+        loss = np.mean(np.maximum(args.quantile * residual, (args.quantile - 1) * residual))
+        print(f"| {', '.join(terms)} | {loss:.4f} | {np.mean(residual > 0):.3f} |")
 
 
 def _exceeded(cases: dict, estimates: dict, margin: float) -> float:
@@ -383,8 +402,13 @@ def main() -> None:
     j = sub.add_parser("judge", help="choose rho by the estimate for the held-out cases, per family and bound")
     j.add_argument("paths", nargs="+")
     j.add_argument("--coefficients", default=str(fidelity.PACKAGED))
+    m = sub.add_parser("compare", help="cross-validated pinball loss of term sets on the fit cases")
+    m.add_argument("paths", nargs="+")
+    m.add_argument("--sets", required=True, help="term sets: 'a,b;a,c'")
+    m.add_argument("--quantile", type=float, default=0.9)
+    m.add_argument("--folds", type=int, default=5)
     args = ap.parse_args()
-    {"collect": collect, "fit": fit, "judge": judge}[args.cmd](args)
+    {"collect": collect, "fit": fit, "judge": judge, "compare": compare}[args.cmd](args)
 
 
 if __name__ == "__main__":
