@@ -26,15 +26,14 @@ import argparse
 import json
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from tqdm import tqdm
-
 import numpy as np
+import torch
 from scipy import sparse
 from scipy.optimize import linprog, minimize
+from tqdm import tqdm
 
 from chunkcache.blend import fidelity
 from chunkcache.blend.fidelity import FLOOR, Signals, evidence, signals
@@ -43,7 +42,7 @@ from . import intervals, scoring
 from .ab import first_line
 from .reference_path import kl_logits, remember_deviations, split
 from .rowlog import RowLog
-from .workloads import Item, WorkloadConfig, items, phase, to_request
+from .workloads import Item, WorkloadConfig, items, to_request
 
 RATIOS = fidelity.RATIOS
 BOUNDS = (0.02, 0.05, 0.1, 0.2)  # max_kl bounds the estimate is judged at
@@ -88,16 +87,11 @@ class Recorded:
         return selection
 
 
-def case_items(family: Family, seed: int, requests: int, orders: int) -> list[Item]:
-    """`requests` cases from `seed` (synthetic: seeds; MuSiQue: records from index `seed`), each in `orders` orders
-    (its documents rotated by K, the id suffixed `.K` for K > 0)."""
+def case_items(family: Family, seed: int, requests: int) -> list[Item]:
+    """`requests` cases from `seed` (synthetic: seeds; MuSiQue: records from index `seed`)."""
     if family.spec == "musique":
-        config = WorkloadConfig(family.spec, seed + requests, family.docs, family.words)
-        pool = items(config)[seed:]
-    else:
-        config = WorkloadConfig(family.spec, requests, family.docs, family.words, seed=seed)
-        pool = items(config)
-    return [replace(it, id=f"{it.id}.{k}" if k else it.id) for k in range(orders) for it in phase(config, pool, k)]
+        return items(WorkloadConfig(family.spec, seed + requests, family.docs, family.words))[seed:]
+    return items(WorkloadConfig(family.spec, requests, family.docs, family.words, seed=seed))
 
 
 def collect(args) -> None:
@@ -111,7 +105,7 @@ def collect(args) -> None:
     identity = {"family": args.family, "model": args.model, "ratios": list(RATIOS), "options": DEFAULT,
                 "max_new_tokens": args.max_new_tokens}
     log = RowLog(out, identity, args.resume)
-    cases = case_items(family, args.seed, args.requests, args.orders)
+    cases = case_items(family, args.seed, args.requests)
     # a case's chunks are all the store must hold (and what a realkey or MuSiQue case shares with earlier ones)
     blender = ReferenceBlender.from_pretrained(args.model, store=ChunkStore(host_bytes=STORE_BYTES))
     for item in tqdm(cases, desc=f"{args.family} seed {args.seed}", unit="case"):
@@ -204,8 +198,8 @@ def role(item: str) -> str:
 
 
 def _number(item: str) -> int:
-    """A case's seed or record index: the number of its id ("multikey1003", "musique30.1" -> 1003, 30)."""
-    return int(re.search(r"(\d+)(?:\.\d+)?$", item).group(1))
+    """A case's seed or record index: the number its id ends with ("multikey1003" -> 1003)."""
+    return int(re.search(r"(\d+)$", item).group(1))
 
 
 def cases_of(points: list[Point]) -> dict[tuple[str, str], dict[float, Point]]:
@@ -387,7 +381,6 @@ def main() -> None:
     c.add_argument("--family", choices=FAMILIES, required=True)
     c.add_argument("--seed", type=int, default=1000, help="first seed (MuSiQue: first record index)")
     c.add_argument("--requests", type=int, default=20)
-    c.add_argument("--orders", type=int, default=1, help="each case in this many rotations of its documents")
     c.add_argument("--model", default="smollm2-135m-instruct")
     c.add_argument("--max-new-tokens", type=int, default=24)
     c.add_argument("--out", required=True)

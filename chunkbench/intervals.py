@@ -41,4 +41,5 @@ def wilson(hits: int, n: int, confidence: float = CONFIDENCE) -> tuple[float, fl
     p = hits / n
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(centre - half, 0.0), min(centre + half, 1.0)
+    # exactly 0 (1) at no (every) hit, where the formula leaves rounding
+    return (0.0 if hits == 0 else centre - half), (1.0 if hits == n else centre + half)

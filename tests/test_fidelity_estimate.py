@@ -137,3 +137,18 @@ def test_a_coefficients_file_without_a_doc_line_is_refused():
     data["kl"]["weights"]["nonsense"] = 1.0
     with pytest.raises(ValueError, match="nonsense"):
         fidelity.parse(data)
+
+
+def test_the_fits_quantile_regression_and_wilson_interval():
+    import numpy as np
+
+    from chunkbench.fidelity_fit import quantile_regression
+    from chunkbench.intervals import wilson
+
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0, 1, 2000)
+    y = 2 + 3 * x + rng.uniform(0, 1, 2000)  # the 0.9 quantile of y given x: 2.9 + 3x
+    beta = quantile_regression(np.stack([np.ones_like(x), x], 1), y, 0.9)
+    np.testing.assert_allclose(beta, [2.9, 3.0], atol=0.05)
+    assert wilson(10, 100) == pytest.approx((0.0552, 0.1744), abs=1e-4)
+    assert wilson(0, 100)[0] == 0.0 and wilson(0, 20)[1] == pytest.approx(0.1611, abs=1e-4) and wilson(5, 5)[1] == 1.0
