@@ -68,7 +68,9 @@ def test_hinted_request_reports_chunk_reuse(server):
     """meta_info["chunkcache"] is the round the blend reports on the scheduler's Req (sglang_patch/report.py). The
     chunks in another order than above, so the radix tree cannot serve the whole prompt as an exact prefix."""
     text, spans = rag_prompt(CHUNKS[::-1])
-    r = generate(server, text=text, kv_hints=kv_hints({"char_spans": spans, "selector": "epic", "ratio": 1.0}))
+    # its own namespace: its chunks are missing, so it blends (to store them) whatever the blend-or-full prediction
+    r = generate(server, text=text, kv_hints=kv_hints({"char_spans": spans, "selector": "epic", "ratio": 1.0,
+                                                       "namespace": "report"}))
     report = r.json()["meta_info"].get("chunkcache")
     assert report is not None, "the blend did not report on a hinted request (did it run?)"
     assert REPORT_KEYS <= set(report) and report["selector"] == "epic"
