@@ -1,0 +1,66 @@
+"""RAG with LlamaIndex's own packages on a chunkcache server with automatic chunk detection: `OpenAILike` pointed at
+the server's /v1 and the query engine of an in-memory `SummaryIndex` (no embedding model: every document goes into the
+prompt, in the index's order); the prompt is LlamaIndex's, nothing in it marks the documents.
+
+    .venv/bin/chunkcache serve --auto-chunks                   # server on 127.0.0.1:30000
+    .venv/bin/python examples/llamaindex_rag.py http://127.0.0.1:30000
+
+The query engine answers the question over the documents in examples/documents twice, the second time from an index of
+them in reverse order (as another retriever's ranking would give them), and prints each answer with the server's chunk
+report: the second request finds the documents' segments in the chunk store (`chunk_hits`, `reused_tokens`). `--exact`
+passes `{"chunkcache": {"exact": true}}` as the OpenAI client's `extra_body` through OpenAILike's `additional_kwargs`:
+the server computes those requests with SGLang's own prefill, reusing nothing, and reports `"exact": true`. The query
+engine's response holds only the answer's text, so the report (`metadata.chunkcache` in the server's JSON) is read by
+a response hook on the httpx client OpenAILike is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import httpx
+from llama_index.core import Document, SummaryIndex
+from llama_index.llms.openai_like import OpenAILike
+
+DOCUMENTS = Path(__file__).resolve().parent / "documents"
+
+
+def ask(url: str, docs: list[str], question: str, max_tokens: int = 32, exact: bool = False) -> tuple[str, dict]:
+    """The query engine's answer over an index of `docs` in this order, and the server's JSON response to its chat
+    completion."""
+    responses: list[httpx.Response] = []
+
+    def keep(response: httpx.Response) -> None:
+        response.read()
+        responses.append(response)
+
+    with httpx.Client(event_hooks={"response": [keep]}) as http:
+        llm = OpenAILike(model="default", api_base=url + "/v1", api_key="none", is_chat_model=True, temperature=0,
+                         max_tokens=max_tokens, http_client=http,
+                         additional_kwargs={"extra_body": {"chunkcache": {"exact": True}}} if exact else {})
+        index = SummaryIndex.from_documents([Document(text=d) for d in docs])
+        answer = index.as_query_engine(llm=llm).query(question)  # one LLM call: the documents fit one prompt
+    return str(answer), responses[-1].json()
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("url", nargs="?", default="http://127.0.0.1:30000", help="the server (default: %(default)s)")
+    parser.add_argument("--question", default="When does the Amber market open and close?")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--exact", action="store_true", help="ask for SGLang's own prefill: no reused KV")
+    args = parser.parse_args(argv)
+
+    docs = [p.read_text().strip() for p in sorted(DOCUMENTS.glob("*.txt"))]
+    reports = []
+    for order in (docs, docs[::-1]):
+        answer, response = ask(args.url, order, args.question, args.max_tokens, args.exact)
+        report = response["metadata"]["chunkcache"]
+        print(f"answer: {answer.strip()!r}\nchunks: {report}\n")
+        reports.append(report)
+    return reports
+
+
+if __name__ == "__main__":
+    main()
