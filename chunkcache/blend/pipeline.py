@@ -70,7 +70,7 @@ class Blended:
     select_s: float  # this request's own selection time (batched feature passes excluded)
     passes: tuple[str, ...] = ()  # the engine's feature passes this request took part in (FeaturePasses methods)
     ratio: float = 0.0  # the rho it was selected at (plan.ratio, or the quality floor's choice)
-    estimate: fidelity.Estimate | None = None  # its fidelity estimate at that rho; None for a selector without scores
+    estimate: fidelity.Estimate | None = None  # its fidelity estimate at that rho; None without mix's signals
     floor_met: bool | None = None  # with a quality floor: whether some rho up to the cap met it (else ratio 1)
 
     @property
