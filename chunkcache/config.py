@@ -42,10 +42,18 @@ class StoreConfig:
     # K and V as the disk and remote tiers write them: none, int8 or int4 (chunkcache/store/codec.py; SmolLM2: 56 % /
     # 31 % of the bytes), decoded on read, the host tier full width; quality cost: docs/bench/compression.md
     compress: str = "none"
+    # which remote entries a request fetches: auto, those predicted faster to fetch than to compute here (each
+    # server's measured latency and bandwidth against this server's measured compute per token; README "Fetch or
+    # compute"); always, every one the local tiers lack; never, none (the tier is written, not read)
+    remote_fetch: str = "auto"
+    # a link judged slower than computing is fetched from again after this long, to follow a link that got faster
+    remote_probe_s: float = 30.0
 
     def check(self) -> None:
         _at_least(self, "host_bytes", 0)
         _one_of(self, "compress", ("none", "int8", "int4"))  # store.codec.NAMES
+        _one_of(self, "remote_fetch", ("auto", "always", "never"))  # store.remote.FETCH
+        _at_least(self, "remote_probe_s", 0)
         _at_least(self, "disk_bytes", 1)
         _non_empty(self, "disk_dir", "namespace")
         if self.remote_url is not None:

@@ -72,7 +72,7 @@ def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
     planned = time.perf_counter()
     engine = BatchEngine(reuse, Runner(model_runner, forward_batch), rows, blending)
     done = pipeline.run(engine, reuse.store, list(blending.values()), reuse.selector,
-                        floor_cap=reuse.config.select.max_kl_cap)
+                        floor_cap=reuse.config.select.max_kl_cap, compute=reuse.compute)
     if all(p is not None for p in at_rates.values()):  # the batch's blend time against the rates' prediction
         reuse.calibration.observe("blend", sum(p.blend_s for p in at_rates.values()), time.perf_counter() - t0)
     reuse.deferred.extend(done.deferred)  # measured when the scheduler is idle (plugin: Scheduler.on_idle)

@@ -22,6 +22,9 @@ REMOTE_COUNTERS = {
     "errors": ("chunkcache_remote_errors", "Remote store commands that failed (down, timed out, refused)"),
     "outages": ("chunkcache_remote_outages", "Times the remote store went from working to failing"),
     "bytes_written": ("chunkcache_remote_bytes_written", "Bytes of entries stored in the remote tier"),
+    "computed_instead": ("chunkcache_remote_computed_instead", "Chunks the local tiers lacked that were computed "
+                         "without asking the remote tier: computing them was predicted faster (store.remote_fetch)"),
+    "probes": ("chunkcache_remote_probes", "Fetches from a link judged slower than computing, to measure it again"),
 }
 NODE_COUNTERS = ("hits", "misses", "errors", "outages", "skipped", "writes")  # NodeStats fields, per node
 REMOTE_SKIPS = {"skipped": "down", "oversize": "oversize", "full": "full", "dropped": "queue"}  # field -> reason
@@ -74,6 +77,11 @@ class _Metrics:
                              ["node"], registry=r)
         self.node = {field: Counter(f"chunkcache_remote_node_{field}", f"Remote store {field} on one cluster node",
                                     ["node"], registry=r) for field in NODE_COUNTERS}
+        # each server's measured gets (the fetch-or-compute rule's inputs); `node`: host:port, or the one endpoint
+        self.link_latency = Gauge("chunkcache_remote_fetch_latency_seconds", "A remote get's measured fixed cost "
+                                  "(round trip), per server", ["node"], multiprocess_mode="livemax", registry=r)
+        self.link_rate = Gauge("chunkcache_remote_fetch_bytes_per_second", "A remote get's measured bandwidth, per "
+                               "server", ["node"], multiprocess_mode="livemin", registry=r)
         self.auto_requests = Counter("chunkcache_auto_requests", "Requests without a hint seen by automatic chunk "
                                      "detection, by outcome (blended: stored segments became its chunks; stock: too "
                                      "few, served as stock)", ["outcome"], registry=r)
@@ -185,6 +193,11 @@ def set_store_stats(stats) -> None:
         for field, reason in REMOTE_SKIPS.items():
             _count_new(m, f"remote.{field}", getattr(remote, field), m.remote_skipped.labels(reason))
         _count_nodes(m, remote.nodes)
+        links = [(remote.server, remote.link)] + [(node.node, node.link) for node in remote.nodes]
+        for node, link in links:
+            if link is not None:
+                m.link_latency.labels(node).set(link.latency_s)
+                m.link_rate.labels(node).set(link.bytes_per_s)
 
 
 def _count_nodes(m: _Metrics, nodes) -> None:

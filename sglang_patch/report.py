@@ -43,7 +43,8 @@ def blended(req, plan: RequestPlan, *, hits: int, reused: int, recomputed: int,
     selector's features took (a remembered deviation takes none: mix's stored_deviation). `pairs`: the (query, key)
     pairs the recomputed tokens attend, against the n(n+1)/2 of a causal prefill (the benches' floor). `predicted`:
     the blend-or-full decision (chunkcache.blend.cost.Prediction), when the server made one. `blended`: the
-    pipeline's record (its rho, fidelity estimate and quality floor); none when nothing blended."""
+    pipeline's record (its rho, fidelity estimate, quality floor, and of its chunks those fetched from the remote tier
+    and those computed instead); none when nothing blended."""
     info = {
         **(_auto(req) if auto else {}),
         "chunk_hits": hits, "chunk_misses": len(plan.chunks) - hits, "reused_tokens": reused,
@@ -54,6 +55,7 @@ def blended(req, plan: RequestPlan, *, hits: int, reused: int, recomputed: int,
         "admitted_compute": admitted_compute, "feature_passes": list(passes),
         **(predicted.report() if predicted is not None else {}),
         **(_fidelity(req, plan, blended) if blended is not None else {}),
+        **({"fetched": blended.fetched, "computed_instead": blended.computed_instead} if blended is not None else {}),
     }
     log.info("chunkcache: request %s %s", getattr(req, "rid", "?"), info)
     metrics.record_request(info)

@@ -2,7 +2,7 @@
 
 import torch
 
-from chunkcache.blend.cost import ModelShape, Rates, host_rates, predict
+from chunkcache.blend.cost import Calibration, ComputeCost, ModelShape, Rates, host_rates, predict
 from chunkcache.blend.plan import plan_request
 
 # 10 prefix tokens, two chunks of 100, a 5-token query: n = 215
@@ -71,3 +71,16 @@ def test_calibration_scales_each_side_by_what_its_forwards_took():
     c.observe("full", 0.01, 0.2)  # a short forward's fixed costs say nothing of the rates
     assert c.factor["full"] == 1.0 and c.observed["full"] == Calibration.WINDOW
     assert full_s(10, 5, Rates(1.0, 1.0, 0.0)) == 10 + (15 * 16 - 5 * 6) / 2
+
+
+def test_a_chunks_compute_cost_is_the_fills_measured_rate_else_the_rates_else_unknown():
+    rates = None
+    cost = ComputeCost(lambda: rates, Calibration())
+    assert cost.chunk_s(100) is None  # nothing measured, no rates: the store fetches
+    rates = Rates(token_s=1e-3, pair_s=1e-6, copy_s=0.0)
+    assert cost.chunk_s(100) == 100 * 1e-3 + 100 * 101 / 2 * 1e-6  # a chunk after no prefix, at the rates
+    cost.observe(ComputeCost.MIN_TOKENS - 1, 100.0)  # too few tokens to say a rate: not observed
+    assert cost.per_token_s is None
+    for tokens, seconds in [(100, 0.2), (200, 0.2), (400, 1.2)]:  # 2, 1 and 3 ms per token
+        cost.observe(tokens, seconds)
+    assert cost.per_token_s == 2e-3 and cost.chunk_s(50) == 50 * 2e-3  # the median, over the rates

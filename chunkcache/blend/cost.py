@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -150,3 +151,34 @@ def predict(plan: RequestPlan, query_pass: bool, rates: Rates) -> Prediction:
     pairs = pairs + fill_pairs + (query * n if query_pass else 0)
     blend = tokens * rates.token_s + pairs * rates.pair_s + reused * rates.copy_s
     return Prediction(blend, full_s(extend, start, rates), tokens, int(pairs), reused)
+
+
+class ComputeCost:
+    """Seconds this server takes to compute a chunk inside its blend (the fill step: every missing chunk standalone
+    after its request's shared prefix), for the store's fetch-or-compute rule (chunkcache.store.remote). Measured:
+    the median seconds per token of its last WINDOW fills that computed at least MIN_TOKENS chunk tokens; before
+    that, the host's rates when the server has them (a chunk after no prefix, at the blend side's calibration);
+    else unknown (None: the store fetches)."""
+
+    WINDOW = 15
+    MIN_TOKENS = 32
+
+    def __init__(self, rates: Callable[[], Rates | None], calibration: Calibration):
+        self._rates, self._calibration = rates, calibration
+        self._per_token: deque[float] = deque(maxlen=self.WINDOW)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens >= self.MIN_TOKENS:
+            self._per_token.append(seconds / tokens)
+
+    @property
+    def per_token_s(self) -> float | None:
+        """The measured seconds per chunk token; None before a fill was observed."""
+        return statistics.median(self._per_token) if self._per_token else None
+
+    def chunk_s(self, tokens: int) -> float | None:
+        measured = self.per_token_s
+        if measured is not None:
+            return tokens * measured
+        rates = self._rates()
+        return None if rates is None else full_s(tokens, 0, rates) * self._calibration.factor["blend"]

@@ -1,6 +1,7 @@
 """The blend of a batch of requests, the same steps for every engine:
 
-  lookup     the chunk store's entries for the batch's chunks (the only store reads);
+  lookup     the chunk store's entries for the batch's chunks (the only store reads), a remote one fetched only when
+             that is predicted faster than computing the chunk here (`compute`: this server's measured cost);
   fill       exact KV for each request's unmatched shared prefix, and every chunk no entry holds computed
              standalone right after its request's shared prefix (once per batch);
   learn      those chunks go into the store;
@@ -27,8 +28,9 @@ from typing import Any, Protocol
 import torch
 
 from ..select.base import Selector, needs
-from ..store import ChunkEntry, ChunkStore
+from ..store import ChunkEntry, ChunkStore, Lookup
 from . import fidelity
+from .cost import ComputeCost
 from .features import DeviationJob, FeaturePasses, Models, RequestFeatures, check_deviation_args
 from .plan import Placement, RequestPlan, recompute_set, to_compute
 
@@ -72,6 +74,8 @@ class Blended:
     ratio: float = 0.0  # the rho it was selected at (plan.ratio, or the quality floor's choice)
     estimate: fidelity.Estimate | None = None  # its fidelity estimate at that rho; None without mix's signals
     floor_met: bool | None = None  # with a quality floor: whether some rho up to the cap met it (else ratio 1)
+    fetched: int = 0  # of its chunk hits, those the remote tier served
+    computed_instead: int = 0  # chunks not asked of the remote tier: computing them was predicted faster
 
     @property
     def reused_tokens(self) -> int:
@@ -91,15 +95,19 @@ class BatchBlend:
     deferred: list[DeviationJob]
 
 
-def run(engine: Engine, store: ChunkStore, plans: Sequence[RequestPlan],
-        selector: Callable[[str], Selector], floor_cap: float = 1.0) -> BatchBlend:
-    """`floor_cap`: the largest rho a request's quality floor may choose."""
+def run(engine: Engine, store: ChunkStore, plans: Sequence[RequestPlan], selector: Callable[[str], Selector],
+        floor_cap: float = 1.0, compute: ComputeCost | None = None) -> BatchBlend:
+    """`floor_cap`: the largest rho a request's quality floor may choose. `compute`: what computing a chunk costs
+    this server (priced against a remote fetch, and measured on the fill); None: every remote entry is fetched."""
     seconds = dict.fromkeys(STEPS, 0.0)
     step = _stopwatch(seconds)
     with step("lookup"):
-        found = lookup(store, plans, engine)
+        looked = lookup(store, plans, engine, compute)
+    found = looked.entries
     with step("fill"):
         computed = engine.fill(to_compute(plans, found))
+    if compute is not None:
+        compute.observe(sum(e.num_tokens for e in computed), seconds["fill"])
     with step("learn"):
         for entry in computed:
             if not store.put(entry):
@@ -127,7 +135,8 @@ def run(engine: Engine, store: ChunkStore, plans: Sequence[RequestPlan],
             blended.append(Blended(p, sum(c.key in found for c in p.chunks), recomputed, selection.scores,
                                    time.perf_counter() - t, tuple(sorted({name for name, _ in f.values
                                                                           if name in PASSES})),
-                                   ratio, estimate, met))
+                                   ratio, estimate, met, sum(c.key in looked.fetched for c in p.chunks),
+                                   sum(c.key in looked.computed_instead for c in p.chunks)))
         added: dict[str, dict[str, torch.Tensor]] = {}
         for f in features:  # per-chunk selector features reach every tier and the host budget
             for key, feats in f.added_features().items():
@@ -149,13 +158,17 @@ def _budget(plan: RequestPlan, sel: Selector, features: RequestFeatures, cap: fl
     return (1.0, False) if chosen is None else (chosen, True)
 
 
-def lookup(store: ChunkStore, plans: Sequence[RequestPlan], engine: Engine) -> dict[str, ChunkEntry]:
+def lookup(store: ChunkStore, plans: Sequence[RequestPlan], engine: Engine, compute: ComputeCost | None) -> Lookup:
     """Each distinct chunk's entry, where the store has one that holds exactly its tokens (the batch's keys in one
-    store call: one remote round trip at most)."""
+    store call: one remote round trip per server at most, for the chunks worth fetching)."""
     chunks = {c.key: (plan, c) for plan in plans for c in plan.chunks}
-    entries = store.get_many(list(chunks))
-    found = {key: _holding(entries.get(key), plan.chunk_ids(c), key, engine) for key, (plan, c) in chunks.items()}
-    return {key: entry for key, entry in found.items() if entry is not None}
+    costs = None if compute is None else {
+        key: (c.span[1] - c.span[0], compute.chunk_s(c.span[1] - c.span[0])) for key, (_, c) in chunks.items()}
+    looked = store.lookup(list(chunks), costs)
+    found = {key: _holding(looked.entries.get(key), plan.chunk_ids(c), key, engine)
+             for key, (plan, c) in chunks.items()}
+    entries = {key: entry for key, entry in found.items() if entry is not None}
+    return Lookup(entries, frozenset(k for k in looked.fetched if k in entries), looked.computed_instead)
 
 
 def _holding(entry: ChunkEntry | None, ids: torch.Tensor, key: str, engine: Engine) -> ChunkEntry | None:

@@ -23,7 +23,7 @@ from ..segment import break_ids
 from ..select import REGISTRY, Selector
 from ..store import ChunkStore, EntryLayout
 from .auto import AutoChunks, Segments
-from .cost import Calibration, Rates
+from .cost import Calibration, ComputeCost, Rates
 from .features import DeviationJob, Models
 from .plan import RequestPlan, plan_request
 
@@ -66,6 +66,7 @@ class ChunkReuse:
         self.last_forward = 0.0  # time.monotonic() of the server's last extend forward (the glue sets it)
         self.rates: Rates | None = None  # this host's rates when requests are blended only if predicted faster
         self.calibration = Calibration()  # this server's forwards against the rates' predictions
+        self.compute = ComputeCost(lambda: self.rates, self.calibration)  # a chunk's cost here, against fetching it
         self.auto = AutoChunks(config.auto, self._break_ids(), self.fingerprint) if config.auto.enabled else None
 
     def measure_deferred(self) -> None:
@@ -111,9 +112,11 @@ class ChunkReuse:
     def auto_hint(self, token_ids: Sequence[int], segments: Segments, matched: int) -> RequestHint | None:
         """A hint whose chunks are the prompt's stored segments past its first `matched` tokens (held exactly), or
         None when they are too few to blend (the request is then served as stock). The store is asked once for all
-        the segments (the remote tier in one round trip); a remote hit is promoted into memory for the blend."""
-        wanted = [k for (s, _), k in zip(segments.spans, segments.keys) if s >= matched]
-        stored = set(self.store.get_many(wanted)) if wanted else set()
+        the segments (the remote tier in one round trip, for those worth fetching: a segment computing faster than
+        it fetches is a hole); a remote hit is promoted into memory for the blend."""
+        wanted = {k: (e - s, self.compute.chunk_s(e - s)) for (s, e), k in zip(segments.spans, segments.keys)
+                  if s >= matched}
+        stored = set(self.store.lookup(list(wanted), wanted).entries) if wanted else set()
         found = self.auto.detect(segments, len(token_ids), matched, stored)
         if found is None:
             return None

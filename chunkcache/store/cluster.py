@@ -20,6 +20,7 @@ Contract (remote.py's, with each primary in the place of the one server, and):
   the slot map again (CLUSTER SLOTS from a node that answers); no request waits for it. So after a replica is
   promoted in place of a failed primary, gets and puts reach it from the first request after that read, without a
   restart; entries the replica had not received (replication is asynchronous) are misses.
+- Fetch or compute (remote.py) is decided per primary: each node's link is measured on its own pipelines.
 - Puts go through RedisCluster: one SET, MOVED and ASK followed (at most 16 redirections), no retry after a
   connection error (which also makes it read the slot map again).
 - No seed answering is an outage of the cluster as a whole, on the seeds' own breaker: for `retry_s` every get
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -190,9 +192,11 @@ class ClusterTier(RemoteTier):
     def _send(self, cluster: RedisCluster, batches: dict[ClusterNode, list[tuple[str, bool]]]
               ) -> list[tuple[ClusterNode, list[Any] | redis.RedisError]]:
         """Each node's batch as one pipeline, all at once: its replies (an error reply in place), or the error that
-        failed the whole pipeline (connection refused or reset, timeout)."""
+        failed the whole pipeline (connection refused or reset, timeout). A pipeline answered is one round trip of
+        the node's link (its bytes and seconds)."""
         def run(item: tuple[ClusterNode, list[tuple[str, bool]]]) -> tuple[ClusterNode, list[Any] | redis.RedisError]:
             node, batch = item
+            t = time.perf_counter()
             try:
                 pipe = cluster.get_redis_connection(node).pipeline(transaction=False)
                 for name, asking in batch:
@@ -202,6 +206,8 @@ class ClusterTier(RemoteTier):
                 replies = pipe.execute(raise_on_error=False)
             except redis.RedisError as e:
                 return node, e
+            self._endpoint(node.name).link.observe(sum(len(r) for r in replies if isinstance(r, bytes)),
+                                                   time.perf_counter() - t)
             is_get = [flag for _, asking in batch for flag in ((False, True) if asking else (True,))]  # not ASKING's
             return node, [reply for reply, get in zip(replies, is_get) if get]
 
@@ -241,6 +247,9 @@ class ClusterTier(RemoteTier):
 
     def _up(self) -> bool:
         return self._seeds.up and all(self._endpoint(node).up for node in self._serving())
+
+    def _link(self) -> None:
+        return None  # per node, in _node_stats
 
     def _node_stats(self) -> tuple[NodeStats, ...]:
         serving = self._serving()

@@ -8,6 +8,7 @@ Contract:
 - failed(e) counts an error and (re)opens the breaker; the first failure since the last success starts an outage:
   counted in `outages`, one WARNING. working() ends the outage in progress: one INFO. So the log gets two lines per
   outage whatever the request rate.
+- `link` measures the server's round trips for gets (link.py): what the tier predicts a fetch from it costs.
 - Thread-safe: the scheduler counts gets while the tier's writer thread counts puts.
 """
 
@@ -17,6 +18,8 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+
+from .link import LinkCost, LinkEstimate
 
 log = logging.getLogger("chunkcache.store.remote")  # the tier's one logger, whichever server speaks
 
@@ -32,6 +35,7 @@ class NodeStats:
     outages: int
     skipped: int  # gets and puts not sent because the node was down
     writes: int
+    link: LinkEstimate | None = None  # its gets' measured latency and bandwidth; None before two round trips
 
 
 class Endpoint:
@@ -46,6 +50,7 @@ class Endpoint:
         self._down_until = 0.0  # time.monotonic() before which the server is not contacted
         self._down_since: float | None = None  # start of the outage in progress
         self._n = dict.fromkeys(self.COUNTERS, 0)
+        self.link = LinkCost()
 
     def available(self) -> bool:
         with self._lock:
@@ -89,4 +94,5 @@ class Endpoint:
 
     def stats(self, serving: bool) -> NodeStats:
         with self._lock:
-            return NodeStats(node=self.name, serving=serving, up=self._down_since is None, **self._n)
+            counters, up = dict(self._n), self._down_since is None
+        return NodeStats(node=self.name, serving=serving, up=up, **counters, link=self.link.estimate())

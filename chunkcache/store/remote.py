@@ -30,6 +30,11 @@ Contract:
   put is dropped without touching the network (`skipped`), then the next command tries again. `errors` counts failed
   commands, `outages` the outages; one WARNING when an outage starts and one INFO when it ends, whatever the request
   rate.
+- Fetch or compute (`fetch`, `store.remote_fetch`): "always" asks the servers for every key the local tiers lack;
+  "never" asks for none (the tier is written, not read); "auto" asks `choose` first, which keeps per server only the
+  keys whose fetch is predicted faster than computing them here (link.py's rule, from each server's measured round
+  trips and the bytes per token of the entries fetched so far; a key without a compute cost, or before anything was
+  measured, is fetched). Keys not asked count in `computed_instead`, probes of a link judged slow in `probes`.
 - Thread-safe (redis-py's client keeps a connection pool; the counters are locked): the scheduler reads while the
   writer thread writes.
 - How keys reach servers is the subclass's: this class speaks to one endpoint (one MGET per get_many); cluster.py's
@@ -41,6 +46,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -53,9 +59,11 @@ from .codec import Codec
 from .disk import CorruptEntry, decode, encode
 from .endpoint import Endpoint, NodeStats
 from .entry import ChunkEntry, EntryLayout
+from .link import LinkEstimate, worth_fetching
 
 log = logging.getLogger(__name__)
 
+FETCH = ("auto", "always", "never")  # store.remote_fetch
 KEY_SPACE = "cc:v1"  # the servers' key names, shared by both disk encodings (above)
 
 
@@ -75,6 +83,10 @@ class RemoteStats:
     full: int  # writes the server refused because it was full
     dropped: int  # puts dropped because the writer's queue was full
     pending: int  # puts queued or being written
+    computed_instead: int = 0  # keys not fetched: computing them was predicted faster (fetch "auto") or "never"
+    probes: int = 0  # fetches from a link judged too slow, to measure it again
+    bytes_per_token: float | None = None  # of the entries fetched so far (what a fetch is predicted to carry)
+    link: LinkEstimate | None = None  # one endpoint's measured gets (cluster mode: per node, in `nodes`)
     nodes: tuple[NodeStats, ...] = ()  # cluster mode: each primary seen since the start; empty for one endpoint
 
 
@@ -89,7 +101,12 @@ def redacted(url: str) -> str:
 
 class RemoteTier:
     def __init__(self, url: str, prefix: str, timeout_s: float, retry_s: float, max_value_bytes: int, write_queue: int,
-                 layout: EntryLayout | None = None, codec: Codec | None = None):
+                 layout: EntryLayout | None = None, codec: Codec | None = None, fetch: str = "always",
+                 probe_s: float = 30.0):
+        if fetch not in FETCH:
+            raise ValueError(f"fetch must be one of {FETCH}, got {fetch!r}")
+        self.fetch, self.probe_s = fetch, probe_s
+        self._bytes_per_token: float | None = None
         self.prefix = prefix
         self.layout = layout
         self.codec = codec
@@ -99,7 +116,8 @@ class RemoteTier:
         self._lock = threading.Lock()
         self._full = False
         self._oversize_logged = False
-        self._n = dict.fromkeys(("corrupt", "bytes_written", "oversize", "full", "dropped", "pending"), 0)
+        self._n = dict.fromkeys(("corrupt", "bytes_written", "oversize", "full", "dropped", "pending",
+                                 "computed_instead", "probes"), 0)
         self._open(url, timeout_s)
         self._queue: queue.Queue[ChunkEntry] = queue.Queue(maxsize=write_queue)
         threading.Thread(target=self._write_loop, name="chunkcache-remote-writer", daemon=True).start()
@@ -123,11 +141,13 @@ class RemoteTier:
         if not self._endpoint.available():
             self._endpoint.count("skipped", len(names))
             return []
+        t = time.perf_counter()
         try:
             values = self.client.mget(names)
         except redis.RedisError as e:
             self._endpoint.failed(e)
             return []
+        self._endpoint.link.observe(sum(len(v) for v in values if v), time.perf_counter() - t)
         self._endpoint.working()
         return [(self._endpoint, dict(zip(names, values)))]
 
@@ -154,6 +174,9 @@ class RemoteTier:
     def _node_stats(self) -> tuple[NodeStats, ...]:
         return ()
 
+    def _link(self) -> LinkEstimate | None:
+        return self._endpoint.link.estimate()
+
     # --- the tier ----------------------------------------------------------------------------------------------
 
     def get(self, key: str) -> ChunkEntry | None:
@@ -173,7 +196,36 @@ class RemoteTier:
                 elif (entry := self._verified(key, name, data)) is not None:
                     endpoint.count("hits")
                     found[key] = entry
+                    self._measured(len(data), entry.num_tokens)
         return found
+
+    def choose(self, costs: dict[str, tuple[int, float | None]]) -> list[str]:
+        """The keys of `costs` (key -> (its tokens, seconds to compute it here; None: unknown)) to ask the servers
+        for, by the tier's `fetch` rule (contract above); the others are counted computed_instead."""
+        if self.fetch == "always":
+            return list(costs)
+        asked: list[str] = []
+        per_node: dict[Endpoint, list[tuple[str, int, float]]] = {}
+        per_token = self._bytes_per_token
+        for key, (tokens, compute_s) in costs.items() if self.fetch == "auto" else ():
+            endpoint = self._route(self._name(key))
+            if endpoint is None or compute_s is None or per_token is None:
+                asked.append(key)
+            else:
+                per_node.setdefault(endpoint, []).append((key, int(tokens * per_token), compute_s))
+        for endpoint, chunks in per_node.items():
+            keys, probe = worth_fetching(endpoint.link, chunks, self.probe_s)
+            asked += keys
+            self._count("probes", int(probe))
+        self._count("computed_instead", len(costs) - len(asked))
+        return asked
+
+    def _measured(self, nbytes: int, tokens: int) -> None:
+        """One fetched entry's size: the bytes per token a fetch is predicted to carry follow it (moving average)."""
+        per_token = nbytes / max(tokens, 1)
+        with self._lock:
+            old = self._bytes_per_token
+            self._bytes_per_token = per_token if old is None else 0.8 * old + 0.2 * per_token
 
     def _verified(self, key: str, name: str, data: bytes) -> ChunkEntry | None:
         try:
@@ -213,9 +265,10 @@ class RemoteTier:
         for endpoint in self._endpoints():
             for field, n in endpoint.counters().items():
                 totals[field] += n
-        nodes, up = self._node_stats(), self._up()
+        nodes, up, link = self._node_stats(), self._up(), self._link()
         with self._lock:
-            return RemoteStats(server=self.server, up=up, **totals, **self._n, nodes=nodes)
+            return RemoteStats(server=self.server, up=up, **totals, **self._n, bytes_per_token=self._bytes_per_token,
+                               link=link, nodes=nodes)
 
     def _write_loop(self) -> None:
         while True:

@@ -3,7 +3,9 @@ or a cluster of them, shared by every chunkcache server).
 
 Contract:
 - get looks in memory, then disk, then remote, and promotes a hit into the tiers in front; get_many does so for a
-  request's keys with one remote round trip (per cluster node) for all the keys the local tiers lack.
+  request's keys with one remote round trip (per cluster node) for all the keys the local tiers lack. lookup does
+  what get_many does and, given what computing each key's chunk would cost here, asks the remote tier only for the
+  keys its fetch rule finds faster to fetch (remote.py: fetch or compute), saying which it fetched and which not.
 - put writes through to every tier (to the remote one in the background, see remote.py) and says whether a local
   tier kept the entry. False: memory refused it (alone over the host budget) and so did the disk (over its budget,
   full) or there is none; a later get finds it only on the remote tier, if at all, and the caller's copy may be the
@@ -35,6 +37,14 @@ from .disk import DiskTier
 from .entry import ChunkEntry, EntryLayout
 from .memory import MemoryTier
 from .remote import RemoteStats, RemoteTier, key_prefix
+
+
+@dataclass(frozen=True)
+class Lookup:
+    entries: dict[str, ChunkEntry]  # what any tier held, by key
+    fetched: frozenset[str]  # of those, the remote tier's
+    computed_instead: frozenset[str]  # keys the local tiers lack that the remote tier was not asked for: computing
+    # them was predicted faster (it may or may not hold them)
 
 
 @dataclass(frozen=True)
@@ -87,7 +97,7 @@ class ChunkStore:
             tier = ClusterTier if is_cluster_url(config.remote_url) else RemoteTier
             remote = tier(config.remote_url, key_prefix(model_fingerprint), config.remote_timeout_s,
                           config.remote_retry_s, config.remote_max_value_bytes, config.remote_write_queue, layout,
-                          codec.named(config.compress))
+                          codec.named(config.compress), config.remote_fetch, config.remote_probe_s)
         pin = torch.cuda.is_available() if config.pin_memory is None else config.pin_memory
         if pin and not torch.cuda.is_available():
             raise ValueError("store.pin_memory: true needs a CUDA device (page-locked memory is CUDA's); "
@@ -101,6 +111,11 @@ class ChunkStore:
     def get_many(self, keys: list[str]) -> dict[str, ChunkEntry]:
         """The entries any tier holds for `keys` (each looked up once): memory, then disk, then the remote tier in
         one round trip (per cluster node) for all the keys the local tiers lack."""
+        return self.lookup(keys).entries
+
+    def lookup(self, keys: list[str], costs: dict[str, tuple[int, float | None]] | None = None) -> Lookup:
+        """get_many's entries, the remote tier asked only for the keys its rule finds worth fetching given `costs`
+        (key -> (the chunk's tokens, seconds to compute it here; None: unknown)); without costs, for every key."""
         keys = list(dict.fromkeys(keys))
         found: dict[str, ChunkEntry] = {}
         with self._lock:
@@ -114,9 +129,13 @@ class ChunkStore:
                 if entry is not None:
                     found[key] = entry
         absent = [key for key in keys if key not in found]
+        remote: dict[str, ChunkEntry] = {}
+        asked = absent
         if absent and self.remote is not None:
+            if costs is not None:
+                asked = self.remote.choose({key: costs.get(key, (0, None)) for key in absent})
             # outside the lock: a network round trip (at most the remote timeout)
-            remote = self.remote.get_many(absent)
+            remote = self.remote.get_many(asked)
             with self._lock:
                 for entry in remote.values():
                     self._remote_hits += 1
@@ -131,7 +150,7 @@ class ChunkStore:
         if self.model_fingerprint is not None:
             for entry in found.values():
                 entry.check_model(self.model_fingerprint)
-        return found
+        return Lookup(found, frozenset(remote), frozenset(absent) - frozenset(asked))
 
     def put(self, entry: ChunkEntry) -> bool:
         """Write through to every tier; False if no local tier kept the entry (see the contract above)."""
