@@ -52,13 +52,13 @@ def _sized(args: argparse.Namespace, preset: dict) -> dict:
 
 def bench(argv: list[str]) -> int:
     """A/B benchmark against stock prefix caching: TTFT, throughput, goodput, quality."""
-    from .ab import Arm, BenchConfig
+    from .serving.ab import Arm, BenchConfig
     from .workloads import WorkloadConfig
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--workload")
-    if pre.parse_known_args(argv)[0].workload == "auto":  # its own phases and options: chunkbench/auto_bench.py
-        from .auto_bench import main
+    if pre.parse_known_args(argv)[0].workload == "auto":  # its own phases and options: chunkbench/serving/auto_bench.py
+        from .serving.auto_bench import main
 
         return main(argv)
     ap = argparse.ArgumentParser(
@@ -95,14 +95,14 @@ def bench(argv: list[str]) -> int:
     out = Path(args.out or f"results/{name}-{args.workload.replace(':', '-').replace('/', '_')}-{stamp}")
     workload = WorkloadConfig(args.workload, size["requests"], size["docs"], size["words"], size["pool"], args.seed)
     if args.mode == "closed":
-        from .closed_loop import ClosedConfig, run
+        from .serving.closed_loop import ClosedConfig, run
 
         config = ClosedConfig(workload=workload, arm=arms[0], clients=tuple(int(n) for n in size["clients"].split(",")),
                               requests=size["closed_requests"], blocks=size["blocks"],
                               max_new_tokens=size["max_new_tokens"], model=args.model, server_config=args.config,
                               out=out)
     else:
-        from .ab import run
+        from .serving.ab import run
 
         config = BenchConfig(workload=workload, arms=arms, rates=_floats(size["rates"]),
                              load_requests=size["load_requests"], max_new_tokens=size["max_new_tokens"],
@@ -113,7 +113,7 @@ def bench(argv: list[str]) -> int:
 
 def _report(out: Path) -> int:
     """Re-render whichever runs the directory holds: an ab run, a closed-loop run or both."""
-    from . import ab, closed_loop, closed_report
+    from .serving import ab, closed_loop, closed_report
 
     renders = {"requests.jsonl": lambda: ab.summarize(*ab.load_run(out)),
                closed_loop.RECORDS: lambda: closed_report.write(*closed_loop.load_run(out))}
@@ -126,7 +126,7 @@ def _report(out: Path) -> int:
 
 def evaluate(argv: list[str]) -> int:
     """Quality sweep of selectors x rho, plus the SpecCache analyses."""
-    from .quality import RATIOS, EvalConfig, markdown, run
+    from .quality.quality import RATIOS, EvalConfig, markdown, run
     from .workloads import WorkloadConfig
 
     ap = argparse.ArgumentParser(prog="chunkcache eval", description="Quality of selectors x rho against gold "

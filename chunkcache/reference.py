@@ -421,7 +421,7 @@ class _Engine:
     def query_attention_per_layer(self) -> torch.Tensor:
         """[layers, N] float32: ProphetKV's per-layer attention from the query's last tokens (recorded_from) over the
         reused KV, every forced token computed in the same pass, before
-        Features.query_attention sums it over layers (chunkbench.select_fidelity weighs layers apart)."""
+        Features.query_attention sums it over layers (chunkbench.studies.select_fidelity weighs layers apart)."""
         # The query tokens' K/V written into the buffers here are rewritten by the final recompute before any
         # token reads them (the query is always recomputed), so the pass leaves no trace in the result.
         b, layout = self.blender, self.plan.layout()

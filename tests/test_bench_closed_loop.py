@@ -7,8 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from chunkbench import cli, closed_loop, closed_report, load
-from chunkbench.client import Outcome, fell_back
+from chunkbench import cli
+from chunkbench.serving import closed_loop, closed_report, load
+from chunkbench.serving.client import Outcome, fell_back
 from chunkbench.workloads import WorkloadConfig, chunk_warmup, fresh, items
 
 

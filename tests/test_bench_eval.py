@@ -47,9 +47,9 @@ def test_reference_and_server_paths_agree(fp32_server, default_model):
     """One case through both paths: the same layout (prompt and chunk spans) and the same selection (full
     recompute; epic, which depends on the layout only) give the same answer, teacher-forced agreement and KL."""
     server = fp32_server
-    from chunkbench import fidelity
-    from chunkbench.reference_path import ReferenceMeasure
-    from chunkbench.server_path import ServerMeasure
+    from chunkbench.quality import fidelity
+    from chunkbench.quality.reference_path import ReferenceMeasure
+    from chunkbench.quality.server_path import ServerMeasure
     from chunkbench.workloads import WorkloadConfig, items
     from chunkcache.reference import ReferenceBlender
 

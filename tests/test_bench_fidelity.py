@@ -9,9 +9,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from chunkbench import fidelity, intervals, quality, workloads
-from chunkbench.quality import COLUMNS, EvalConfig
-from chunkbench.reference_path import ReferenceMeasure, kl_logits
+from chunkbench import intervals, workloads
+from chunkbench.quality import fidelity, quality
+from chunkbench.quality.quality import COLUMNS, EvalConfig
+from chunkbench.quality.reference_path import ReferenceMeasure, kl_logits
 from chunkbench.workloads import WorkloadConfig
 from chunkcache.models import tiny_model
 from chunkcache.reference import ReferenceBlender

@@ -2,8 +2,9 @@
 
 import pytest
 
-from chunkbench import report, scoring
-from chunkbench.ab import first_line
+from chunkbench import scoring
+from chunkbench.serving import report
+from chunkbench.serving.ab import first_line
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -142,7 +142,7 @@ def test_a_coefficients_file_without_a_doc_line_is_refused():
 def test_the_fits_quantile_regression_and_wilson_interval():
     import numpy as np
 
-    from chunkbench.fidelity_fit import quantile_regression
+    from chunkbench.quality.fidelity_fit import quantile_regression
     from chunkbench.intervals import wilson
 
     rng = np.random.default_rng(0)

@@ -1,4 +1,4 @@
-"""chunkbench.gpu_blend runs on GPU machines that CI never sees, so its correctness self-check runs here on the
+"""chunkbench.kernels.gpu_blend runs on GPU machines that CI never sees, so its correctness self-check runs here on the
 CPU at a tiny shape, in float32 (tight tolerances): every attention variant that exists here matches the float32
 reference on the selected rows, FlashInfer's are skipped with a reason when it is absent, and the blended whole
 prefill (re-rotated KV copy + sparse pass) reproduces the full prefill's logits. A blend that forgets to move the
@@ -18,7 +18,7 @@ TINY = ["--device", "cpu", "--dtype", "float32", "--shape", "tiny", "--sizes", "
 
 @pytest.fixture
 def gpu_blend():
-    return importlib.import_module("chunkbench.gpu_blend")
+    return importlib.import_module("chunkbench.kernels.gpu_blend")
 
 
 def test_self_check_on_cpu(gpu_blend, tmp_path):

@@ -1,7 +1,9 @@
-"""The import graph the packages promise (issue 29, item 2), read from the source with `ast`, nothing imported:
+"""The import graph the packages promise, read from the source with `ast`, nothing imported:
 `chunkcache` (the core) never imports SGLang, the glue or the harness; `sglang_patch` (the glue) never imports
 `chunkbench` (the harness), which reaches the CLI through the `chunkcache.commands` entry points instead; no package
-has a cycle among its modules.
+has a cycle among its modules. Inside the harness, a folder per question (`chunkbench/serving`, `quality`, `studies`,
+`kernels`) imports only the folders below it and the modules the folders share at chunkbench's top level, which import
+no folder, so no two folders import each other.
 
 Every import statement counts, the ones inside functions too: a function-level import only defers the same
 dependency to the first call, and a cycle through it is still a cycle. Importing `a.b.c` also runs `a/__init__.py`
@@ -119,3 +121,60 @@ def test_graph_reads_relative_and_function_level_imports():
     assert "chunkcache.models" in GRAPH["chunkcache.draft"]  # inside a function
     assert "chunkcache.select" in GRAPH["chunkcache.blend.pipeline"]  # a package's __init__ runs first
     assert "chunkcache.select" not in GRAPH["chunkcache.select.base"]  # not its own package
+    assert "chunkbench.serving.client" in GRAPH["chunkbench.quality.server_path"]  # from ..serving.client import ...
+    assert "chunkbench.quality.fidelity" in GRAPH["chunkbench.studies.select_fidelity"]  # a submodule, two dots up
+    assert "chunkbench.serving" in GRAPH["chunkbench.studies.segment_coverage"]  # the folder's __init__ runs first
+
+
+# chunkbench's folders, each with the folders it may import: those below it. quality's server path drives a live
+# server through serving's client; studies measure on quality's reference path (and segment_coverage pastes
+# auto_bench's templates); kernels run alone, from a plain checkout on a GPU machine.
+HARNESS_FOLDERS = {
+    "serving": set(),
+    "quality": {"serving"},
+    "studies": {"serving", "quality"},
+    "kernels": set(),
+}
+# chunkbench's modules outside the folders: the package, the commands' entry point, and what the folders share
+HARNESS_ENTRY = "chunkbench.cli"
+HARNESS_SHARED = {"chunkbench.workloads", "chunkbench.synthetic", "chunkbench.scoring", "chunkbench.intervals"}
+
+
+def _folder(name: str) -> str | None:
+    """The harness folder `name` is in or names (chunkbench.serving.ab -> serving), None outside the folders."""
+    parts = name.split(".")
+    return parts[1] if parts[0] == "chunkbench" and len(parts) > 1 and parts[1] in HARNESS_FOLDERS else None
+
+
+def test_every_harness_module_is_in_a_folder_or_shared():
+    """A new module is placed on purpose: in a folder listed above, or added to what the folders share."""
+    top = {"chunkbench", HARNESS_ENTRY} | HARNESS_SHARED
+    assert sorted(m for m in GRAPH if m.split(".")[0] == "chunkbench" and m not in top and _folder(m) is None) == []
+    on_disk = {p.parent.name for p in (ROOT / "chunkbench").glob("*/__init__.py")}
+    assert on_disk == set(HARNESS_FOLDERS)
+    assert HARNESS_SHARED | {HARNESS_ENTRY} <= set(GRAPH)
+
+
+def test_the_shared_harness_modules_import_no_folder():
+    assert sorted(f"{module} imports {name}" for module in HARNESS_SHARED for name in GRAPH[module]
+                  if _folder(name) is not None or name == HARNESS_ENTRY) == []
+
+
+def test_a_harness_folder_imports_only_the_folders_below_it():
+    offenders = []
+    for module, names in GRAPH.items():
+        own = _folder(module)
+        if own is not None:
+            offenders += [f"{module} imports {name}" for name in sorted(names)
+                          if name == HARNESS_ENTRY or _folder(name) not in {None, own, *HARNESS_FOLDERS[own]}]
+    assert offenders == []
+
+
+def test_no_import_cycle_between_harness_folders():
+    """Whatever the table above allows: two folders that import each other are one folder."""
+    folders: dict[str, set[str]] = {f: set() for f in HARNESS_FOLDERS}
+    for module, names in GRAPH.items():
+        if _folder(module) is not None:
+            folders[_folder(module)] |= {_folder(n) for n in names if _folder(n) not in {None, _folder(module)}}
+    cycle = _cycle(folders)
+    assert not cycle, "import cycle between chunkbench's folders: " + " -> ".join(cycle)

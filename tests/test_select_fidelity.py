@@ -1,11 +1,11 @@
-"""chunkbench.select_fidelity measures what the selectors do: on a tiny model, its `prophet` and `product:*`
+"""chunkbench.studies.select_fidelity measures what the selectors do: on a tiny model, its `prophet` and `product:*`
 candidates' top-K blends equal the `prophet` and `mix` selectors' own (same recomputed tokens, same logits) at the
 deviation (K or V, layer) each names, and `sum` equals mix with combine=sum."""
 
 import pytest
 import torch
 
-from chunkbench.select_fidelity import Fixed, Probe, by_candidate, candidates, paired
+from chunkbench.studies.select_fidelity import Fixed, Probe, by_candidate, candidates, paired
 from chunkcache.models import tiny_model
 from chunkcache.reference import ReferenceBlender
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from chunkbench.quality import table
+from chunkbench.quality.quality import table
 from chunkcache.config import Config
 from chunkcache.models import tiny_model
 from chunkcache.reference import ReferenceBlender

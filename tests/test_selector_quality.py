@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_selector_quality_script(tmp_path, default_model):
     out = tmp_path / "quality.json"
     run = subprocess.run(
-        [sys.executable, "-m", "chunkbench.selector_quality", "--n", "1", "--max-new-tokens", "3", "--out", str(out)],
+        [sys.executable, "-m", "chunkbench.quality.selector_quality", "--n", "1", "--max-new-tokens", "3",
+         "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=1500,
     )
     assert run.returncode == 0, run.stderr[-3000:]

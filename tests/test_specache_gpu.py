@@ -1,5 +1,5 @@
-"""chunkbench.specache_gpu runs on GPU machines that CI never sees, so its self-check runs here on the CPU at a tiny
-shape, in float32: every step's attention output equals float32 attention over the same mixed cache (low-bit codes,
+"""chunkbench.kernels.specache_gpu runs on GPU machines that CI never sees, so its self-check runs here on the CPU at a
+tiny shape, in float32: every step's attention output equals float32 attention over the same mixed cache (low-bit codes,
 the prefetched pairs in full precision), and with top-k covering the context it equals full precision. A step that
 reads full precision where SpeCache holds codes, or attends to other pairs than the ones it chose, must fail the
 check, or the check proves nothing. The Triton kernel's indexing is checked in Triton's interpreter when Triton is
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from chunkbench import specache_gpu
+from chunkbench.kernels import specache_gpu
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--device", "cpu", "--shape", "tiny", "--contexts", "256,512", "--batches", "1,2", "--bits", "1,2", "--topk",
@@ -63,8 +63,8 @@ def test_triton_kernel_in_the_interpreter(tmp_path):
     out = tmp_path / "specache.json"
     args = TINY[: TINY.index("--kernel")] + ["--contexts", "256", "--batches", "1", "--warmup", "0", "--kernel",
                                              "triton", "--json", str(out)]
-    proc = subprocess.run([sys.executable, "-m", "chunkbench.specache_gpu", *args], cwd=ROOT, capture_output=True,
-                          text=True, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "chunkbench.kernels.specache_gpu", *args], cwd=ROOT,
+                          capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["kernel"] == "triton" and len(result["steps"]) == 2

@@ -222,7 +222,7 @@ def test_an_averaged_deviation_reaches_the_store(model_dir, parts, passes, tmp_p
 def test_the_eval_harness_warms_in_other_orders(blender, parts, passes):
     """chunkbench's measured blend reads deviations stored in other orders (the same order would store exactly what
     it then reads), and runs no pass of its own."""
-    from chunkbench.reference_path import blend
+    from chunkbench.quality.reference_path import blend
 
     res = blend(blender, order(parts, "ABC"), "mix", RHO, ESTIMATED)
     assert passes == []  # the warm-up orders' deviations measured after each blend (DeviationJob), not in it
@@ -382,11 +382,11 @@ def test_a_remembered_deviation_averages_at_most_a_few_measurements():
 
 
 def test_the_depth_study_recovers_a_power_law_by_hand():
-    """chunkbench.deviation_depth's fit, on chunks whose deviation is c * depth ** 0.4 exactly (each its own c)."""
+    """chunkbench.studies.deviation_depth's fit, on chunks whose deviation is exactly c * depth ** 0.4 (c per chunk)."""
     import itertools
     import math
 
-    from chunkbench.deviation_depth import fit
+    from chunkbench.studies.deviation_depth import fit
 
     pairs = []
     for c, depths in ((1.0, (10, 40, 90)), (7.5, (3, 300)), (0.2, (50, 51, 900))):

@@ -12,7 +12,7 @@ them for FA3). So the build runs against an overlay of the toolkit in a temporar
 empty `libcuda.so` with the driver's soname (nothing in these modules calls the driver API: the linker drops it) and
 curand's headers added to `include/`.
 
-    .venv/bin/python -m chunkbench.flashinfer_aot OUT_DIR [--dtypes bfloat16,float16] [--arch 9.0a]
+    .venv/bin/python -m chunkbench.kernels.flashinfer_aot OUT_DIR [--dtypes bfloat16,float16] [--arch 9.0a]
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def specs(dtypes: list[str]):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m chunkbench.flashinfer_aot", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m chunkbench.kernels.flashinfer_aot", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path, help="folder that receives flashinfer/data/aot/<name>/<name>.so")
     ap.add_argument("--dtypes", default="bfloat16,float16")

@@ -39,7 +39,7 @@ blended logits must equal the full prefill's up to rounding: that checks the re-
 attention end to end. The selector's own cost is not included (it differs per selector).
 
 GPU session (H100/H200), two commands of the `run` tool, each well inside its 10 minutes, both with carry [".fi"]
-after `bash chunkbench/pack_flashinfer.sh --aot` here (the .venv's flashinfer 0.7.2 trimmed to 21 MB, its paged
+after `bash chunkbench/kernels/pack_flashinfer.sh --aot` here (the .venv's flashinfer 0.7.2 trimmed to 21 MB, its paged
 prefill modules compiled here for sm_90a, + the cp312 apache-tvm-ffi wheel; without --aot the first command
 JIT-builds them on the GPU machine, about 2 of its minutes; without .fi, drop the first line: the flashinfer
 variants are then skipped with the reason printed):
@@ -47,21 +47,21 @@ variants are then skipped with the reason printed):
     mkdir -p /tmp/site && tar -xzf .fi/flashinfer.tar.gz -C /tmp/site && python3 -m pip install -q --no-index \
       --no-deps --no-compile --target /tmp/site .fi/apache_tvm_ffi-*.whl && export PYTHONPATH=/tmp/site \
       FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16;
-    PYTHONUNBUFFERED=1 python3 -m chunkbench.gpu_blend --model-sizes 0 --json $OUT/attention.json 2>&1 \
+    PYTHONUNBUFFERED=1 python3 -m chunkbench.kernels.gpu_blend --model-sizes 0 --json $OUT/attention.json 2>&1 \
       | tee $OUT/attention.log
 
-and the same first line, then `PYTHONUNBUFFERED=1 python3 -m chunkbench.gpu_blend --sizes 0 --json $OUT/model.json
-2>&1 | tee $OUT/model.log` (32 layers, 4K-32K: ~35 GB of GPU memory at 32K, fits an H100).
+and the same first line, then `PYTHONUNBUFFERED=1 python3 -m chunkbench.kernels.gpu_blend --sizes 0 --json
+$OUT/model.json 2>&1 | tee $OUT/model.log` (32 layers, 4K-32K: ~35 GB of GPU memory at 32K, fits an H100).
 
 CPU self-check (tests/test_gpu_blend.py runs it in float32):
 
-    .venv/bin/python -m chunkbench.gpu_blend --device cpu --sizes 512 --model-sizes 512 --layers 2 --shape tiny \
-        --chunk 64
+    .venv/bin/python -m chunkbench.kernels.gpu_blend --device cpu --sizes 512 --model-sizes 512 --layers 2 \
+        --shape tiny --chunk 64
 
 FlashInfer on the GPU machine: it has none and no network, and 64 MiB travels per command. The project's .venv holds
 flashinfer-python 0.7.2 (a JIT-only py3 wheel, 593 MB installed: 273 MB of csrc for every kernel family, 50 MB of
 CUTLASS, 33 MB of CCCL) and apache-tvm-ffi 0.1.11 built for CPython 3.11, while that machine runs 3.12; pip's cache
-is empty. chunkbench/pack_flashinfer.sh says what it keeps and why; a module neither packed nor buildable there
+is empty. chunkbench/kernels/pack_flashinfer.sh says what it keeps and why; a module neither packed nor buildable there
 fails its variants with the compiler's message and the others still run. Measured: docs/bench/gpu.md (H100, H200)."""
 
 from __future__ import annotations
@@ -80,9 +80,9 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-# `python3 -m chunkbench.gpu_blend` from a plain checkout's root (the GPU machine has no install of this project)
-# puts the root on sys.path, so chunkcache and sglang_patch import from it; none of the modules used here imports
-# sglang.
+# `python3 -m chunkbench.kernels.gpu_blend` from a plain checkout's root (the GPU machine has no install of this
+# project) puts the root on sys.path, so chunkcache and sglang_patch import from it; none of the modules used here
+# imports sglang.
 from chunkcache.blend.attention import attend_blocks, plan_blocks
 from chunkcache.rope import RopeSpec, rerotate, rotate_half
 from sglang_patch import paged_attention
@@ -524,7 +524,7 @@ def bench_model(args, shape, dtype, device, gen) -> tuple[list[dict], bool]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m chunkbench.gpu_blend", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m chunkbench.kernels.gpu_blend", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

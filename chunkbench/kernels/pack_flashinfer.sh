@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
-# Packs the .venv's FlashInfer into .fi/ so that chunkbench/gpu_blend.py can use it on the GPU machine, which has
-# no flashinfer, no network and takes at most 64 MiB per command. Whole, flashinfer-python 0.7.2 is 593 MB
+# Packs the .venv's FlashInfer into .fi/ so that chunkbench/kernels/gpu_blend.py can use it on the GPU machine, which
+# has no flashinfer, no network and takes at most 64 MiB per command. Whole, flashinfer-python 0.7.2 is 593 MB
 # installed; gpu_blend.py needs only its Python modules and what the JIT builds of the paged prefill (FA2 with a
 # custom mask, FA3 without), merge_state and the custom mask's bit packing (segment_packbits) compile: the headers, CUTLASS's includes and the prefill/cascade
 # sources, about 24 MB gzipped. `import flashinfer` 0.7.2 was checked to work without its optional cutlass-dsl,
 # cudnn-frontend, nccl and cuda-tile dependencies; it does need apache-tvm-ffi, whose .venv build is for CPython
 # 3.11 while the GPU machine runs 3.12, so its cp312 wheel goes along (fetched here with pip, a few MB).
-# With --aot, the modules those builds make are compiled here first for sm_90a (chunkbench/flashinfer_aot.py: ~10
-# minutes on 2 cores for bf16 and fp16, kept in .fi/aot for the next pack; delete it to rebuild) and packed where
+# With --aot, the modules those builds make are compiled here first for sm_90a (chunkbench/kernels/flashinfer_aot.py:
+# ~10 minutes on 2 cores for bf16 and fp16, kept in .fi/aot for the next pack; delete it to rebuild) and packed where
 # FlashInfer loads them without compiling, which spares the GPU machine about 2 of its 15 minutes.
-# Usage, from the repository root:  bash chunkbench/pack_flashinfer.sh [--aot]   (then see gpu_blend.py's docstring)
+# Usage, from the repository root:  bash chunkbench/kernels/pack_flashinfer.sh [--aot]
+# (then see gpu_blend.py's docstring)
 set -euo pipefail
 aot=()
 if [[ "${1:-}" == --aot ]]; then
-  [[ -d .fi/aot/flashinfer ]] || .venv/bin/python -m chunkbench.flashinfer_aot .fi/aot
+  [[ -d .fi/aot/flashinfer ]] || .venv/bin/python -m chunkbench.kernels.flashinfer_aot .fi/aot
   aot=(-C "$PWD/.fi/aot" flashinfer/data/aot)
 fi
 site=$(.venv/bin/python -c 'import flashinfer, pathlib; print(pathlib.Path(flashinfer.__file__).parents[1])')

@@ -36,7 +36,7 @@ context L of `--contexts` and batch B of `--batches`:
    (4 channels of each head scaled by 8 and offset by +-4, KIVI's observation) so that its per-channel
    quantisation matters; V is standard normal. On such keys attention spreads over about L/30 tokens, so the
    top-k recovers little and err is mostly the quantisation's own (large at 1 bit); real models concentrate their
-   attention, and chunkbench.specache measures quality on one. Any failed check makes the exit status 1.
+   attention, and chunkbench.studies.specache measures quality on one. Any failed check makes the exit status 1.
 
 All layers hold copies of one sequence batch's KV (distinct memory, so the timing reads every layer's pool), and the
 pinned host copy is that one layer's KV, which every layer gathers from with its own top-k: the transfer and the
@@ -47,14 +47,14 @@ accounting (+1.6 % at 1 bit).
 
 GPU session (H100 80 GB; the default run should take a few minutes, well inside one 10-minute command):
 
-    PYTHONUNBUFFERED=1 python3 -m chunkbench.specache_gpu --json $OUT/specache.json 2>&1 | tee $OUT/specache.log
+    PYTHONUNBUFFERED=1 python3 -m chunkbench.kernels.specache_gpu --json $OUT/specache.json 2>&1 | tee $OUT/specache.log
 
 and the attention alone: the same with `--attention-only --json $OUT/attention.json` (and `.log`).
 
 CPU self-check (tests/test_specache_gpu.py runs it in-process, float32; with TRITON_INTERPRET=1 the Triton kernel
 runs in Triton's interpreter instead of torch):
 
-    .venv/bin/python -m chunkbench.specache_gpu --device cpu --shape tiny --contexts 256,512 --batches 1,2 \\
+    .venv/bin/python -m chunkbench.kernels.specache_gpu --device cpu --shape tiny --contexts 256,512 --batches 1,2 \\
         --topk 8 --group 16 --residual 16 --repeats 2 --warmup 1 --budget-gib 0.01
 """
 
@@ -74,7 +74,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-# `python3 -m chunkbench.specache_gpu` from a plain checkout's root puts the root on sys.path; none of these
+# `python3 -m chunkbench.kernels.specache_gpu` from a plain checkout's root puts the root on sys.path; none of these
 # modules imports sglang (chunkcache.config needs only PyYAML)
 from chunkcache.config import SpeCacheConfig
 from chunkcache.specache import quant
@@ -525,7 +525,7 @@ def run_specache(args, model, K, V, cfg, device, exact: bool = False) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m chunkbench.specache_gpu", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m chunkbench.kernels.specache_gpu", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -14,7 +14,7 @@ import math
 import torch
 from tqdm import tqdm
 
-from .workloads import to_request
+from ..workloads import to_request
 
 TOP = 0.2
 

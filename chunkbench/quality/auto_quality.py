@@ -10,7 +10,8 @@ Per case (a workload item, as `chunkcache eval` builds it), with an empty store:
 Both blends use the same selector and rho; rows hold the first-token KL against full, teacher-forced agreement with
 full's greedy answer and `contains` (every gold answer in the reply: needle accuracy).
 
-    .venv/bin/python -m chunkbench.auto_quality --workload synthetic:multikey --requests 100 --out results/aq-mk.jsonl
+    .venv/bin/python -m chunkbench.quality.auto_quality --workload synthetic:multikey --requests 100 \\
+        --out results/aq-mk.jsonl
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ from chunkcache.config import AutoConfig
 from chunkcache.reference import ReferenceBlender
 from chunkcache.segment import break_ids
 from chunkcache.store import ChunkStore
-from . import scoring
-from .intervals import mean_interval
+from .. import scoring
+from ..intervals import mean_interval
+from ..workloads import WorkloadConfig, items, to_request
 from .reference_path import ReferenceMeasure, rho_used, split
-from .workloads import WorkloadConfig, items, to_request
 
 WARM_QUESTION = "Which of the documents is the longest?"
 
@@ -109,7 +110,7 @@ def summarize(path: Path) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m chunkbench.auto_quality", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m chunkbench.quality.auto_quality", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default="synthetic:multikey", help="musique | synthetic:TASK (chunkcache eval's)")
     ap.add_argument("--requests", type=int, default=100)

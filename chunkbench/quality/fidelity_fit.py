@@ -14,10 +14,10 @@ token's agreement, a margin calibrated by cross-validation) and writes the coeff
 each held-out case with fidelity.smallest_ratio under each bound and reports, per family, the share of cases whose
 measured KL exceeds it (Wilson interval), the mean rho chosen, needle accuracy and agreement with full recompute.
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m chunkbench.fidelity_fit collect --family multikey --seed 1000 \
+    OMP_NUM_THREADS=1 .venv/bin/python -m chunkbench.quality.fidelity_fit collect --family multikey --seed 1000 \
         --requests 150 --out results/fidelity/multikey.jsonl --resume
-    .venv/bin/python -m chunkbench.fidelity_fit fit results/fidelity/*.jsonl      # writes configs/fidelity.json
-    .venv/bin/python -m chunkbench.fidelity_fit judge results/fidelity/*.jsonl
+    .venv/bin/python -m chunkbench.quality.fidelity_fit fit results/fidelity/*.jsonl      # writes configs/fidelity.json
+    .venv/bin/python -m chunkbench.quality.fidelity_fit judge results/fidelity/*.jsonl
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ from tqdm import tqdm
 from chunkcache.blend import fidelity
 from chunkcache.blend.fidelity import FLOOR, Signals, evidence, signals
 from chunkcache.select.mix import MixSelector
-from . import intervals, scoring
-from .ab import first_line
+from .. import intervals, scoring
+from ..serving.ab import first_line
+from ..workloads import Item, WorkloadConfig, items, to_request
 from .reference_path import kl_logits, remember_deviations, split
 from .rowlog import RowLog
-from .workloads import Item, WorkloadConfig, items, to_request
 
 RATIOS = fidelity.RATIOS
 BOUNDS = (0.02, 0.05, 0.1, 0.2)  # max_kl bounds the estimate is judged at
@@ -306,7 +306,7 @@ def fit(args) -> None:
                       for f, n in counts.items() if n)
     fitted_on = (f"SmolLM2-135M-Instruct, reference engine, float32; mix with the server defaults (stored deviations, "
                  f"overlap 0.15) at rho {', '.join(map(str, RATIOS))}; {where}: every third seed / record, "
-                 "chunkbench/fidelity_fit.py role(); docs/bench/fidelity.md")
+                 "chunkbench/quality/fidelity_fit.py role(); docs/bench/fidelity.md")
     out = {
         "doc": {
             "quantile": "the share of blends whose first-token KL the kl estimate is meant to be at least (pinball "
@@ -374,7 +374,7 @@ def _mean(values) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m chunkbench.fidelity_fit", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m chunkbench.quality.fidelity_fit", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("collect", help="measure cases on the reference engine")

@@ -25,11 +25,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from . import intervals, scoring
-from .ab import first_line
-from .report import mean
+from .. import intervals, scoring
+from ..serving.ab import first_line
+from ..serving.report import mean
+from ..workloads import Item, WorkloadConfig, items, phase
 from .rowlog import RowLog
-from .workloads import Item, WorkloadConfig, items, phase
 
 RATIOS = (0.05, 0.1, 0.15, 0.2, 0.3)
 FIXED = ("none", "full")  # selectors whose recompute set does not depend on rho: one row each
@@ -136,7 +136,7 @@ def _server_measure(config: EvalConfig):
 
     from chunkcache.models import resolve_model
     from .server_path import ServerMeasure
-    from .servers import start_server
+    from ..serving.servers import start_server
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.model))
     with contextlib.ExitStack() as stack:

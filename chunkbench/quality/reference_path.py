@@ -1,4 +1,4 @@
-"""The reference blender as the quality harness uses it (chunkbench/selector_quality.py, `chunkcache eval`):
+"""The reference blender as the quality harness uses it (chunkbench/quality/selector_quality.py, `chunkcache eval`):
 selector rows with options and drafts, blends timed as for chunks seen before, greedy answers, and the fidelity of
 each blend to full recompute."""
 
@@ -12,8 +12,8 @@ import yaml
 
 from chunkcache.prompt import RagPrompt
 from chunkcache.reference import BlendResult, ReferenceBlender
+from ..workloads import Item, to_request
 from . import fidelity
-from .workloads import Item, to_request
 
 Run = tuple[str, str, dict]  # (label, selector name, selector options)
 

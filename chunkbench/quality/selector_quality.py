@@ -5,8 +5,9 @@ greedy answer. Prints, per selector, answer agreement with full recompute, accur
 selection time relative to the blended prefill (chunks already in the store). Agreement compares the answers
 the replies give (the cities / numbers / names they name), `same text` the first lines verbatim.
 
-    .venv/bin/python -m chunkbench.selector_quality --n 30 --selectors epic,cacheblend,prophet,spec,clip
-    .venv/bin/python -m chunkbench.selector_quality --n 10 --selectors spec,spec:per_chunk=true --drafts self,self:4
+    .venv/bin/python -m chunkbench.quality.selector_quality --n 30 --selectors epic,cacheblend,prophet,spec,clip
+    .venv/bin/python -m chunkbench.quality.selector_quality --n 10 --selectors spec,spec:per_chunk=true \\
+        --drafts self,self:4
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ import torch
 from tqdm import tqdm
 
 from chunkbench import synthetic
-from chunkbench.reference_path import answer, blend, blend_seconds, selector_runs
+from chunkbench.quality.reference_path import answer, blend, blend_seconds, selector_runs
 from chunkcache.reference import ReferenceBlender
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m chunkbench.selector_quality", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m chunkbench.quality.selector_quality", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=30, help="cases")
     ap.add_argument("--task", default="bridge", choices=synthetic.TASKS)

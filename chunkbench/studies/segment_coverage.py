@@ -5,7 +5,7 @@ content-defined segments (chunkcache.segment, at several settings) against fixed
 Per MuSiQue record: a prompt of its first `--docs` passages (a template, the chat template around it) is stored, then
 the same passages in another order with another question are looked up; coverage = found tokens / document tokens.
 
-    .venv/bin/python -m chunkbench.segment_coverage --records 30 --docs 8
+    .venv/bin/python -m chunkbench.studies.segment_coverage --records 30 --docs 8
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import argparse
 import random
 
 from chunkcache.segment import Segmenter, break_ids
-from .auto_bench import TEMPLATES, passages
+from ..serving.auto_bench import TEMPLATES, passages
 
 JOINS = {"template": None, "space": " ", "numbered": "numbered"}
 
@@ -44,7 +44,7 @@ def by_blocks(block: int, stored: list[int], new: list[int]) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m chunkbench.segment_coverage", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m chunkbench.studies.segment_coverage", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--records", type=int, default=30)
     ap.add_argument("--docs", type=int, default=8)

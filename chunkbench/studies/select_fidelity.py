@@ -12,9 +12,9 @@ Candidates: `prophet` (all layers, summed), `prophet:first_third` (the first thi
 combine=sum: half relevance, half V deviation at layer 3), `product:vL` / `product:kL` (mix by product: the geometric
 mean of relevance and the V or K deviation at layer L; `product:k3` is mix's default), `oracle:attended`, `oracle`.
 
-    .venv/bin/python -m chunkbench.select_fidelity run --workload synthetic:multikey --seed 1000 --requests 30 \\
-        --out results/fidelity-multikey.jsonl
-    .venv/bin/python -m chunkbench.select_fidelity report results/fidelity-multikey.jsonl
+    .venv/bin/python -m chunkbench.studies.select_fidelity run --workload synthetic:multikey --seed 1000 \\
+        --requests 30 --out results/fidelity-multikey.jsonl
+    .venv/bin/python -m chunkbench.studies.select_fidelity report results/fidelity-multikey.jsonl
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ from tqdm import tqdm
 from chunkcache.select.base import finish
 from chunkcache.select.budget import rank
 from chunkcache.select.mix import MixSelector
-from . import fidelity, intervals
-from .reference_path import ReferenceMeasure, kl_logits
+from .. import intervals
+from ..quality import fidelity
+from ..quality.reference_path import ReferenceMeasure, kl_logits
+from ..workloads import WorkloadConfig, items, phase
 from .select_study import Stored
-from .workloads import WorkloadConfig, items, phase
 
 
 LAYERS = (1, 2, 3)  # deviation check layers the probe reads
@@ -166,7 +167,7 @@ def report(args) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m chunkbench.select_fidelity", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m chunkbench.studies.select_fidelity", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="blend every candidate's picks per case (resumable: cases in OUT are kept)")

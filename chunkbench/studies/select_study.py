@@ -10,8 +10,8 @@ pick recovers, and where the misses are (chunk starts, needles, elsewhere; posit
 
 Use seeds the committed eval does not (the eval's cases are seeds 0..n-1):
 
-    .venv/bin/python -m chunkbench.select_study collect --requests 12 --seed 1000 --out results/study.pt
-    .venv/bin/python -m chunkbench.select_study report results/study.pt --ratio 0.15
+    .venv/bin/python -m chunkbench.studies.select_study collect --requests 12 --seed 1000 --out results/study.pt
+    .venv/bin/python -m chunkbench.studies.select_study report results/study.pt --ratio 0.15
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class Probe:
 
 
 def collect(args) -> None:
-    from chunkbench.reference_path import split
+    from chunkbench.quality.reference_path import split
     from chunkbench.workloads import WorkloadConfig, items, to_request
     from chunkcache.reference import ReferenceBlender
 
@@ -256,7 +256,7 @@ def left(case: dict, layout: Layout, picked: torch.Tensor) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m chunkbench.select_study", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m chunkbench.studies.select_study", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("collect")

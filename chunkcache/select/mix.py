@@ -50,15 +50,15 @@ def chunk_starts(layout: Layout, tokens: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class MixSelector:
     name: ClassVar[str] = "mix"
-    # Weights and check layer from chunkbench/select_study.py (48 synthetic cases, seeds the eval does not use, rho =
-    # 0.15): relevance alone recovers 0.72 of the oracle's deviation but misses the fewest needle tokens, deviation
-    # alone the reverse; deeper check layers predict the truth better (layer 1: 0.871, 3: 0.938 alone) at (layer + 1) /
-    # layers of a prefill. Chunk starts add nothing there: the deviation signal already picks them. The product
-    # (first-token KL against full recompute at rho 0.15, paired per case with prophet on the same blend): multikey
-    # seeds 1000-1029 -8 %, 21 of 30 cases better; MuSiQue records 0-29 -6 %, 20 of 30; the sum +1 % and +4 %
-    # (docs/bench/eval_select.md, "Product or sum"); then at 100 cases per family -7 % to -29 %. K's deviation
-    # rather than V's (same 30 cases: -10 % / -14 % vs prophet against V's -8 % / -6 %; at 100 cases MuSiQue -6 % vs
-    # V paired, the synthetic families within +-2 %): K decides which tokens the answer reads.
+    # Weights and check layer from chunkbench/studies/select_study.py (48 synthetic cases, seeds the eval does not use,
+    # rho = 0.15): relevance alone recovers 0.72 of the oracle's deviation but misses the fewest needle tokens,
+    # deviation alone the reverse; deeper check layers predict the truth better (layer 1: 0.871, 3: 0.938 alone) at
+    # (layer + 1) / layers of a prefill. Chunk starts add nothing there: the deviation signal already picks them. The
+    # product (first-token KL against full recompute at rho 0.15, paired per case with prophet on the same blend):
+    # multikey seeds 1000-1029 -8 %, 21 of 30 cases better; MuSiQue records 0-29 -6 %, 20 of 30; the sum +1 % and +4 %
+    # (docs/bench/eval_select.md, "Product or sum"); then at 100 cases per family -7 % to -29 %. K's deviation rather
+    # than V's (same 30 cases: -10 % / -14 % vs prophet against V's -8 % / -6 %; at 100 cases MuSiQue -6 % vs V paired,
+    # the synthetic families within +-2 %): K decides which tokens the answer reads.
     relevance: float = 0.5  # weight of ProphetKV's query attention
     deviation: float = 0.5  # weight of CacheBlend's KV deviation at `layer`
     boundary: float = 0.0  # weight of EPIC's chunk starts (spread evenly over their first `boundary_tokens`)
