@@ -1,4 +1,4 @@
-"""The adversarial probe of issue 13, kept: bad or hostile input on every surface of a live server (chunk hints on
+"""An adversarial probe: bad or hostile input on every surface of a live server (chunk hints on
 /generate, documents on /v1/chat/completions, /chunkcache/ingest, the `chunkcache` CLI, the config file, the disk
 store's files). Each case must get a clear 4xx naming the offending field, or be served with a counted, visible
 fallback; and after each one the server's known-good answer is unchanged (nothing crashed, hung or leaked).

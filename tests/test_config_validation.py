@@ -1,6 +1,6 @@
-"""Config values are checked when the file is loaded (issue 13, defect 5): the probe's `select: {selector: bogus,
-ratio: 7}` and `store: {host_bytes: "2GB", disk_bytes: -5}` loaded silently and the server then fell back on every
-hinted request. Now they stop `chunkcache serve` before SGLang starts, naming the key and the reason."""
+"""Config values are checked when the file is loaded: `select: {selector: bogus, ratio: 7}` or `store: {host_bytes:
+"2GB", disk_bytes: -5}` stop `chunkcache serve` before SGLang starts, naming the key and the reason. Loaded, they
+would start a server that falls back on every hinted request."""
 
 import subprocess
 import sys

@@ -118,7 +118,7 @@ def test_big_model_is_sampled_not_read(tmp_path, monkeypatch):
 
 
 def test_cache_salt_separates_tenants_and_leaves_unsalted_keys_unchanged():
-    """Issue 13, defect 2: SGLang's `cache_salt` isolates tenants in the radix tree; the chunk store must too."""
+    """SGLang's `cache_salt` isolates tenants in the radix tree; the chunk store must too."""
     args = (FP, "default", prefix_key([1, 2, 3]), [10, 20, 30])
     assert chunk_key(*args, cache_salt=None) == chunk_key(*args, cache_salt="") == "aa002da3e50ab079b762c18f876ea684"
     salted = {chunk_key(*args, cache_salt=s) for s in ("user-1", "user-2")}

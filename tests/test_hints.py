@@ -245,14 +245,14 @@ def test_text_request_payload_rejected(payload, message):
 
 
 def test_unknown_protocol_version_is_refused():
-    """Issue 13, defect 7: an envelope with protocol_version "99" was accepted silently."""
+    """An envelope of a protocol_version this server does not speak ("99") is refused, not read as its own."""
     env = {**envelope(action({"token_spans": [[0, 1]]})), "protocol_version": "99"}
     with pytest.raises(HintError, match="protocol_version '99' is not supported"):
         find_payload(env)
 
 
 def test_namespace_length_is_bounded():
-    """Issue 13, defect 7: a 1 MB namespace was accepted and became the radix key."""
+    """A namespace is bounded: it becomes the radix key, so a 1 MB namespace would be kept in the tree."""
     assert parse({"token_spans": [[0, 1]], "namespace": "n" * MAX_NAMESPACE_CHARS}, 4).namespace
     with pytest.raises(HintError, match=f"namespace is 1000000 characters; at most {MAX_NAMESPACE_CHARS}"):
         parse({"token_spans": [[0, 1]], "namespace": "n" * 1_000_000}, 4)

@@ -48,19 +48,20 @@ def check(kv_hints, obj, text=None, ids=Tokenizer.ids):
 # --- hint_validation --------------------------------------------------------------------------------------------------
 
 def test_reserved_extra_key_is_refused_on_any_request():
-    """Issue 13, defect 3: a plain request could name a hinted request's radix partition ("chunkcache::") and read
-    its approximate KV. The partition now starts with a reserved prefix no request may send."""
+    """No request may name a hinted request's radix partition, or it would read that request's approximate KV: the
+    partition starts with a reserved prefix that no request may send as its extra_key."""
     forged = request_hint.radix_partition("tenant-a", None)
     for kv_hints in (None, envelope({"token_spans": [[0, 2]]})):
         tokenized = SimpleNamespace(kv_hints=kv_hints, extra_key=forged)
         with pytest.raises(ValueError, match="extra_key: values starting with .* are reserved"):
             hint_validation.check_request(tokenized, MANAGER, IDS_REQ, None, Tokenizer.ids)
-    plain = SimpleNamespace(kv_hints=None, extra_key="chunkcache::")  # the old partition's syntax is just a string
+    plain = SimpleNamespace(kv_hints=None, extra_key="chunkcache::")  # no reserved prefix: an ordinary extra_key
     hint_validation.check_request(plain, MANAGER, IDS_REQ, None, Tokenizer.ids)
 
 
 def test_radix_partition_is_unambiguous():
-    """Namespace "x:y" and namespace "x" with extra_key "y:" shared a partition under f"chunkcache:{ns}:{key}"."""
+    """Distinct (namespace, extra_key) pairs get distinct partitions, including namespace "x:y" against namespace "x"
+    with extra_key "y:", which a plain f"chunkcache:{ns}:{key}" would merge."""
     parts = {request_hint.radix_partition(ns, key) for ns, key in [
         ("x:y", None), ("x", "y:"), ("x", "y"), ("x\x1f1", None), ("x", "\x1f1"), (None, None), ("", "x")]}
     assert len(parts) == 7
@@ -68,7 +69,7 @@ def test_radix_partition_is_unambiguous():
 
 
 def test_too_many_spans_is_a_hint_error():
-    """Issue 13, defect 1: 400 one-token spans were accepted and stalled the scheduler."""
+    """The span count is bounded (limits.max_spans): hundreds of one-token spans would stall the scheduler."""
     ids = list(range(200))
     spans = [[i, i + 1] for i in range(1, 100)]
     with pytest.raises(HintError, match=r"token_spans has 99 spans; at most 64 per request \(server limits.max_spans\)"):
@@ -130,8 +131,8 @@ def test_malformed_hint_at_creation_is_a_bad_hint_round():
 
 
 def test_aborted_request_is_not_blended():
-    """Issue 13, defect 7: SGLang replaces the prompt of a request it refuses (longer than the KV pool) by one token;
-    it is not served, so it is neither blended nor a malformed hint."""
+    """SGLang replaces the prompt of a request it refuses (longer than the KV pool) by one token; it is not served, so
+    it is neither blended nor a malformed hint."""
     req = SimpleNamespace(kv_hints=envelope({"token_spans": [[0, 2]]}), origin_input_ids=[5, 6, 7], extra_key=None,
                           cache_salt=None, to_finish=None)
     request_hint.attach(Reuse(), None, req)
@@ -249,7 +250,7 @@ def stats(**fields):
 
 
 def test_dropped_entries_and_disk_full_are_series(registry):
-    """Issue 13, defect 7: /metrics had no series for corrupt entries or disk-full refusals."""
+    """Corrupt entries and disk-full refusals are /metrics series."""
     value = registry.get_sample_value
     assert value("chunkcache_store_corrupt_total") == 0 and value("chunkcache_store_disk_full_total") == 0
     metrics.set_store_stats(stats(corrupt=2, disk_full=1))

@@ -86,8 +86,8 @@ def test_progress_bars_in_sglang_processes_make_no_named_semaphore(monkeypatch):
 @pytest.mark.slow
 def test_two_engines_in_one_process_end_without_a_tracker_complaint(tmp_path):
     """Two in-process engines of a tiny model, one after the other, and a bar of the caller's own in between (a
-    semaphore registered with the tracker the first shutdown used to kill), as the SpeCache tests and chunkbench run
-    them: the interpreter's exit is silent."""
+    semaphore registered with the resource tracker, which SGLang's shutdown would kill: sglang_patch/shutdown.py), as
+    the SpeCache tests and chunkbench run them: the interpreter's exit is silent."""
     script = textwrap.dedent(f"""
         import sys
         from pathlib import Path

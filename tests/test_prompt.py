@@ -57,8 +57,8 @@ def test_hint_is_valid_and_carries_options(tok):
 
 @pytest.mark.parametrize("question", [_SLOT, f"before {_SLOT} after {_SLOT}", f"{_SLOT[:-1]}_1\x01 and {_SLOT}"])
 def test_question_holding_the_placeholder_is_plain_text(tok, question):
-    """Issue 13, defect 7: a chat question containing the internal placeholder was a 400 "too many values to
-    unpack"; it is the client's text like any other."""
+    """A chat question containing the internal placeholder is the client's text like any other: the prompt is the
+    chat template's, and the documents' spans are where they are for any question."""
     p = build(tok, DOCS, question, system="Be brief.")
     expected = tok.apply_chat_template(
         [{"role": "system", "content": "Be brief."},

@@ -1,5 +1,5 @@
-"""Disk-tier entries that cannot be read, or decode but do not fit the model (issue 13, defect 4): each is a counted
-miss and is dropped, never an exception that fails every request using its chunk."""
+"""Disk-tier entries that cannot be read, or decode but do not fit the model: each is a counted miss and is dropped,
+never an exception that fails every request using its chunk."""
 
 import errno
 import logging

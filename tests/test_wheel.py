@@ -1,4 +1,4 @@
-"""The wheel is the product (issue 29): built the way a release is (`python -m build`: the sdist, then the wheel from
+"""The wheel is the product: built the way a release is (`python -m build`: the sdist, then the wheel from
 it), installed with `--no-deps` into a fresh venv, it serves hinted requests with chunk reuse through SGLang's own
 command, `python -m sglang.launch_server --model-path DIR --radix-cache-backend chunkcache`, and nothing else: no
 Makefile step, no `chunkcache serve`, no CHUNKCACHE_CONFIG, no CPU flags. The venv sees this venv's site-packages
