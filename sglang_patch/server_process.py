@@ -53,6 +53,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> int:
+    """A port p with p .. p+n-1 all free (examples/cluster.py's router and its servers)."""
+    for _ in range(100):
+        base = free_port()
+        if base + n > 65535:
+            continue
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no run of {n} free ports")
+
+
 def wait_healthy(url: str, alive: Callable[[], bool], log_path: Path | None = None, timeout: float = 900, *,
                  path: str = "/health", ready: Callable[[requests.Response], bool] | None = None,
                  interval: float = 1.0) -> None:

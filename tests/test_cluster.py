@@ -2,7 +2,6 @@
 in the middle of a load of hinted requests."""
 
 import random
-import socket
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,27 +11,9 @@ import requests
 from conftest import ROOT, WORDS
 from store_server import StoreServer
 
-from sglang_patch.server_process import ServerProcess
+from sglang_patch.server_process import ServerProcess, free_ports
 
 pytestmark = pytest.mark.slow
-
-
-def free_ports(n: int) -> int:
-    """A port p with p .. p+n-1 all free (the router and its servers)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        try:
-            for p in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no run of free ports")
 
 
 class Cluster:

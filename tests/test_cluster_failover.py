@@ -1,14 +1,15 @@
 """Two chunkcache servers behind SGLang's router (examples/cluster.py, tests/test_cluster.py) sharing a Valkey Cluster
-of 3 primaries with a replica each (tests/valkey_cluster.py): a chunk one server computed is a hit on the other, and
-a primary SIGKILLed in the middle of 8 requests fails none of them and changes no answer; hits resume once its
-replica takes over, with no server restarted."""
+of 3 primaries with a replica each (chunkbench/serving/valkey_cluster.py): a chunk one server computed is a hit on
+the other, and a primary SIGKILLed in the middle of 8 requests fails none of them and changes no answer; hits resume
+once its replica takes over, with no server restarted."""
 
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
 from test_cluster import Cluster, documents
-from valkey_cluster import ValkeyCluster, wait_until
+
+from chunkbench.serving.valkey_cluster import ValkeyCluster, wait_until
 
 pytestmark = pytest.mark.slow
 

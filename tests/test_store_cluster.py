@@ -1,5 +1,5 @@
 """Cluster mode of the remote tier against a real Valkey Cluster, 3 primaries with a replica each
-(tests/valkey_cluster.py): where entries land, what a request costs per node, redirections followed, and what a
+(chunkbench/serving/valkey_cluster.py): where entries land, what a request costs per node, redirections followed, and what a
 stalled node, a dead primary and its replica's promotion cost."""
 
 import dataclasses
@@ -12,8 +12,8 @@ import redis
 import redis.connection
 from test_store import FP, assert_same, key, make_entry
 from test_store_remote import clock, drain, remote_store  # noqa: F401 - clock is a fixture
-from valkey_cluster import ValkeyCluster, wait_until
 
+from chunkbench.serving.valkey_cluster import ValkeyCluster, wait_until
 from chunkcache.config import Config, ConfigError, StoreConfig
 from chunkcache.store import ChunkStore
 from chunkcache.store.cluster import ClusterTier

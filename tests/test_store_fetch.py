@@ -7,11 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from slow_link import SlowLink
 from store_server import StoreServer
 from test_store import FP, key, make_entry
 from test_store_remote import drain, remote_store
 
+from chunkbench.serving.slow_link import SlowLink
 from chunkcache.store import link
 from chunkcache.store.link import LinkCost, worth_fetching
 

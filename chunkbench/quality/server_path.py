@@ -79,7 +79,7 @@ class ServerMeasure:
                 "text": out.text, "tf_agreement": fidelity.agreement(_argmax(meta), ref.continuation),
                 "kl_first": fidelity.kl_top(ref.first, blended_first), "ttft_s": out.ttft_s,
                 "select_s": report.get("select_s"), "blend_s": report.get("blend_s"),
-                "recomputed": report.get("recomputed_tokens")}
+                "recomputed": report.get("recomputed_tokens"), "exact": bool(report.get("exact"))}
 
 
 def _argmax(meta: dict) -> list[int]:

