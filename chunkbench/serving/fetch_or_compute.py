@@ -8,7 +8,7 @@ turn, first on a fast link, then on a slow one.
 The servers have no host tier (store.host_bytes 0): every chunk of every request is fetched from the shared store or
 computed, the choice each side's rule makes. Each request is a chat request with the documents in a fresh order and
 one output token (its latency is the TTFT), each server's radix tree flushed before it, the three servers asked in a
-rotating order. Before the timed rounds on a link, `--warmup` rounds let auto measure it (its estimate follows the
+rotating order, each left to finish its deferred deviation pass (run when idle) before the next is asked. Before the timed rounds on a link, `--warmup` rounds let auto measure it (its estimate follows the
 last 8 round trips). Prints, per link, each side's median TTFT (n), the chunks it fetched and computed instead, and
 auto's median over the better of the other two (the goal: within 10 %).
 """
@@ -61,9 +61,20 @@ def ask(url: str, docs: list[str]) -> tuple[float, dict]:
     return seconds, r.json()["metadata"]["chunkcache"]
 
 
+def state(url: str) -> dict:
+    return requests.get(url + "/server_info", timeout=30).json()["internal_states"][0]["chunkcache"]
+
+
 def remote(url: str) -> dict:
-    info = requests.get(url + "/server_info", timeout=30).json()
-    return info["internal_states"][0]["chunkcache"]["store"]["remote"]
+    return state(url)["store"]["remote"]
+
+
+def settled(url: str) -> None:
+    """Wait until the server has measured the deviations its last request deferred (it does so when idle): on a
+    shared host that pass would otherwise run beside the next side's request."""
+    deadline = time.monotonic() + 120
+    while state(url)["deferred_deviations"] and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def config(tmp: Path, side: str, url: str) -> Path:
@@ -81,6 +92,7 @@ def rounds(servers: dict, docs: list[str], n: int, rng: random.Random) -> dict[s
         sides = list(servers)
         for side in sides[i % len(sides):] + sides[: i % len(sides)]:  # rotated: no side always first
             out[side].append(ask(servers[side].url, order))
+            settled(servers[side].url)
     return out
 
 

@@ -10,7 +10,8 @@ Contract:
   which measures. Round trips all of one size leave the two undetermined: then all of the cost is charged per byte
   (latency 0), the larger prediction for a larger fetch.
 - age() is the seconds since the last observation (inf before any): a link judged too slow is fetched from no more,
-  so the caller probes it again now and then to follow a link that got faster.
+  so the caller probes it again now and then (probing(), then the round trip); a probe far off the fit restarts the
+  window from itself, and the caller, the link unmeasured again, fetches, which measures it anew.
 - Thread-safe: the scheduler and the tier's node threads observe at once.
 """
 
@@ -33,15 +34,29 @@ class LinkEstimate:
 
 class LinkCost:
     WINDOW = 8  # round trips: a link that degrades is followed after ~5 (the median), one stall is ignored
+    PROBE_MISS = 2.0  # a probe this many times off the fit restarts the window (a link that got faster)
     MIN_SAMPLES = 2
 
     def __init__(self):
         self._lock = threading.Lock()
         self._samples: deque[tuple[int, float]] = deque(maxlen=self.WINDOW)
         self._last = -math.inf
+        self._probe = False
+
+    def probing(self) -> None:
+        """The next round trip is a probe of a link judged too slow: if it disagrees with the fit by more than
+        PROBE_MISS times either way, the link changed, and the window restarts from it."""
+        with self._lock:
+            self._probe = True
 
     def observe(self, nbytes: int, seconds: float) -> None:
+        est = self.estimate() if self._probe else None
         with self._lock:
+            if est is not None:
+                predicted = est.latency_s + nbytes / est.bytes_per_s
+                if not predicted / self.PROBE_MISS <= seconds <= predicted * self.PROBE_MISS:
+                    self._samples.clear()
+            self._probe = False
             self._samples.append((nbytes, max(seconds, 0.0)))
             self._last = time.monotonic()
 
@@ -68,8 +83,8 @@ def worth_fetching(link: LinkCost, chunks: list[tuple[str, int, float]], probe_s
     """Which of `chunks` ((key, its bytes, seconds to compute it here)), all held by the server behind `link`, to
     fetch from it rather than compute, and whether that fetch is a probe. Every chunk whose bytes arrive faster than it
     computes is a candidate; the candidates are fetched together when their one round trip (latency included) is
-    predicted faster than computing them all. An unmeasured link is fetched from (that measures it); a link judged
-    too slow is fetched from anyway, as a probe, once its last measurement is `probe_s` old."""
+    predicted faster than computing them all. An unmeasured link is fetched from (that measures it); from a link judged
+    too slow the smallest chunk is fetched anyway, as a probe, once its last measurement is `probe_s` old."""
     est = link.estimate()
     if est is None:
         return [key for key, _, _ in chunks], False
@@ -78,5 +93,6 @@ def worth_fetching(link: LinkCost, chunks: list[tuple[str, int, float]], probe_s
     if faster and fetch_s < sum(compute for _, _, compute in faster):
         return [key for key, _, _ in faster], False
     if link.age() >= probe_s:
-        return [key for key, _, _ in chunks], True
+        link.probing()
+        return [min(chunks, key=lambda c: c[1])[0]], True
     return [], False
