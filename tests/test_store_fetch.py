@@ -50,6 +50,18 @@ def test_the_link_fit_is_the_line_through_its_round_trips_whatever_one_stalled_o
     assert same.estimate().latency_s == 0 and same.estimate().bytes_per_s == pytest.approx(1e6)
 
 
+def test_only_a_probe_far_faster_than_the_fit_restarts_the_link():
+    cost = on_line(0.0, 1e6, [1_000_000, 2_000_000])  # 1 s and 2 s: 1 MB/s
+    cost.probing()
+    cost.observe(500_000, 1.0)  # twice the fit's 0.5 s: a sample like any other
+    assert cost.estimate().samples == 3
+    cost.observe(500_000, 0.01)  # 50x faster, but not a probe: a sample like any other
+    assert cost.estimate().samples == 4
+    cost.probing()
+    cost.observe(500_000, 0.05)  # a probe 10x faster than the fit: the link changed, measured anew from it
+    assert cost.estimate() is None
+
+
 def test_the_rule_fetches_what_arrives_faster_than_it_computes(clock):
     fast = on_line(0.01, 1e7, [1_000, 1_000_000])  # 10 ms + 0.1 us per byte
     assert worth_fetching(fast, [("a", 1_000_000, 0.5)], probe_s=60) == (["a"], False)  # 0.11 s < 0.5 s
