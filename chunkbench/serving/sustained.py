@@ -28,8 +28,9 @@ import requests
 import yaml
 
 from chunkcache.config import config_file
-from sglang_patch.server_process import ServerProcess, free_ports
+from sglang_patch.serve.server_process import ServerProcess, free_ports
 
+from .auto_bench import zipf_sample
 from .valkey_cluster import ValkeyCluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,16 +42,6 @@ def passages(n: int, words: int) -> list[str]:
     rng = random.Random(11)
     return [f"Passage {i}: " + " ".join(rng.choice(WORDS) for _ in range(words)) + f". The code of passage {i} is "
             f"{5000 + 13 * i}." for i in range(n)]
-
-
-def draw(rng: random.Random, weights: list[float], k: int) -> list[int]:
-    """k distinct passages, each draw by Zipf popularity among those not drawn yet."""
-    chosen: list[int] = []
-    while len(chosen) < k:
-        i = rng.choices(range(len(weights)), weights)[0]
-        if i not in chosen:
-            chosen.append(i)
-    return chosen
 
 
 def ask(url: str, docs: list[str], question: str) -> tuple[float, dict]:
@@ -109,7 +100,7 @@ def main() -> None:
                 raise RuntimeError(f"the cluster did not start: {tmp / 'cluster.log'}, {tmp / 'logs'}")
             time.sleep(1)
         for i in range(args.requests):
-            chosen = draw(rng, weights, args.per_request)
+            chosen = zipf_sample(rng, weights, args.per_request)
             rng.shuffle(chosen)
             target = rng.choice(chosen)
             ttft, report = ask(router, [pool[j] for j in chosen], f"What is the code of passage {target}?")
