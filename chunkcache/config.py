@@ -151,7 +151,8 @@ class ServeConfig:
     dtype: str = "auto"
     sleep_on_idle: bool = True  # idle scheduler blocks on its sockets instead of busy-polling a core
     # SGLang attention backend on CPU, both sides of an A/B: "chunkcache_torch" is torch_native with its decode step
-    # planned once per batch and attended in float32 (sglang_patch/decode_attention.py); "torch_native" is SGLang's own
+    # planned once per batch and attended in float32 (sglang_patch/decode/decode_attention.py); "torch_native" is
+    # SGLang's own
     cpu_attention: str = "chunkcache_torch"
     sglang_args: list[str] = field(default_factory=list)  # extra arguments passed verbatim to SGLang
 
@@ -215,9 +216,9 @@ class AutoConfig:
 
 @dataclass
 class SpeCacheConfig:
-    # SpeCache decoding (issue 17; sglang_patch/specache.py): low-bit KV in the device pool, full KV as the host copy,
-    # top-k full-precision pairs prefetched by a speculative second token; the server refuses, at start-up, what it
-    # cannot run it on (model, device, page size, mixed chunks, ...)
+    # SpeCache decoding (issue 17; sglang_patch/decode/specache.py): low-bit KV in the device pool, full KV as the host
+    # copy, top-k full-precision pairs prefetched by a speculative second token; the server refuses, at start-up, what
+    # it cannot run it on (model, device, page size, mixed chunks, ...)
     enabled: bool = False
     bits: int = 1  # bits per quantised K/V element: 1 (SpeCache's midpoint levels), 2 or 4 (KIVI)
     group: int = 32  # K: per channel over groups of this many tokens; V: per token over groups of this many channels

@@ -22,8 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from sglang_patch.launcher import REMOTE_URL_ENV
-from sglang_patch.server_process import ServerProcess
+from sglang_patch.serve.launcher import REMOTE_URL_ENV
+from sglang_patch.serve.server_process import ServerProcess
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for i in range(args.workers):
             port = args.port + 1 + i
-            cmd = [sys.executable, "-m", "sglang_patch.cli", "serve", "--host", args.host, "--port", str(port),
+            cmd = [sys.executable, "-m", "sglang_patch.serve.cli", "serve", "--host", args.host, "--port", str(port),
                    *(["--config", args.config] if args.config else []), *serve_args]
             procs.append(ServerProcess(cmd, url=f"http://{args.host}:{port}", log_path=log_dir / f"server-{i}.log",
                                        env={REMOTE_URL_ENV: args.remote_url}))

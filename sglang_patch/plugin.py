@@ -1,9 +1,9 @@
 """SGLang plugin entry point (group `sglang.srt.plugins`), run by SGLang's load_plugins() in every process.
 
-It registers the `chunkcache` radix-cache backend (sglang_patch.cache) and the `chunkcache_torch` attention backend
-(sglang_patch.decode_attention), and hooks the SGLang functions listed in `hooks()`: that table is every place chunk
-reuse enters SGLang, the frontend interpreter's included (sglang_patch.lang, which also installs its entries itself
-in a frontend program: no plugin loader runs there), metrics' start-up and SpeCache's decode step.
+It registers the `chunkcache` radix-cache backend (sglang_patch.scheduler.cache) and the `chunkcache_torch` attention
+backend (sglang_patch.decode.decode_attention), and hooks the SGLang functions listed in `hooks()`: that table is every
+place chunk reuse enters SGLang, the frontend interpreter's included (sglang_patch.lang, which also installs its entries
+itself in a frontend program: no plugin loader runs there), metrics' start-up and SpeCache's decode step.
 """
 
 from __future__ import annotations
@@ -14,12 +14,15 @@ import time
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from . import (admission, auto_chunks, blend, chat, decode_attention, hint_validation, ingest, lang, metrics,
-               report, request_hint, shutdown, specache)
 from chunkcache.blend.cost import full_s
 
-from .cache import factory, reuse_of
-from .launcher import BACKEND_NAME, cpu_engine_for_stock_command
+from . import lang
+from .decode import decode_attention, specache
+from .http import chat, hint_validation, ingest
+from .scheduler import admission, auto_chunks, blend, metrics, report, request_hint
+from .scheduler.cache import factory, reuse_of
+from .serve import shutdown
+from .serve.launcher import BACKEND_NAME, cpu_engine_for_stock_command
 
 log = logging.getLogger(__name__)
 AFTER, AROUND, BEFORE = HookType.AFTER, HookType.AROUND, HookType.BEFORE
@@ -32,7 +35,8 @@ _STREAMER = "sglang.srt.managers.scheduler_components.output_streamer"
 def register() -> None:
     from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
 
-    shutdown.thread_lock_for_progress_bars()  # no named semaphore for SGLang's SIGKILL to leak (sglang_patch.shutdown)
+    # no named semaphore for SGLang's SIGKILL to leak (sglang_patch.serve.shutdown)
+    shutdown.thread_lock_for_progress_bars()
     if BACKEND_NAME not in registered_radix_cache_backends():
         register_radix_cache_backend(BACKEND_NAME, factory)
     decode_attention.register()
@@ -59,7 +63,7 @@ def hooks() -> list[tuple[str, object, HookType]]:
         # the request contract: hints validated where SGLang tokenizes (main process)
         (f"{_TOKENIZER}._create_tokenized_object", hint_validation.check_request, AFTER),
         # scheduler: the hint resolved (or, with auto detection, found) once per request, chunk-aware admission, the
-        # blended forward, then the prefill's new segments learned (sglang_patch.auto_chunks)
+        # blended forward, then the prefill's new segments learned (sglang_patch.scheduler.auto_chunks)
         (f"{_SCHEDULER}._create_generation_req", _resolve_hint, AFTER),
         (f"{_SCHEDULER}.init_chunked_prefill", admission.adopt_budget, AFTER),
         (f"{_SCHEDULER}.get_prefill_adder_class", admission.adder_class, AFTER),

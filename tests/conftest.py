@@ -10,8 +10,8 @@ import requests
 import safetensors
 import yaml
 
-from sglang_patch.server_process import ServerProcess, chunkcache_serve
-from sglang_patch.shutdown import shutdown_engine
+from sglang_patch.serve.server_process import ServerProcess, chunkcache_serve
+from sglang_patch.serve.shutdown import shutdown_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,7 +41,7 @@ def require_slow(what: str) -> None:
 def _server_process_init(init):
     def guarded(self, argv, *args, **kwargs):
         command = " ".join(map(str, argv))
-        if any(s in command for s in ("sglang.launch_server", "sglang_patch.cli serve", "examples/cluster.py")):
+        if any(s in command for s in ("sglang.launch_server", "sglang_patch.serve.cli serve", "examples/cluster.py")):
             require_slow(f"starts a server ({command[:120]})")
         init(self, argv, *args, **kwargs)
 
@@ -135,7 +135,7 @@ def sglang_engine(model: Path, config_dir: Path, config_yaml: str = "", **settin
     """An in-process `sgl.Engine` with the chunkcache backend on this host's settings, `config_yaml` as its config."""
     require_slow("starts an SGLang engine")
     from chunkcache.config import Config
-    from sglang_patch.launcher import prepare_environment, server_settings
+    from sglang_patch.serve.launcher import prepare_environment, server_settings
 
     config = config_dir / "chunkcache.yaml"
     config.write_text(with_test_defaults(config_yaml))

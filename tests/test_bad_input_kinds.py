@@ -19,7 +19,7 @@ from test_bad_input import CHAT, CHAT_QUESTION, GENERATE, IN_FLIGHT, INGEST, MAX
 
 import chunkcache.documents
 import chunkcache.hints
-from sglang_patch import chat, hint_validation, ingest
+from sglang_patch.http import chat, hint_validation, ingest
 
 VALIDATORS = [chunkcache.hints, chunkcache.documents, hint_validation, chat]
 CLIENT_SIDE = {"envelope"}  # chunkcache.hints.envelope builds a client's hint; it is not a server check

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_eval_smoke_json(tmp_path, default_model):
-    run = subprocess.run([sys.executable, "-m", "sglang_patch.cli", "eval", "--smoke", "--selectors", "none,epic",
+    run = subprocess.run([sys.executable, "-m", "sglang_patch.serve.cli", "eval", "--smoke", "--selectors", "none,epic",
                           "--ratios", "0.1,0.2", "--analyses", "--json"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=1500)
     assert run.returncode == 0, run.stderr[-3000:]

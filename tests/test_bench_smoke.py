@@ -15,7 +15,7 @@ NUMBERS = ("ttft_s", "latency_s", "finish_s", "f1", "em", "agreement", "prompt_t
 
 def test_bench_smoke(tmp_path, default_model):
     out = tmp_path / "bench"
-    run = subprocess.run([sys.executable, "-m", "sglang_patch.cli", "bench", "--smoke", "--out", str(out)],
+    run = subprocess.run([sys.executable, "-m", "sglang_patch.serve.cli", "bench", "--smoke", "--out", str(out)],
                          cwd=tmp_path, capture_output=True, text=True, timeout=1500)
     assert run.returncode == 0, run.stderr[-3000:]
     records = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]

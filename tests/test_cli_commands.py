@@ -5,7 +5,7 @@ from importlib.metadata import EntryPoint
 
 import pytest
 
-from sglang_patch import cli
+from sglang_patch.serve import cli
 
 
 def _installed(monkeypatch, *eps: EntryPoint) -> None:

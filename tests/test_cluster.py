@@ -11,7 +11,7 @@ import requests
 from conftest import ROOT, WORDS
 from store_server import StoreServer
 
-from sglang_patch.server_process import ServerProcess, free_ports
+from sglang_patch.serve.server_process import ServerProcess, free_ports
 
 pytestmark = pytest.mark.slow
 

@@ -84,8 +84,8 @@ def test_serve_refuses_a_bad_config_before_starting_sglang(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("select: {selector: bogus, ratio: 7}\nstore: {host_bytes: '2GB', disk_bytes: -5}\n")
     t0 = time.time()
-    out = subprocess.run([sys.executable, "-m", "sglang_patch.cli", "serve", "--config", str(path), "--port", "1"],
-                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    out = subprocess.run([sys.executable, "-m", "sglang_patch.serve.cli", "serve", "--config", str(path),
+                          "--port", "1"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 2, out.stdout + out.stderr
     for message in ("select:selector: 'bogus' is not one of", "store:host_bytes: must be int, got '2GB'",
                     "store:disk_bytes: must be at least 1, got -5"):

@@ -13,7 +13,7 @@ from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
-from sglang_patch.decode_attention import DecodeAttention  # noqa: E402
+from sglang_patch.decode.decode_attention import DecodeAttention  # noqa: E402
 
 HQ, HK, D = 6, 2, 32
 LENS = [1, 7, 300, 1000]  # one row that sees only its own token; rows of very different lengths

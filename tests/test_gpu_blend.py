@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from sglang_patch import paged_attention
+from sglang_patch.forward import paged_attention
 
 TINY = ["--device", "cpu", "--dtype", "float32", "--shape", "tiny", "--sizes", "512", "--rhos", "0.15", "--chunk",
         "64", "--model-sizes", "512", "--layers", "2", "--repeats", "1", "--model-repeats", "1"]

@@ -11,7 +11,8 @@ from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
 from chunkcache.hints import ACTION_TYPE, HintError
 from chunkcache.store import ChunkEntry, ChunkStore
-from sglang_patch import hint_validation, metrics, report, request_hint
+from sglang_patch.http import hint_validation
+from sglang_patch.scheduler import metrics, report, request_hint
 
 
 def envelope(payload, other=True):
@@ -307,7 +308,7 @@ def test_store_and_fallback_metrics(registry):
 
 
 def test_store_series_follow_the_store_without_a_request_report(registry):
-    """The store reports its own changes (ChunkStore on_change, wired in sglang_patch.cache), not the request
+    """The store reports its own changes (ChunkStore on_change, wired in sglang_patch.scheduler.cache), not the request
     reports: a put that evicts shows in /metrics before any request is reported."""
     def entry(i):
         return ChunkEntry(f"{i:032x}", torch.arange(4), torch.zeros(1, 4, 1, 2), torch.zeros(1, 4, 1, 2), 0, "f" * 32)

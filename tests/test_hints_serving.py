@@ -65,8 +65,8 @@ def test_char_spans_request_is_served(server):
 
 
 def test_hinted_request_reports_chunk_reuse(server):
-    """meta_info["chunkcache"] is the round the blend reports on the scheduler's Req (sglang_patch/report.py). The
-    chunks in another order than above, so the radix tree cannot serve the whole prompt as an exact prefix."""
+    """meta_info["chunkcache"] is the round the blend reports on the scheduler's Req (sglang_patch/scheduler/report.py).
+    The chunks in another order than above, so the radix tree cannot serve the whole prompt as an exact prefix."""
     text, spans = rag_prompt(CHUNKS[::-1])
     # its own namespace: its chunks are missing, so it blends (to store them) whatever the blend-or-full prediction
     r = generate(server, text=text, kv_hints=kv_hints({"char_spans": spans, "selector": "epic", "ratio": 1.0,
@@ -87,7 +87,7 @@ def test_metrics_exposed(server):
     text = requests.get(server.url + "/metrics", timeout=30).text
     for name in ("chunkcache_chunk_hits_total", "chunkcache_reused_tokens_total"):
         assert name in text
-    # the store's own updates (ChunkStore on_change, wired in sglang_patch.cache)
+    # the store's own updates (ChunkStore on_change, wired in sglang_patch.scheduler.cache)
     host = [float(line.split()[-1]) for line in text.splitlines()
             if line.startswith('chunkcache_store_bytes{tier="host"')]
     assert host and host[0] > 0, text

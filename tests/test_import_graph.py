@@ -3,7 +3,9 @@
 `chunkbench` (the harness), which reaches the CLI through the `chunkcache.commands` entry points instead; no package
 has a cycle among its modules. Inside the harness, a folder per question (`chunkbench/serving`, `quality`, `studies`,
 `kernels`) imports only the folders below it and the modules the folders share at chunkbench's top level, which import
-no folder, so no two folders import each other.
+no folder, so no two folders import each other. Inside the glue, a folder per process and seam (`sglang_patch/http`,
+`scheduler`, `forward`, `decode`, `serve`) imports only the folders listed for it below; at sglang_patch's top level only
+the plugin, the entry point, imports the folders.
 
 Every import statement counts, the ones inside functions too: a function-level import only defers the same
 dependency to the first call, and a cycle through it is still a cycle. Importing `a.b.c` also runs `a/__init__.py`
@@ -124,6 +126,9 @@ def test_graph_reads_relative_and_function_level_imports():
     assert "chunkbench.serving.client" in GRAPH["chunkbench.quality.server_path"]  # from ..serving.client import ...
     assert "chunkbench.quality.fidelity" in GRAPH["chunkbench.studies.select_fidelity"]  # a submodule, two dots up
     assert "chunkbench.serving" in GRAPH["chunkbench.studies.segment_coverage"]  # the folder's __init__ runs first
+    assert "sglang_patch.forward.forward_pass" in GRAPH["sglang_patch.scheduler.blend"]  # from ..forward.forward_pass
+    assert "sglang_patch.serve.launcher" in GRAPH["sglang_patch.decode.specache"]  # two dots up, inside a function
+    assert "sglang_patch.http.chat" in GRAPH["sglang_patch.plugin"]  # from .http import chat: a folder's submodule
 
 
 # chunkbench's folders, each with the folders it may import: those below it. quality's server path drives a live
@@ -135,46 +140,77 @@ HARNESS_FOLDERS = {
     "studies": {"serving", "quality"},
     "kernels": set(),
 }
-# chunkbench's modules outside the folders: the package, the commands' entry point, and what the folders share
+# chunkbench's modules outside the folders: the commands' entry point, and what the folders share
 HARNESS_ENTRY = "chunkbench.cli"
 HARNESS_SHARED = {"chunkbench.workloads", "chunkbench.synthetic", "chunkbench.scoring", "chunkbench.intervals"}
 
+# sglang_patch's folders, each with the folders it may import, in the order plugin.hooks() meets them: the HTTP server
+# process refuses the radix partition the scheduler reserves for hinted requests (http.hint_validation reads
+# scheduler.request_hint); the scheduler's blend and automatic detection run forward's passes of SGLang's model; decode
+# is the decode step, which nothing else imports; and every process reads the server's settings from serve (launcher),
+# which imports no folder, nor does forward. So: http -> scheduler -> forward, and http, scheduler, decode -> serve.
+GLUE_FOLDERS = {
+    "http": {"scheduler", "serve"},
+    "scheduler": {"forward", "serve"},
+    "forward": set(),
+    "decode": {"serve"},
+    "serve": set(),
+}
+# sglang_patch's modules outside the folders: the plugin (the entry point: its hooks() table imports every folder), the
+# frontend programs' primitives and the kernel guard (run from a .pth at every interpreter start), which import none
+GLUE_ENTRY = "sglang_patch.plugin"
+GLUE_TOP = {"sglang_patch.lang", "sglang_patch.kernel_guard"}
 
-def _folder(name: str) -> str | None:
-    """The harness folder `name` is in or names (chunkbench.serving.ab -> serving), None outside the folders."""
+# per package: its folders, its entry point (may import every folder; no folder imports it), and the modules at its top
+# level that the folders may import and that import no folder
+FOLDERS = {"chunkbench": HARNESS_FOLDERS, "sglang_patch": GLUE_FOLDERS}
+ENTRY = {"chunkbench": HARNESS_ENTRY, "sglang_patch": GLUE_ENTRY}
+TOP = {"chunkbench": HARNESS_SHARED, "sglang_patch": GLUE_TOP}
+
+
+def _folder(name: str, package: str) -> str | None:
+    """The folder of `package` that `name` is in or names (chunkbench.serving.ab -> serving), None outside them (and
+    for any name outside `package`)."""
     parts = name.split(".")
-    return parts[1] if parts[0] == "chunkbench" and len(parts) > 1 and parts[1] in HARNESS_FOLDERS else None
+    return parts[1] if parts[0] == package and len(parts) > 1 and parts[1] in FOLDERS[package] else None
 
 
-def test_every_harness_module_is_in_a_folder_or_shared():
-    """A new module is placed on purpose: in a folder listed above, or added to what the folders share."""
-    top = {"chunkbench", HARNESS_ENTRY} | HARNESS_SHARED
-    assert sorted(m for m in GRAPH if m.split(".")[0] == "chunkbench" and m not in top and _folder(m) is None) == []
-    on_disk = {p.parent.name for p in (ROOT / "chunkbench").glob("*/__init__.py")}
-    assert on_disk == set(HARNESS_FOLDERS)
-    assert HARNESS_SHARED | {HARNESS_ENTRY} <= set(GRAPH)
+@pytest.mark.parametrize("package", FOLDERS)
+def test_every_module_is_in_a_folder_or_listed_at_the_top(package):
+    """A new module is placed on purpose: in a folder listed above, or added to the package's top-level modules."""
+    top = {package, ENTRY[package]} | TOP[package]
+    assert sorted(m for m in GRAPH if m.split(".")[0] == package and m not in top and _folder(m, package) is None) == []
+    on_disk = {p.parent.name for p in (ROOT / package).glob("*/__init__.py")}
+    assert on_disk == set(FOLDERS[package])
+    assert TOP[package] | {ENTRY[package]} <= set(GRAPH)
 
 
-def test_the_shared_harness_modules_import_no_folder():
-    assert sorted(f"{module} imports {name}" for module in HARNESS_SHARED for name in GRAPH[module]
-                  if _folder(name) is not None or name == HARNESS_ENTRY) == []
+@pytest.mark.parametrize("package", FOLDERS)
+def test_the_top_level_modules_import_no_folder(package):
+    """The package itself and its top-level modules but the entry point: whatever imports them runs no folder."""
+    assert sorted(f"{module} imports {name}" for module in {package} | TOP[package] for name in GRAPH[module]
+                  if _folder(name, package) is not None or name == ENTRY[package]) == []
 
 
-def test_a_harness_folder_imports_only_the_folders_below_it():
+@pytest.mark.parametrize("package", FOLDERS)
+def test_a_folder_imports_only_the_folders_listed_for_it(package):
     offenders = []
     for module, names in GRAPH.items():
-        own = _folder(module)
+        own = _folder(module, package)
         if own is not None:
+            allowed = {None, own, *FOLDERS[package][own]}
             offenders += [f"{module} imports {name}" for name in sorted(names)
-                          if name == HARNESS_ENTRY or _folder(name) not in {None, own, *HARNESS_FOLDERS[own]}]
+                          if name == ENTRY[package] or _folder(name, package) not in allowed]
     assert offenders == []
 
 
-def test_no_import_cycle_between_harness_folders():
-    """Whatever the table above allows: two folders that import each other are one folder."""
-    folders: dict[str, set[str]] = {f: set() for f in HARNESS_FOLDERS}
+@pytest.mark.parametrize("package", FOLDERS)
+def test_no_import_cycle_between_folders(package):
+    """Whatever the tables above allow: two folders that import each other are one folder."""
+    folders: dict[str, set[str]] = {f: set() for f in FOLDERS[package]}
     for module, names in GRAPH.items():
-        if _folder(module) is not None:
-            folders[_folder(module)] |= {_folder(n) for n in names if _folder(n) not in {None, _folder(module)}}
+        own = _folder(module, package)
+        if own is not None:
+            folders[own] |= {_folder(n, package) for n in names if _folder(n, package) not in {None, own}}
     cycle = _cycle(folders)
-    assert not cycle, "import cycle between chunkbench's folders: " + " -> ".join(cycle)
+    assert not cycle, f"import cycle between {package}'s folders: " + " -> ".join(cycle)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import requests
 
-from sglang_patch.request_hint import radix_partition
+from sglang_patch.scheduler.request_hint import radix_partition
 
 pytestmark = pytest.mark.slow
 GREEDY = {"max_new_tokens": 8, "temperature": 0}

@@ -7,7 +7,7 @@ import pytest
 
 from chunkcache.config import Config
 from chunkcache.cpu_dtype import Choice
-from sglang_patch import launcher
+from sglang_patch.serve import launcher
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
-"""sglang_patch.paged_attention builds FlashInfer's two plans (indptrs, page-size-1 indices, a row-major custom mask
-within each group, none before it) so that each query sees exactly its request's keys at positions <= its own. On a
+"""sglang_patch.forward.paged_attention builds FlashInfer's two plans (indptrs, page-size-1 indices, a row-major custom
+mask within each group, none before it) so that each query sees exactly its request's keys at positions <= its own. On a
 CPU, FlashInfer is replaced by a model of its documented paged-prefill contract; on a GPU with flashinfer the real
 one runs. Either way the result is checked against a float32 reference of attention by position."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from chunkcache.blend.attention import attend
-from sglang_patch.sparse_attention import Segment
+from sglang_patch.forward.sparse_attention import Segment
 
 
 class FakeWrapper:
@@ -59,7 +59,7 @@ FAKE_FLASHINFER = types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=Fake
 
 def test_plan_matches_the_torch_path(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", FAKE_FLASHINFER)
-    from sglang_patch.paged_attention import PagedSparsePrefill
+    from sglang_patch.forward.paged_attention import PagedSparsePrefill
 
     torch.manual_seed(0)
     hq, hk, d, slots = 6, 2, 16, 64
@@ -96,7 +96,7 @@ class _Pool:
 
 
 def _has_flashinfer() -> bool:
-    from sglang_patch import paged_attention
+    from sglang_patch.forward import paged_attention
 
     return torch.cuda.is_available() and paged_attention.available(torch.device("cuda"))
 
@@ -105,8 +105,8 @@ def _has_flashinfer() -> bool:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_flashinfer_pass_matches_float32_reference_on_cuda(dtype):
     """The blend's attention backend as the server runs it on CUDA: SparseAttention puts the pool-writing segments
-    into one FlashInfer plan (sglang_patch.paged_attention, real flashinfer) made at the first full-attention layer
-    and reused by the next, and keeps the others (standalone chunks, recorded attention, sliding-window layers) on
+    into one FlashInfer plan (sglang_patch.forward.paged_attention, real flashinfer) made at the first full-attention
+    layer and reused by the next, and keeps the others (standalone chunks, recorded attention, sliding-window layers) on
     the torch path. Every row is compared with a float32 reference of attention by position."""
     _check_pass(torch.device("cuda"), dtype, 2e-2)
 
@@ -116,7 +116,7 @@ def test_paged_pass_routes_segments_on_cpu(monkeypatch, dtype, tolerance):
     """The same pass with FakeWrapper standing in for FlashInfer, so the routing (which segments go to the plan, one
     plan for every full-attention layer, windowed layers on the torch path) is checked without a GPU; in bfloat16
     the torch path's segments (standalone, windowed) run CPU attention's bf16 matmuls."""
-    from sglang_patch import paged_attention
+    from sglang_patch.forward import paged_attention
 
     monkeypatch.setitem(sys.modules, "flashinfer", FAKE_FLASHINFER)
     monkeypatch.setattr(paged_attention, "available", lambda device: True)
@@ -126,8 +126,8 @@ def test_paged_pass_routes_segments_on_cpu(monkeypatch, dtype, tolerance):
 def _check_pass(dev, dtype, tolerance):
     from types import SimpleNamespace
 
-    from sglang_patch import paged_attention
-    from sglang_patch.sparse_attention import SparseAttention
+    from sglang_patch.forward import paged_attention
+    from sglang_patch.forward.sparse_attention import SparseAttention
 
     torch.manual_seed(0)
     hq, hk, d, slots = 32, 8, 128, 16_000
@@ -178,7 +178,7 @@ def _check_pass(dev, dtype, tolerance):
 
 
 def test_groups_span_at_most_the_limit():
-    from sglang_patch.paged_attention import groups
+    from sglang_patch.forward.paged_attention import groups
 
     assert groups([]) == []
     assert groups([5], span=4) == [(0, 1)]
@@ -194,7 +194,7 @@ def test_a_logits_pass_attends_only_each_segments_last_row_at_the_final_layer(wi
     with a segment that records attention, attend every row."""
     from types import SimpleNamespace
 
-    from sglang_patch.sparse_attention import SparseAttention
+    from sglang_patch.forward.sparse_attention import SparseAttention
 
     torch.manual_seed(0)
     hq, hk, d = 6, 2, 16

@@ -7,7 +7,9 @@ import types
 import pytest
 from sglang.srt.plugins.hook_registry import HookRegistry
 
-from sglang_patch import lang, metrics, plugin, request_hint, specache
+from sglang_patch import lang, plugin
+from sglang_patch.decode import specache
+from sglang_patch.scheduler import metrics, request_hint
 
 
 def resolve(target: str):

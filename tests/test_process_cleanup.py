@@ -1,5 +1,5 @@
 """SGLang's shutdown leaves multiprocessing's resource tracker working and no named semaphore behind
-(sglang_patch.shutdown). The oracle is a fresh interpreter's stderr at exit, where the tracker's complaints are
+(sglang_patch.serve.shutdown). The oracle is a fresh interpreter's stderr at exit, where the tracker's complaints are
 printed: "process died unexpectedly, relaunching", a `KeyError: '/mp-...'` traceback, "leaked semaphore objects"."""
 
 import subprocess
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ENGINE = textwrap.dedent("""
     import atexit, multiprocessing as mp, os, sys, time
     import psutil
-    from sglang_patch.shutdown import shutdown_engine
+    from sglang_patch.serve.shutdown import shutdown_engine
 
     def kill_process_tree(parent_pid, include_parent=True, skip_pid=None, wait_timeout=60):
         killed = [p for p in psutil.Process(parent_pid or os.getpid()).children(recursive=True) if p.pid != skip_pid]
@@ -86,8 +86,8 @@ def test_progress_bars_in_sglang_processes_make_no_named_semaphore(monkeypatch):
 @pytest.mark.slow
 def test_two_engines_in_one_process_end_without_a_tracker_complaint(tmp_path):
     """Two in-process engines of a tiny model, one after the other, and a bar of the caller's own in between (a
-    semaphore registered with the resource tracker, which SGLang's shutdown would kill: sglang_patch/shutdown.py), as
-    the SpeCache tests and chunkbench run them: the interpreter's exit is silent."""
+    semaphore registered with the resource tracker, which SGLang's shutdown would kill: sglang_patch/serve/shutdown.py),
+    as the SpeCache tests and chunkbench run them: the interpreter's exit is silent."""
     script = textwrap.dedent(f"""
         import sys
         from pathlib import Path

@@ -10,7 +10,7 @@ from conftest import metric
 
 from chunkcache.documents import CHAT_KEYS, DocumentsError, parse
 from chunkcache.select import REGISTRY
-from sglang_patch import cli
+from sglang_patch.serve import cli
 
 QUESTION = "Which day does the market open?"
 

@@ -1,5 +1,5 @@
-"""sglang_patch.server_process on a stand-in server (a few lines of http.server): health, a group stop that reaches a
-child ignoring SIGTERM, a detached start, and the failures of a start."""
+"""sglang_patch.serve.server_process on a stand-in server (a few lines of http.server): health, a group stop that
+reaches a child ignoring SIGTERM, a detached start, and the failures of a start."""
 
 import sys
 import time
@@ -7,7 +7,7 @@ import time
 import psutil
 import pytest
 
-from sglang_patch.server_process import ServerProcess, free_port
+from sglang_patch.serve.server_process import ServerProcess, free_port
 
 # argv: PORT [stubborn]; with "stubborn" it first forks a child that ignores SIGTERM (only SIGKILL stops it)
 STANDIN = """

@@ -1,6 +1,6 @@
-"""SpeCache's SGLang side (sglang_patch/specache*.py) on real SGLang pools, without a server: the slot-indexed low-bit
-pool reads what the reference's per-sequence LayerCache holds, one pass's attention writes x_t only, attends as the
-reference step and picks row 1's top-k; the start-up refusals; the launcher's page size."""
+"""SpeCache's SGLang side (sglang_patch/decode/specache*.py) on real SGLang pools, without a server: the slot-indexed
+low-bit pool reads what the reference's per-sequence LayerCache holds, one pass's attention writes x_t only, attends as
+the reference step and picks row 1's top-k; the start-up refusals; the launcher's page size."""
 
 import os
 from types import SimpleNamespace
@@ -15,9 +15,9 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  #
 from chunkcache.config import Config, SpeCacheConfig  # noqa: E402
 from chunkcache.specache.layer_cache import LayerCache, lowbit_bytes  # noqa: E402
 from chunkcache.specache.step import select_topk, speculative_attention  # noqa: E402
-from sglang_patch import launcher  # noqa: E402
-from sglang_patch.specache import Plan, ReqState, SpeCacheDecode, StepAttention, problems  # noqa: E402
-from sglang_patch.specache_pool import LowBitPool  # noqa: E402
+from sglang_patch.decode.specache import Plan, ReqState, SpeCacheDecode, StepAttention, problems  # noqa: E402
+from sglang_patch.decode.specache_pool import LowBitPool  # noqa: E402
+from sglang_patch.serve import launcher  # noqa: E402
 
 HQ, HK, D, G, LAYERS = 6, 2, 16, 8, 2
 CFG = SpeCacheConfig(enabled=True, bits=1, group=G, residual=12, topk=5)

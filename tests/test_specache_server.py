@@ -1,5 +1,5 @@
-"""SpeCache decoding inside SGLang's engine (decode.specache, sglang_patch/specache.py) against its two oracles: the
-reference decode loop (chunkcache.specache.decode) on the same prompts, and stock SGLang's decoding when the top-k
+"""SpeCache decoding inside SGLang's engine (decode.specache, sglang_patch/decode/specache.py) against its two oracles:
+the reference decode loop (chunkcache.specache.decode) on the same prompts, and stock SGLang's decoding when the top-k
 covers the whole context (every low-bit pair replaced by its full-precision one), after a plain or a blended
 prefill (chunk reuse alone being the oracle of the latter). float32 on both sides: in
 bfloat16 the two-row step's matmuls round differently from stock's one-row ones, and a near tie can flip a token."""
@@ -22,7 +22,7 @@ NEW = [16, 10]  # new tokens per prompt: the second request leaves the batch fir
 def own_config_env():
     """sglang_engine points CHUNKCACHE_CONFIG at this test's file; put it back afterwards, so that no later server in
     this session (one that reads the variable it inherits) starts with SpeCache on."""
-    from sglang_patch.launcher import CONFIG_ENV
+    from sglang_patch.serve.launcher import CONFIG_ENV
 
     before = os.environ.get(CONFIG_ENV)
     yield

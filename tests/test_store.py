@@ -157,7 +157,8 @@ def test_add_features_to_an_entry_no_local_tier_holds_is_refused():
 
 
 def test_on_change_gets_a_snapshot_after_each_operation(tmp_path):
-    """What the server's store metrics follow (sglang_patch.cache): every change, from whichever operation made it."""
+    """What the server's store metrics follow (sglang_patch.scheduler.cache): every change, from whichever operation
+    made it."""
     size = make_entry(key(0)).nbytes
     seen = []
     store = ChunkStore(host_bytes=size, disk_dir=str(tmp_path), on_change=seen.append)

@@ -90,7 +90,8 @@ def test_entries_spread_over_every_primary_on_their_chunk_keys_slot(shared):
     assert {p: n.writes for p, n in node_stats(a).items()} == {p: len(g) for p, g in groups.items()}
     assert all(n.serving and n.up for n in st.nodes)
     assert st.server.startswith("redis+cluster://127.0.0.1:") and PASSWORD not in repr(a.stats())
-    served = json.loads(json.dumps(dataclasses.asdict(a.stats())))  # what /server_info serves (sglang_patch/cache.py)
+    # what /server_info serves (sglang_patch/scheduler/cache.py)
+    served = json.loads(json.dumps(dataclasses.asdict(a.stats())))
     assert sorted(n["node"] for n in served["remote"]["nodes"]) == sorted(p.name for p in shared.primaries())
 
     b = remote_store(shared.url)
@@ -273,7 +274,7 @@ def test_a_dead_primary_costs_its_keys_and_hits_resume_after_its_replica_takes_o
 
 
 def test_an_unreachable_cluster_costs_one_attempt_per_outage(tmp_path, clock):
-    from sglang_patch.server_process import free_port
+    from sglang_patch.serve.server_process import free_port
 
     store = remote_store(f"redis+cluster://127.0.0.1:{free_port()},127.0.0.1:{free_port()}", host_bytes=0)
     assert store.get(key(1)) is None  # refused by every seed: no exception

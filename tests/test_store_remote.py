@@ -302,7 +302,7 @@ def test_password_and_wrong_password(tmp_path):
 
 
 def test_remote_url_from_yaml_and_environment(tmp_path, monkeypatch, valkey):
-    from sglang_patch import launcher
+    from sglang_patch.serve import launcher
 
     path = tmp_path / "c.yaml"
     path.write_text(f"store:\n  remote_url: {valkey.url}\n  remote_timeout_s: 0.1\n")
@@ -331,7 +331,7 @@ def test_remote_config_is_checked_at_load(tmp_path):
 def test_remote_counters_reach_prometheus(valkey):
     from prometheus_client import CollectorRegistry
 
-    from sglang_patch import metrics
+    from sglang_patch.scheduler import metrics
 
     registry = CollectorRegistry()
     metrics.start(True, registry)

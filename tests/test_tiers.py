@@ -7,7 +7,7 @@ import pytest
 from conftest import sglang_engine, start_server
 
 from chunkcache.models import DEFAULT_MODEL, resolve_model, tiny_model
-from sglang_patch.server_process import ServerProcess
+from sglang_patch.serve.server_process import ServerProcess
 
 REFUSED = pytest.fail.Exception
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from sglang_patch.server_process import ServerProcess, free_port
+from sglang_patch.serve.server_process import ServerProcess, free_port
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

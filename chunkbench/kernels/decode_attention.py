@@ -1,5 +1,5 @@
 """One decode step's attention, per layer: SGLang's torch-native backend against `chunkcache_torch`
-(sglang_patch/decode_attention.py), on real SGLang pools of the default model's attention shape (9 query heads,
+(sglang_patch/decode/decode_attention.py), on real SGLang pools of the default model's attention shape (9 query heads,
 3 KV heads, head dim 64), rows of `--context` keys at scattered slots. Alternates the two backends, prints medians and
 their ratio, measured in one run.
 
@@ -32,7 +32,7 @@ def main() -> None:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    from sglang_patch.decode_attention import DecodeAttention
+    from sglang_patch.decode.decode_attention import DecodeAttention
 
     hq, hk, d = 9, 3, 64
     layer = RadixAttention(hq, d, d ** -0.5, hk, layer_id=0)

@@ -1,22 +1,22 @@
 """The blended prefill on a GPU, standalone: needs only torch (flashinfer optional), never sglang.
 
-Part 1, one layer's attention step as chunkcache's blend performs it (`sglang_patch/blend.py` recompute pass): the
-KV of a whole prompt row sits in a paged pool (reused chunk KV already copied in, fresh KV of the recomputed tokens
+Part 1, one layer's attention step as chunkcache's blend performs it (`sglang_patch/scheduler/blend.py` recompute pass):
+the KV of a whole prompt row sits in a paged pool (reused chunk KV already copied in, fresh KV of the recomputed tokens
 written), and the recomputed tokens, a sparse set of positions (K = ceil(rho * chunk tokens) picked uniformly at
 random among the chunk tokens, plus every query token), attend to the keys at positions <= their own. Random data of
 Llama-3-8B's attention shape (32 q heads, 8 kv heads, head dim 128) at each `--sizes` prompt length, prompt =
 64-token shared prefix (matched exactly, never recomputed) + `--chunk`-token chunks + a 64-token query. Variants:
 
   full_causal          the stock prefill's attention: every position, SDPA is_causal (the baseline)
-  flashinfer_paged     sglang_patch.paged_attention.PagedSparsePrefill itself: the rows cut into groups spanning at
-                       most 512 positions, each group's keys before it unmasked (FA3 on Hopper) and within it with a
+  flashinfer_paged     sglang_patch.forward.paged_attention.PagedSparsePrefill itself: the rows cut into groups spanning
+                       at most 512 positions, each group's keys before it unmasked (FA3 on Hopper) and within it with a
                        small custom mask (FA2), merged with flashinfer.merge_state
   flashinfer_mask      FA2 paged prefill over the whole row with one custom mask (PagedSparsePrefill until it
                        measured slower than full_causal on an H100: docs/bench/gpu.md)
   flashinfer_two_pass  flashinfer_paged with the rows grouped by chunk instead of by position span (the served
                        path does not know the chunks); measured before PagedSparsePrefill took this form as its own
                        per-chunk plan (keys before the chunk start, not before the group's first row)
-  torch_blocks         sglang_patch.sparse_attention.attend_blocks: the path CUDA takes today without flashinfer
+  torch_blocks         sglang_patch.forward.sparse_attention.attend_blocks: the path CUDA takes today without flashinfer
   sdpa_mask            one SDPA call with the dense [rows, keys] mask (K/V expanded to the q heads, so the
                        memory-efficient kernel takes it instead of the math fallback)
   flex_mask            FlexAttention with a block mask of the same per-position causality
@@ -85,8 +85,8 @@ import torch.nn.functional as F
 # imports sglang.
 from chunkcache.blend.attention import attend_blocks, plan_blocks
 from chunkcache.rope import RopeSpec, rerotate, rotate_half
-from sglang_patch import paged_attention
-from sglang_patch.sparse_attention import Segment
+from sglang_patch.forward import paged_attention
+from sglang_patch.forward.sparse_attention import Segment
 
 SHAPES = {
     # Llama-3.1-8B; rope llama3 so that re-rotation runs its per-frequency scaled inverse frequencies
@@ -423,7 +423,7 @@ def full_prefill(model: Model, ids, slots, k_pool, v_pool, scale):
 
 
 def copy_chunks(model: Model, store, slots, k_pool, v_pool, device) -> None:
-    """sglang_patch.blend.copy_chunks on plain tensors: each stored chunk (K post-RoPE at positions
+    """sglang_patch.scheduler.blend.copy_chunks on plain tensors: each stored chunk (K post-RoPE at positions
     start_pos.., [layers, tokens, Hk, D]) re-rotated to its place, then one indexed write per layer and buffer."""
     total = sum(e - s for s, e, *_ in store)
     layers = len(k_pool)

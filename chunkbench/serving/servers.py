@@ -1,11 +1,12 @@
-"""A server of an A/B side: `chunkcache serve` (sglang_patch.server_process) on a free port, its output in a log."""
+"""A server of an A/B side: `chunkcache serve` (sglang_patch.serve.server_process) on a free port, its output in a
+log."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from chunkcache.config import config_file
-from sglang_patch.server_process import ServerProcess, chunkcache_serve
+from sglang_patch.serve.server_process import ServerProcess, chunkcache_serve
 
 
 def start_server(log_path: Path, *, chunk_reuse: bool, config: str | None = None, model: str | None = None,

@@ -8,7 +8,7 @@ import socket
 import threading
 import time
 
-from sglang_patch.server_process import free_port
+from sglang_patch.serve.server_process import free_port
 
 BLOCK = 64 << 10
 

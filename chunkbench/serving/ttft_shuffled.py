@@ -62,8 +62,8 @@ def main() -> None:
     from chunkbench.serving.floor import Shape, causal_attention_s
     from chunkcache.config import Config
     from chunkcache.models import resolve_model
-    from sglang_patch.launcher import prepare_environment, server_settings
-    from sglang_patch.shutdown import shutdown_engine
+    from sglang_patch.serve.launcher import prepare_environment, server_settings
+    from sglang_patch.serve.shutdown import shutdown_engine
 
     prepare_environment(args.config)
     import sglang as sgl
@@ -132,7 +132,7 @@ def main() -> None:
             for _ in range(args.requests):
                 ids, spans = request(rng.sample(range(args.docs), args.chunks))
                 timed(ids, hints(spans, selectors[0], args.ratio))
-    shutdown_engine(engine)  # sparing this process's resource tracker (sglang_patch.shutdown)
+    shutdown_engine(engine)  # sparing this process's resource tracker (sglang_patch.serve.shutdown)
 
     stock = statistics.median(rows["stock"])
     tokens = statistics.median(n_tokens)

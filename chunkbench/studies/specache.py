@@ -17,7 +17,7 @@ comparison); on CPU both memories are RAM, so bytes are counted, not timed.
     .venv/bin/python -m chunkbench.studies.specache --topk 64,0                      # with the low-bit-only ablation
     .venv/bin/python -m chunkbench.studies.specache --n 1 --chunks 2 --max-new-tokens 6 --threads 1   # toy size
 
-`--server` runs the same cases through SGLang's engine instead (decode.specache, sglang_patch/specache.py), one
+`--server` runs the same cases through SGLang's engine instead (decode.specache, sglang_patch/decode/specache.py), one
 engine at a time: stock SGLang, then SpeCache for every configuration, greedy, one request at a time. It prints the
 pool's bytes per token as the server allocates them (the pool's own dtype, bfloat16 by default), bytes attention
 read per decode step against stock's, host->device bytes per step, the speculative-token match rate, agreement
@@ -203,8 +203,8 @@ def _engine(path, cfg: SpeCacheConfig | None, dtype: str):
     import sglang as sgl
 
     from chunkcache.config import Config
-    from sglang_patch.launcher import prepare_environment, server_settings
-    from sglang_patch.shutdown import shutdown_engine
+    from sglang_patch.serve.launcher import prepare_environment, server_settings
+    from sglang_patch.serve.shutdown import shutdown_engine
 
     with tempfile.TemporaryDirectory() as tmp:
         raw = {} if cfg is None else {"decode": {"specache": {**dataclasses.asdict(cfg), "enabled": True}}}
@@ -217,7 +217,7 @@ def _engine(path, cfg: SpeCacheConfig | None, dtype: str):
         try:
             yield engine
         finally:
-            shutdown_engine(engine)  # sparing this process's resource tracker (sglang_patch.shutdown)
+            shutdown_engine(engine)  # sparing this process's resource tracker (sglang_patch.serve.shutdown)
 
 
 def _mib(values: list[int]) -> str:

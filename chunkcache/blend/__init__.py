@@ -7,6 +7,6 @@
   reuse      what a serving engine's blends share (config, store, selectors, models) and a request's hint resolved
              against it (`reuse.ChunkReuse`, `reuse.RequestHint.plan`)
 
-Engines: chunkcache.reference (HF modules, one request) and sglang_patch.blend.BatchEngine (SGLang's model runner, one
-extend batch).
+Engines: chunkcache.reference (HF modules, one request) and sglang_patch.scheduler.blend.BatchEngine (SGLang's model
+runner, one extend batch).
 """

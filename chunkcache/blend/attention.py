@@ -1,7 +1,7 @@
 """Position-causal attention: queries at arbitrary positions of one request, each attending to the keys at or before
 its own position (and, in a sliding-window layer, no more than `window` positions before it). Both engines run every
 blended pass through it: the reference blender (chunkcache.reference) on its per-request buffers, the SGLang glue
-(sglang_patch.sparse_attention) on the KV pool. Cost is O(queries x keys) per layer, not the O(N^2) of a padded
+(sglang_patch.forward.sparse_attention) on the KV pool. Cost is O(queries x keys) per layer, not the O(N^2) of a padded
 square.
 
 Plan/run split: the blocks and masks depend only on positions, so `plan_blocks` runs once per pass and

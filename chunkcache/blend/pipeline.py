@@ -13,7 +13,7 @@
   recompute  the selected tokens of every request through all layers; its output is the engine's.
 
 The engine (`Engine`) runs the model: the reference blender on HF modules (chunkcache.reference), SGLang's model
-runner in the server (sglang_patch.blend). Plans come from chunkcache.blend.plan.
+runner in the server (sglang_patch.scheduler.blend). Plans come from chunkcache.blend.plan.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What every blend of one serving model shares, and a request's hint resolved against it.
 
-A server (sglang_patch.cache) holds one `ChunkReuse`: the config, the chunk store, the model's KV layout and RoPE,
-the selectors and the models selectors load. `hint()` turns a validated chunkcache payload into a `RequestHint`:
+A server (sglang_patch.scheduler.cache) holds one `ChunkReuse`: the config, the chunk store, the model's KV layout and
+RoPE, the selectors and the models selectors load. `hint()` turns a validated chunkcache payload into a `RequestHint`:
 the server's defaults filled in and every chunk's store key hashed, once per request; `RequestHint.plan()` is that
 request's blend plan for one prefill round.
 """

@@ -5,7 +5,7 @@ damage is) ranks the tokens and recomputes the fewest whose share of the total s
 deviation left in the unselected tokens is then at most 1 - mass of the whole. A request whose damage sits in a few
 tokens spends little; one whose damage is spread spends more. The choice is clamped between a floor (a score can
 miss what it does not see) and a cap; the cap is never above the request's own rho, which is what the server charged
-the request for at admission (sglang_patch.admission) and the most the caller allowed.
+the request for at admission (sglang_patch.scheduler.admission) and the most the caller allowed.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def hooks() -> list[tuple[str, object, HookType]]:
 
 def _attach(result, model_runner, *args, **kwargs):
     """Once the runner's pools, backends and graphs exist: check the server can run SpeCache, build its pool."""
-    from .launcher import load_server_config
+    from ..serve.launcher import load_server_config
 
     cfg = load_server_config().decode.specache
     if cfg.enabled and not model_runner.is_draft_worker:

@@ -59,7 +59,7 @@ class _SegmentPlan:
 
 
 class SparseAttention:
-    """Takes the place of the model runner's attention backend for one pass (sglang_patch.forward_pass)."""
+    """Takes the place of the model runner's attention backend for one pass (sglang_patch.forward.forward_pass)."""
 
     def __init__(self, base, segments: list[Segment], out_cache_loc: torch.Tensor, device: torch.device,
                  final_layer: int | None = None):
@@ -93,7 +93,7 @@ class SparseAttention:
         self.windowed: dict[int, list[_SegmentPlan]] = {}
 
     def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        # the start-up check (chunkcache.architectures, in sglang_patch.cache) refuses soft-capped models
+        # the start-up check (chunkcache.architectures, in sglang_patch.scheduler.cache) refuses soft-capped models
         assert not layer.logit_cap, f"layer {layer.layer_id}: soft-cap {layer.logit_cap} reached the blend"
         window = layer.sliding_window_size if layer.sliding_window_size > -1 else None
         hq, hk, d, dv = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim

@@ -28,7 +28,7 @@ from chunkcache.hints import envelope
 from chunkcache.prompt import DEFAULT_SYSTEM
 from chunkcache.select import REGISTRY
 
-from .launcher import server_limits
+from ..serve.launcher import server_limits
 from .prompt_worker import build_prompt
 
 KEY = "chunkcache"

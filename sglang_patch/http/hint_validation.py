@@ -17,8 +17,8 @@ import msgspec
 from chunkcache.hints import ACTION_TYPE, HintError, char_spans_to_token_payload, find_payload, parse
 from chunkcache.select import REGISTRY
 
-from .launcher import server_limits
-from .request_hint import RESERVED_EXTRA_KEY
+from ..scheduler.request_hint import RESERVED_EXTRA_KEY
+from ..serve.launcher import server_limits
 
 
 def check_request(tokenized, manager, obj, input_text, input_ids, *args, **kwargs) -> None:

@@ -28,7 +28,7 @@ from fastapi.responses import ORJSONResponse
 from chunkcache.documents import INGEST_KEYS, Documents, DocumentsError, parse
 from chunkcache.prompt import DEFAULT_SYSTEM
 
-from .launcher import server_limits
+from ..serve.launcher import server_limits
 from .prompt_worker import build_prompt
 
 ROUTE = "/chunkcache/ingest"

@@ -26,7 +26,7 @@ from chunkcache.blend.reuse import ChunkReuse
 from chunkcache.store import ChunkEntry
 
 from . import metrics, report
-from .forward_pass import batch_rows
+from ..forward.forward_pass import batch_rows
 
 log = logging.getLogger(__name__)
 SEGMENTS = "chunkcache_segments"  # Req attribute: the prompt's chunkcache.blend.auto.Segments

@@ -1,7 +1,7 @@
 """The blended prefill of one extend batch, run in place of SGLang's model forward when a request carries chunks.
 
 `run` sorts the batch's rows, runs chunkcache.blend.pipeline on the ones that blend, and reports every hinted
-request's round (sglang_patch.report):
+request's round (sglang_patch.scheduler.report):
   * a hinted request's whole-prompt prefill blends: its plan (RequestHint.plan) starts after the radix match, a
     chunk the match reaches into keeping its exact head;
   * one whose chunks the radix tree holds entirely is computed exactly (reported, nothing to blend);
@@ -9,7 +9,8 @@ request's round (sglang_patch.report):
     computed in full (a fallback, with its reason);
   * plain requests and the decode rows of a mixed batch are computed exactly, in the blend's last forward.
 `BatchEngine` is the pipeline's Engine on SGLang's model runner: every step is one forward of SGLang's own model over
-a Pass (sglang_patch.forward_pass) for the whole batch, the fill split into forwards of at most the prefill budget.
+a Pass (sglang_patch.forward.forward_pass) for the whole batch, the fill split into forwards of at most the prefill
+budget.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from chunkcache.select.base import needs
 from chunkcache.store import ChunkEntry
 
 from . import admission, report, request_hint
-from .forward_pass import Pass, Row, Runner, batch_rows
-from .sparse_attention import pool_index
+from ..forward.forward_pass import Pass, Row, Runner, batch_rows
+from ..forward.sparse_attention import pool_index
 
 
 def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):

@@ -27,7 +27,7 @@ from chunkcache import architectures
 from chunkcache.store import ChunkStore, EntryLayout
 
 from . import metrics
-from .launcher import BACKEND_NAME, load_server_config
+from ..serve.launcher import BACKEND_NAME, load_server_config
 
 log = logging.getLogger(__name__)
 

@@ -174,7 +174,7 @@ def set_store_bytes(tier: str, n: int) -> None:
 
 def set_store_stats(stats) -> None:
     """Store gauges, evictions, dropped entries and refused disk writes from a `chunkcache.store.StoreStats`
-    snapshot: the store's `on_change` (sglang_patch.cache)."""
+    snapshot: the store's `on_change` (sglang_patch.scheduler.cache)."""
     m = _metrics
     if m is None:
         return

@@ -1,5 +1,5 @@
 """A hinted request's chunk report: written in the scheduler, returned as the response's `meta_info["chunkcache"]`,
-logged and counted in /metrics (sglang_patch.metrics).
+logged and counted in /metrics (sglang_patch.scheduler.metrics).
 
 Each prefill round of the request adds one entry: `blended` (what the blend did, or that the radix tree already
 held every chunk) or `fallback` (computed in full, and why). SGLang already carries per-request extras to the
@@ -26,7 +26,7 @@ from . import metrics
 log = logging.getLogger(__name__)
 KEY = "chunkcache"
 STAGES = ("match_fill", "copy", "features", "select", "prefill")  # stages_s: the batch's blend, in order
-# Req attribute: the segments automatic detection looked up past the radix match (sglang_patch.auto_chunks)
+# Req attribute: the segments automatic detection looked up past the radix match (sglang_patch.scheduler.auto_chunks)
 AUTO_SEGMENTS = "chunkcache_auto_segments"
 AUTO_DETECT_S = "chunkcache_auto_detect_s"  # Req attribute: seconds automatic detection took
 EXACT = "chunkcache_exact"  # Req attribute: why a request with a chunkcache payload is computed exactly

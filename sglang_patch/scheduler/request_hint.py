@@ -2,16 +2,17 @@
 
 `attach` runs at the Req's creation (plugin.hooks, after `Scheduler._create_generation_req`): it moves the request
 into its radix partition and resolves its validated payload against the server's `ChunkReuse` (defaults filled in,
-chunk keys hashed). Admission (sglang_patch.admission) and the blend (sglang_patch.blend) read it with `of(req)`.
+chunk keys hashed). Admission (sglang_patch.scheduler.admission) and the blend (sglang_patch.scheduler.blend) read it
+with `of(req)`.
 
 A request that asks for exact KV (`exact: true`, or `selector: full` by its payload or the server's default) gets no
 hint: it stays in its own partition and SGLang's own prefill computes it, so its output is stock's bit for bit; `exact`
-says why, for its report (sglang_patch.report.exact).
+says why, for its report (sglang_patch.scheduler.report.exact).
 
 `radix_partition` is the radix-tree namespace (SGLang's `extra_key`) of a hinted request: its KV is approximate past
 the first chunk, so no request without chunks may ever match it as an exact prefix. With automatic chunk detection
-on, a request without a hint whose stored segments are enough to blend gets an auto hint (sglang_patch.auto_chunks)
-and moves to `auto_partition`, for the same reason.
+on, a request without a hint whose stored segments are enough to blend gets an auto hint
+(sglang_patch.scheduler.auto_chunks) and moves to `auto_partition`, for the same reason.
 """
 
 from __future__ import annotations

@@ -193,9 +193,9 @@ class ServerProcess:
 
 
 def chunkcache_serve(*args: str, log_path: Path | None = None, timeout: float = 900, **kwargs) -> ServerProcess:
-    """`chunkcache serve --port FREE *args` on 127.0.0.1 (`python -m sglang_patch.cli`, this interpreter), healthy;
-    `kwargs` go to `ServerProcess`. A server that does not come up is stopped and the error raised."""
+    """`chunkcache serve --port FREE *args` on 127.0.0.1 (`python -m sglang_patch.serve.cli`, this interpreter),
+    healthy; `kwargs` go to `ServerProcess`. A server that does not come up is stopped and the error raised."""
     port = free_port()
-    argv = [sys.executable, "-m", "sglang_patch.cli", "serve", "--port", str(port), *args]
+    argv = [sys.executable, "-m", "sglang_patch.serve.cli", "serve", "--port", str(port), *args]
     server = ServerProcess(argv, url=f"http://127.0.0.1:{port}", log_path=log_path, **kwargs)
     return server.wait_healthy(timeout)

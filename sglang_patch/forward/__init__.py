@@ -1,0 +1,6 @@
+"""One forward of SGLang's own model over the tokens a blend chooses (`forward_pass`), and the attention that stands
+in for SGLang's backend during it: torch (`sparse_attention`) and FlashInfer's paged prefill on CUDA
+(`paged_attention`).
+
+Imports no other folder; `scheduler.blend` and `scheduler.auto_chunks` run it.
+"""
