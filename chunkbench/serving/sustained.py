@@ -82,6 +82,7 @@ def main() -> None:
     rng = random.Random(3)
     config = yaml.safe_load(config_file("default").read_text())
     config["store"].update(host_bytes=args.host_mb << 20, remote_timeout_s=2.0, remote_retry_s=1.0)
+    config["serve"]["max_total_tokens"] = 32768  # the same KV pool on both servers, whatever memory each saw free
     config_path = tmp / "sustained.yaml"
     config_path.write_text(yaml.safe_dump(config))
     store = ValkeyCluster(tmp, 3, "--maxmemory", "2gb", "--maxmemory-policy", "allkeys-lru")
