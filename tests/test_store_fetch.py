@@ -18,6 +18,8 @@ from chunkcache.store.link import LinkCost, worth_fetching
 TOKENS, LAYERS = 500, 4  # an entry of 128 KiB of KV (float32, 2 KV heads of 4 dims)
 COMPUTE_S = 0.05  # what computing one chunk costs "here", as the server's measurement would say
 SLOW = dict(latency_s=0.02, bytes_per_s=1 << 20)  # 1 MiB/s: a chunk's 128 KiB take ~0.13 s, more than COMPUTE_S
+# 256 KiB/s: a chunk in ~0.5 s, so a fast probe is far more than PROBE_MISS times faster even on a loaded host
+SLOWER = dict(latency_s=0.02, bytes_per_s=256 << 10)
 
 
 @pytest.fixture
@@ -129,7 +131,7 @@ def test_a_slow_link_makes_the_server_compute_and_a_fast_one_fetch(valkey, store
 
 
 def test_a_link_that_got_faster_is_probed_and_then_fetched_from(valkey, stored, clock):
-    proxy = SlowLink(valkey.port, **SLOW)
+    proxy = SlowLink(valkey.port, **SLOWER)
     try:
         store = reader(proxy.url(), remote_probe_s=30.0)
         for _ in range(2):

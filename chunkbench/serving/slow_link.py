@@ -11,6 +11,7 @@ import time
 from sglang_patch.serve.server_process import free_port
 
 BLOCK = 64 << 10
+PIECE = 8 << 10  # bytes sent per pause on a capped link
 
 
 class SlowLink:
@@ -46,9 +47,11 @@ class SlowLink:
             while data := src.recv(BLOCK):
                 if request:
                     time.sleep(self.latency_s)
-                else:
-                    time.sleep(len(data) / self.bytes_per_s)
-                dst.sendall(data)
+                    dst.sendall(data)
+                    continue
+                for i in range(0, len(data), PIECE):  # paced in pieces: no read waits long for the next bytes
+                    time.sleep(len(data[i:i + PIECE]) / self.bytes_per_s)
+                    dst.sendall(data[i:i + PIECE])
         except OSError:
             pass
         finally:
