@@ -202,12 +202,13 @@ class RemoteTier:
     def choose(self, costs: dict[str, tuple[int, float | None]]) -> list[str]:
         """The keys of `costs` (key -> (its tokens, seconds to compute it here; None: unknown)) to ask the servers
         for, by the tier's `fetch` rule (contract above); the others are counted computed_instead."""
-        if self.fetch == "always":
-            return list(costs)
+        if self.fetch != "auto":
+            self._count("computed_instead", len(costs) if self.fetch == "never" else 0)
+            return [] if self.fetch == "never" else list(costs)
         asked: list[str] = []
         per_node: dict[Endpoint, list[tuple[str, int, float]]] = {}
         per_token = self._bytes_per_token
-        for key, (tokens, compute_s) in costs.items() if self.fetch == "auto" else ():
+        for key, (tokens, compute_s) in costs.items():
             endpoint = self._route(self._name(key))
             if endpoint is None or compute_s is None or per_token is None:
                 asked.append(key)
