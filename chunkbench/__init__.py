@@ -1,8 +1,8 @@
 """chunkbench: the benchmark harness beside chunkcache (engine-agnostic core) and sglang_patch (SGLang glue).
 
 It imports both; neither imports it: the `chunkcache` CLI finds `chunkcache bench` / `chunkcache eval` through the
-`chunkcache.commands` entry points (pyproject.toml), which name `cli` here (it parses their arguments). A folder per
-question asked:
+`chunkcache.commands` entry points (pyproject.toml), which name `commands` here (it parses their arguments). A folder
+per question asked:
 
 - `serving/`: speed against stock SGLang prefix caching (`chunkcache bench`, and the serving benchmarks);
 - `quality/`: answer quality of blends against full recompute and the gold answers (`chunkcache eval`, and the

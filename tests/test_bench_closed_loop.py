@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from chunkbench import cli
+from chunkbench import commands
 from chunkbench.serving import closed_loop, closed_report, load
-from chunkbench.serving.client import Outcome, fell_back
+from chunkbench.serving.http_client import Outcome, fell_back
 from chunkbench.workloads import WorkloadConfig, chunk_warmup, fresh, items
 
 
@@ -156,4 +156,4 @@ def test_run_alternates_the_sides_on_two_live_servers_and_report_rerenders(tmp_p
     summary = (tmp_path / "closed_loop.md").read_text()
     assert "| 2 | prophet@0.15 | 4 | 1.000 | 16.00 | 0.500 | 0.500 | 0 |" in summary
     (tmp_path / "closed_loop.md").unlink()
-    assert cli.bench(["--report", str(tmp_path)]) == 0 and (tmp_path / "closed_loop.md").read_text() == summary
+    assert commands.bench(["--report", str(tmp_path)]) == 0 and (tmp_path / "closed_loop.md").read_text() == summary

@@ -47,7 +47,7 @@ def test_reference_and_server_paths_agree(fp32_server, default_model):
     """One case through both paths: the same layout (prompt and chunk spans) and the same selection (full
     recompute; epic, which depends on the layout only) give the same answer, teacher-forced agreement and KL."""
     server = fp32_server
-    from chunkbench.quality import fidelity
+    from chunkbench.quality import fidelity_measures
     from chunkbench.quality.reference_path import ReferenceMeasure
     from chunkbench.quality.server_path import ServerMeasure
     from chunkbench.workloads import WorkloadConfig, items
@@ -73,7 +73,7 @@ def test_reference_and_server_paths_agree(fp32_server, default_model):
             assert s["recomputed"] == r["recomputed"]
         # the server's KL is bucketed over full's top-k: compare it with the same bucketing of the reference logits
         blended = blender.blend(*ref.parts, selector=name, ratio=0.15).logits.double().log_softmax(-1)
-        bucketed = fidelity.kl_top({t: float(logprobs[t]) for t in srv.first},
-                                   {t: float(blended[t]) for t in srv.first})
+        bucketed = fidelity_measures.kl_top({t: float(logprobs[t]) for t in srv.first},
+                                            {t: float(blended[t]) for t in srv.first})
         assert s["kl_first"] == pytest.approx(bucketed, abs=1e-4, rel=0.05) and bucketed <= r["kl_first"] + 1e-9
     assert r["kl_first"] > 0  # epic moves the distribution: the comparison above is not of zeros

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from chunkbench import intervals, workloads
-from chunkbench.quality import fidelity, quality
+from chunkbench.quality import fidelity_measures, quality
 from chunkbench.quality.quality import COLUMNS, EvalConfig
 from chunkbench.quality.reference_path import ReferenceMeasure, kl_logits
 from chunkbench.workloads import WorkloadConfig
@@ -51,9 +51,9 @@ def test_interval_of_a_proportion_matches_the_normal_approximation():
 
 
 def test_agreement_counts_matching_positions():
-    assert fidelity.agreement([5, 6, 7, 8], [5, 6, 0, 8]) == 0.75
+    assert fidelity_measures.agreement([5, 6, 7, 8], [5, 6, 0, 8]) == 0.75
     with pytest.raises(ValueError):
-        fidelity.agreement([1], [1, 2])
+        fidelity_measures.agreement([1], [1, 2])
 
 
 def test_bucketed_kl_is_exact_on_a_full_support_and_a_lower_bound_otherwise():
@@ -63,11 +63,11 @@ def test_bucketed_kl_is_exact_on_a_full_support_and_a_lower_bound_otherwise():
     exact = kl_logits(p_logits, q_logits)
     assert exact == pytest.approx(float((p.exp() * (p - q)).sum()))
     everything = {t: float(p[t]) for t in range(50)}
-    assert fidelity.kl_top(everything, {t: float(q[t]) for t in range(50)}) == pytest.approx(exact, rel=1e-9)
+    assert fidelity_measures.kl_top(everything, {t: float(q[t]) for t in range(50)}) == pytest.approx(exact, rel=1e-9)
     for k in (1, 5, 20):
         top = {int(t): float(p[t]) for t in p.topk(k).indices}
-        assert 0.0 <= fidelity.kl_top(top, {t: float(q[t]) for t in top}) <= exact + 1e-12
-    assert fidelity.kl_top(top, top) == 0.0 and kl_logits(p_logits, p_logits) == 0.0
+        assert 0.0 <= fidelity_measures.kl_top(top, {t: float(q[t]) for t in top}) <= exact + 1e-12
+    assert fidelity_measures.kl_top(top, top) == 0.0 and kl_logits(p_logits, p_logits) == 0.0
 
 
 # ---- teacher forcing on the reference blender ------------------------------------------------------------------

@@ -3,7 +3,7 @@
 import pytest
 
 from chunkbench import scoring
-from chunkbench.serving import report
+from chunkbench.serving import ab_report
 from chunkbench.serving.ab import first_line
 
 
@@ -46,8 +46,8 @@ def test_first_line_is_scored():
 def test_ratios_are_per_request_pair_and_goodput_counts_good_requests_over_the_span():
     stock = [{"request": "a", "ttft_s": 2.0}, {"request": "b", "ttft_s": 10.0}]
     cc = [{"request": "b", "ttft_s": 5.0}, {"request": "a", "ttft_s": 0.5}]
-    assert report.ratios(cc, stock, "ttft_s") == [0.5, 0.25]
+    assert ab_report.ratios(cc, stock, "ttft_s") == [0.5, 0.25]
     rows = [{"arrival_s": 1.0, "finish_s": 3.0, "f1": 0.9, "output_tokens": 4},
             {"arrival_s": 2.0, "finish_s": 5.0, "f1": 0.1, "output_tokens": 6}]
-    assert report.goodput(rows, threshold=0.5) == pytest.approx((2 / 4, 1 / 4, 10 / 4))
-    assert report.pct([1.0, 2.0, 3.0, float("nan")], 50) == 2.0
+    assert ab_report.goodput(rows, threshold=0.5) == pytest.approx((2 / 4, 1 / 4, 10 / 4))
+    assert ab_report.pct([1.0, 2.0, 3.0, float("nan")], 50) == 2.0

@@ -13,7 +13,7 @@ def _installed(monkeypatch, *eps: EntryPoint) -> None:
 
 
 def test_the_harness_commands_are_installed_entry_points():
-    from chunkbench import cli as harness
+    from chunkbench import commands as harness
 
     assert cli.installed_commands() == {"bench": harness.bench, "eval": harness.evaluate}
 

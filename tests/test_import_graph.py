@@ -123,8 +123,8 @@ def test_graph_reads_relative_and_function_level_imports():
     assert "chunkcache.models" in GRAPH["chunkcache.draft"]  # inside a function
     assert "chunkcache.select" in GRAPH["chunkcache.blend.pipeline"]  # a package's __init__ runs first
     assert "chunkcache.select" not in GRAPH["chunkcache.select.base"]  # not its own package
-    assert "chunkbench.serving.client" in GRAPH["chunkbench.quality.server_path"]  # from ..serving.client import ...
-    assert "chunkbench.quality.fidelity" in GRAPH["chunkbench.studies.select_fidelity"]  # a submodule, two dots up
+    assert "chunkbench.serving.http_client" in GRAPH["chunkbench.quality.server_path"]  # from ..serving.http_client
+    assert "chunkbench.quality.fidelity_measures" in GRAPH["chunkbench.studies.select_fidelity"]  # submodule, 2 dots up
     assert "chunkbench.serving" in GRAPH["chunkbench.studies.segment_coverage"]  # the folder's __init__ runs first
     assert "sglang_patch.forward.forward_pass" in GRAPH["sglang_patch.scheduler.blend"]  # from ..forward.forward_pass
     assert "sglang_patch.serve.launcher" in GRAPH["sglang_patch.decode.specache"]  # two dots up, inside a function
@@ -141,7 +141,7 @@ HARNESS_FOLDERS = {
     "kernels": set(),
 }
 # chunkbench's modules outside the folders: the commands' entry point, and what the folders share
-HARNESS_ENTRY = "chunkbench.cli"
+HARNESS_ENTRY = "chunkbench.commands"
 HARNESS_SHARED = {"chunkbench.workloads", "chunkbench.synthetic", "chunkbench.scoring", "chunkbench.intervals"}
 
 # sglang_patch's folders, each with the folders it may import, in the order plugin.hooks() meets them: the HTTP server

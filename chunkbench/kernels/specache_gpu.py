@@ -36,7 +36,7 @@ context L of `--contexts` and batch B of `--batches`:
    (4 channels of each head scaled by 8 and offset by +-4, KIVI's observation) so that its per-channel
    quantisation matters; V is standard normal. On such keys attention spreads over about L/30 tokens, so the
    top-k recovers little and err is mostly the quantisation's own (large at 1 bit); real models concentrate their
-   attention, and chunkbench.studies.specache measures quality on one. Any failed check makes the exit status 1.
+   attention, and chunkbench.studies.specache_study measures quality on one. Any failed check makes the exit status 1.
 
 All layers hold copies of one sequence batch's KV (distinct memory, so the timing reads every layer's pool), and the
 pinned host copy is that one layer's KV, which every layer gathers from with its own top-k: the transfer and the

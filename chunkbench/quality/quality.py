@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from .. import intervals, scoring
 from ..serving.ab import first_line
-from ..serving.report import mean
+from ..serving.ab_report import mean
 from ..workloads import Item, WorkloadConfig, items, phase
 from .rowlog import RowLog
 

@@ -13,7 +13,7 @@ import yaml
 from chunkcache.prompt import RagPrompt
 from chunkcache.reference import BlendResult, ReferenceBlender
 from ..workloads import Item, to_request
-from . import fidelity
+from . import fidelity_measures
 
 Run = tuple[str, str, dict]  # (label, selector name, selector options)
 
@@ -153,5 +153,5 @@ class ReferenceMeasure:
     def _fields(self, res: BlendResult, ids: list[int], ref: FullRecompute, **timings) -> dict:
         forced = self.blender.teacher_forced_logits(res, ref.continuation).argmax(-1).tolist()
         return {"text": self.blender.tokenizer.decode(ids, skip_special_tokens=True),
-                "tf_agreement": fidelity.agreement(forced, ref.continuation),
+                "tf_agreement": fidelity_measures.agreement(forced, ref.continuation),
                 "kl_first": kl_logits(ref.result.logits, res.logits), **timings}

@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from chunkcache.prompt import RagPrompt
-from ..serving.client import generate, scored
+from ..serving.http_client import generate, scored
 from ..workloads import Item, to_request
-from . import fidelity
+from . import fidelity_measures
 
 
 def server_runs(selectors: list[str]) -> list[tuple[str, str, dict]]:
@@ -58,8 +58,8 @@ class ServerMeasure:
         meta = scored(self.url, ids + continuation, len(ids) - 1, self.top_logprobs)
         ref = FullAnswer(prompt, continuation, {t: lp for lp, t, _ in meta["input_top_logprobs"][1]})
         # measured like any blend: a real check of the teacher-forced pass against SGLang's greedy decoding
-        return ref, {"text": out.text, "tf_agreement": fidelity.agreement(_argmax(meta), continuation),
-                     "kl_first": fidelity.kl_top(ref.first, ref.first), "ttft_s": out.ttft_s,
+        return ref, {"text": out.text, "tf_agreement": fidelity_measures.agreement(_argmax(meta), continuation),
+                     "kl_first": fidelity_measures.kl_top(ref.first, ref.first), "ttft_s": out.ttft_s,
                      "tokens": out.prompt_tokens, "rho_used": 1.0}
 
     def blended(self, ref: FullAnswer, name: str, ratio: float, options: dict) -> dict:
@@ -76,8 +76,8 @@ class ServerMeasure:
         context = sum(e - s for s, e in ref.prompt.token_spans)
         reused = report.get("reused_tokens")
         return {"rho_used": None if reused is None else (context - reused) / context,
-                "text": out.text, "tf_agreement": fidelity.agreement(_argmax(meta), ref.continuation),
-                "kl_first": fidelity.kl_top(ref.first, blended_first), "ttft_s": out.ttft_s,
+                "text": out.text, "tf_agreement": fidelity_measures.agreement(_argmax(meta), ref.continuation),
+                "kl_first": fidelity_measures.kl_top(ref.first, blended_first), "ttft_s": out.ttft_s,
                 "select_s": report.get("select_s"), "blend_s": report.get("blend_s"),
                 "recomputed": report.get("recomputed_tokens"), "exact": bool(report.get("exact"))}
 

@@ -1,8 +1,8 @@
 """Speed against stock SGLang prefix caching, on the same model, workload and machine.
 
-`chunkcache bench` (chunkbench.cli): the A/B run against stock (`ab`: sequential and Poisson phases) and the closed
-loop (`closed_loop`: N clients at a fixed concurrency), replaying workloads through `load` and `client` (one timed,
-streamed /generate) against the servers `servers` starts, summarised by `report` and `closed_report` and drawn by
+`chunkcache bench` (chunkbench.commands): the A/B run against stock (`ab`: sequential and Poisson phases) and the closed
+loop (`closed_loop`: N clients at a fixed concurrency), replaying workloads through `load` and `http_client` (one timed,
+streamed /generate) against the servers `servers` starts, summarised by `ab_report` and `closed_report` and drawn by
 `plots`; `--workload auto` is `auto_bench` (automatic chunk detection against stock). Standalone, each
 `python -m chunkbench.serving.NAME`: `ttft_shuffled` (TTFT on shuffled chunks in one in-process engine, beside each
 selector's `floor`; `pyspy` profiles its scheduler), `soak` (a bounded soak against a KV pool smaller than the working

@@ -26,8 +26,8 @@ from tqdm import tqdm
 
 from .. import scoring
 from ..workloads import Request, WorkloadConfig, chunk_warmup, items, phase, prefix_warmup, to_request
-from . import plots, report
-from .client import flush_cache, generate
+from . import ab_report, plots
+from .http_client import flush_cache, generate
 from .load import replay
 from .servers import start_server
 
@@ -117,9 +117,9 @@ def run(config: BenchConfig) -> Path:
 
 def summarize(config: BenchConfig, records: list[dict]) -> str:
     """Write the summary table and the plots of a run's records into its results directory."""
-    threshold = report.GOODPUT_FRACTION * report.mean(r["f1"] for r in records
-                                               if r["side"] == "stock" and r["phase"] == "sequential")
-    summary = report.markdown(records, config, threshold)
+    threshold = ab_report.GOODPUT_FRACTION * ab_report.mean(r["f1"] for r in records
+                                                     if r["side"] == "stock" and r["phase"] == "sequential")
+    summary = ab_report.markdown(records, config, threshold)
     (config.out / "summary.md").write_text(summary)
     plots.write_all(records, threshold, config.out)
     return summary

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import requests
 
-from .client import drain, fell_back, generate
+from .http_client import drain, fell_back, generate
 from .servers import start_server
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "musique_dev.json"

@@ -20,7 +20,7 @@ from pathlib import Path
 from ..workloads import WorkloadConfig, chunk_warmup, fresh, items, prefix_warmup, to_request
 from . import closed_report
 from .ab import Arm, warm
-from .client import drain
+from .http_client import drain
 from .load import closed
 from .servers import start_server
 

@@ -8,8 +8,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from . import plots
-from .client import fell_back
-from .report import mean, pct, span
+from .http_client import fell_back
+from .ab_report import mean, pct, span
 
 
 @dataclass(frozen=True)

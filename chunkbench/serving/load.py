@@ -13,7 +13,7 @@ from typing import Callable
 from tqdm import tqdm
 
 from ..workloads import Request
-from .client import Outcome, generate
+from .http_client import Outcome, generate
 
 Hints = Callable[[Request], dict | None]
 

@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from .report import goodput, groups, mean, pct  # noqa: E402
+from .ab_report import goodput, groups, mean, pct  # noqa: E402
 
 
 def write_all(records: list[dict], threshold: float, out: Path) -> list[Path]:

@@ -35,7 +35,7 @@ import psutil
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from chunkbench.serving.client import flush_cache
+from chunkbench.serving.http_client import flush_cache
 from chunkbench.serving.servers import start_server
 
 WORDS = "amber basalt cedar delta ember fjord granite harbor island juniper kestrel lagoon marsh north".split()

@@ -58,7 +58,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from chunkbench.serving.client import wait_measured
+    from chunkbench.serving.http_client import wait_measured
     from chunkbench.serving.floor import Shape, causal_attention_s
     from chunkcache.config import Config
     from chunkcache.models import resolve_model
@@ -168,7 +168,7 @@ def main() -> None:
 
 
 def measure_first_reuse(args, timed, request, rng, engine) -> tuple[list[float], list[float]]:
-    from chunkbench.serving.client import wait_measured
+    from chunkbench.serving.http_client import wait_measured
 
     name, first, later = args.selectors.split(",")[0], [], []
     for i in range(args.first_reuse):

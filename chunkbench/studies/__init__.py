@@ -3,5 +3,5 @@ docstring gives the commands, docs/bench/ the results): `select_study` (where se
 `mix`'s weights and check layer), `select_fidelity` (which cheap score ranks the tokens that matter to the answer),
 `deviation_depth` (how a chunk's deviation grows with its depth: DEPTH_EXPONENT), `segment_coverage` (content-defined
 segments against fixed blocks), `compression` (the disk and remote tiers' KV codec: bytes, seconds, error, quality)
-and `specache` (SpeCache decoding: memory and quality against full precision).
+and `specache_study` (SpeCache decoding: memory and quality against full precision).
 """

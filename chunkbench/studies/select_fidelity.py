@@ -31,7 +31,7 @@ from chunkcache.select.base import finish
 from chunkcache.select.budget import rank
 from chunkcache.select.mix import MixSelector
 from .. import intervals
-from ..quality import fidelity
+from ..quality import fidelity_measures
 from ..quality.reference_path import ReferenceMeasure, kl_logits
 from ..workloads import WorkloadConfig, items, phase
 from .select_study import Stored
@@ -113,7 +113,7 @@ def run(args) -> None:
                 forced = blender.teacher_forced_logits(res, ref.continuation).argmax(-1).tolist()
                 rows.append({"item": item.id, "candidate": name, "ratio": args.ratio,
                              "kl_first": kl_logits(ref.result.logits, res.logits),
-                             "tf_agreement": fidelity.agreement(forced, ref.continuation)})
+                             "tf_agreement": fidelity_measures.agreement(forced, ref.continuation)})
             f.writelines(json.dumps(r) + "\n" for r in rows)  # a case's rows land together or not at all
             f.flush()
 

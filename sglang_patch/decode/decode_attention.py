@@ -3,9 +3,9 @@ and attended in float32. Prefill (extend, mixed batches included) is SGLang's ow
 
 Why: SGLang's torch-native decode reads each row's KV with a per-layer slice of req_to_token and runs CPU SDPA in
 the pool's dtype; with a bfloat16 pool, SDPA on one query row costs 2.7 ms per row per layer at 3.3K keys against
-0.95 ms for the same gather upcast to float32 (2-core Zen 4, torch 2.14, `chunkbench/kernels/decode_attention.py`). Decode is
-identical work on both sides of an A/B, so its cost only dilutes what chunk reuse saves in prefill; the launcher
-selects this backend for both sides.
+0.95 ms for the same gather upcast to float32 (2-core Zen 4, torch 2.14,
+`chunkbench/kernels/decode_attention_bench.py`). Decode is identical work on both sides of an A/B, so its cost only
+dilutes what chunk reuse saves in prefill; the launcher selects this backend for both sides.
 
 Plan/run: each row's KV slots are sliced once per step in `init_forward_metadata`; `forward_decode` (per layer)
 writes the step's KV, gathers, attends.

@@ -4,7 +4,7 @@ call per block (the path before the split). The default model's attention shape 
 64); rho of the context recomputed plus a 40-token query tail, positions drawn uniformly or late-biased (ProphetKV's
 picks in a 16-chunk prompt sat ~80 % in its last 40 %). Sides alternate; medians and ratios from one run.
 
-    .venv/bin/python -m chunkbench.kernels.sparse_attention --context 3200,6400 --dtype bfloat16
+    .venv/bin/python -m chunkbench.kernels.blend_attention_bench --context 3200,6400 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def one_masked_call(q, keys, values, q_pos, scale):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m chunkbench.kernels.sparse_attention", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m chunkbench.kernels.blend_attention_bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--context", default="3200,6400")
     ap.add_argument("--dtype", default="bfloat16,float32")

@@ -3,7 +3,7 @@
 3 KV heads, head dim 64), rows of `--context` keys at scattered slots. Alternates the two backends, prints medians and
 their ratio, measured in one run.
 
-    .venv/bin/python -m chunkbench.kernels.decode_attention --rows 1,8 --context 800,3300 --dtype bfloat16,float32
+    .venv/bin/python -m chunkbench.kernels.decode_attention_bench --rows 1,8 --context 800,3300 --dtype bfloat16,float32
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m chunkbench.kernels.decode_attention", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m chunkbench.kernels.decode_attention_bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,8", help="requests decoding in the step")
     ap.add_argument("--context", default="800,3300", help="keys per request")

@@ -13,9 +13,9 @@ the same prefill for every bit width (and top-k) asked. Prints, per configuratio
 Byte counts assume a 16-bit pool and host copy whatever dtype the model runs in (float32 here, for exact
 comparison); on CPU both memories are RAM, so bytes are counted, not timed.
 
-    .venv/bin/python -m chunkbench.studies.specache                                  # 2 x 10 needle cases, b = 1, 2
-    .venv/bin/python -m chunkbench.studies.specache --topk 64,0                      # with the low-bit-only ablation
-    .venv/bin/python -m chunkbench.studies.specache --n 1 --chunks 2 --max-new-tokens 6 --threads 1   # toy size
+    .venv/bin/python -m chunkbench.studies.specache_study                               # 2 x 10 needle cases, b = 1, 2
+    .venv/bin/python -m chunkbench.studies.specache_study --topk 64,0                   # with the low-bit-only ablation
+    .venv/bin/python -m chunkbench.studies.specache_study --n 1 --chunks 2 --max-new-tokens 6 --threads 1  # toy size
 
 `--server` runs the same cases through SGLang's engine instead (decode.specache, sglang_patch/decode/specache.py), one
 engine at a time: stock SGLang, then SpeCache for every configuration, greedy, one request at a time. It prints the
@@ -24,7 +24,7 @@ read per decode step against stock's, host->device bytes per step, the speculati
 with stock's greedy output and needles retrieved, and seconds per request (the prefill is the same on both sides;
 CPU seconds say nothing about PCIe prefetch):
 
-    .venv/bin/python -m chunkbench.studies.specache --server --n 5
+    .venv/bin/python -m chunkbench.studies.specache_study --server --n 5
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from chunkcache.specache.layer_cache import full_bytes, lowbit_bytes
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m chunkbench.studies.specache", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m chunkbench.studies.specache_study", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=10, help="cases per task")
     ap.add_argument("--tasks", default="single,multikey", help="synthetic tasks (needle retrieval)")
