@@ -138,7 +138,7 @@ def test_spec_per_chunk_reuses_a_stored_score_only_for_the_same_draft_tokens(ble
     an exact prefix reaching into a chunk leaves only its tail to blend, and a score of the whole chunk laid over the
     tail raised a size mismatch (3,198 vs 3,196 draft tokens) and the batch was computed in full."""
     from chunkcache.select.base import Layout
-    from chunkcache.select.spec import SpecSelector
+    from chunkcache.select.draft_norm import DraftNormSelector
 
     draft, slot = blender.draft(), {}
 
@@ -152,7 +152,7 @@ def test_spec_per_chunk_reuses_a_stored_score_only_for_the_same_draft_tokens(ble
     ids = torch.arange(100, 140)
     whole = Layout(token_ids=ids, prefix_len=0, chunk_spans=((0, 30),), query_span=(30, 40))
     tail = Layout(token_ids=ids[4:], prefix_len=0, chunk_spans=((0, 26),), query_span=(26, 36))
-    selector = SpecSelector(per_chunk=True, whole_units=False)
+    selector = DraftNormSelector(per_chunk=True, whole_units=False)
     selector.select(whole, 0.2, OneChunk())
     picked = selector.select(tail, 0.2, OneChunk())
     assert int(tail.context_mask()[picked.indices].sum()) == tail.budget(0.2)

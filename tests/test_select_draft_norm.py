@@ -1,11 +1,12 @@
-"""SpecCache rules on hand-built inputs: span segmentation and completion (Eq. 3-6), exact budget, Eq. 1."""
+"""The `spec` selector (SpecCache's, chunkcache.select.draft_norm) on hand-built inputs: span segmentation and
+completion (Eq. 3-6), exact budget, Eq. 1."""
 
 import pytest
 import torch
 
 from chunkcache.align import Alignment
 from chunkcache.select.base import Layout
-from chunkcache.select.spec import SpecSelector, complete_spans, segment_spans
+from chunkcache.select.draft_norm import DraftNormSelector, complete_spans, segment_spans
 from chunkcache.select.view import DraftView
 
 
@@ -56,7 +57,7 @@ def test_completion_spends_budget_on_whole_spans():
     imp[15] = 8.0  # an isolated high token
     imp[0] = 0.0
     ratio = 0.2  # K = 4
-    sel = SpecSelector(whole_units=False)
+    sel = DraftNormSelector(whole_units=False)
     picked = sel.pick(layout, ratio, _identity_view(layout), imp, None)
     assert int(picked.sum()) == 4
     # plain top-4 would be {5, 6, 7, 15}; completing the span 5..8 is worth more than the lone token
@@ -70,7 +71,7 @@ def test_budget_exact_after_completion_and_units(ratio):
     imp = torch.rand(layout.n) * 10
     units = torch.arange(layout.n) // 3  # every 3 consecutive tokens form one unit
     for u in (None, units):
-        picked = SpecSelector().pick(layout, ratio, _identity_view(layout), imp, u)
+        picked = DraftNormSelector().pick(layout, ratio, _identity_view(layout), imp, u)
         assert not (picked & ~layout.context_mask()).any()
         k = layout.budget(ratio)
         if u is None:
@@ -85,8 +86,8 @@ def test_budget_exact_after_completion_and_units(ratio):
 def test_deterministic():
     layout = _layout(4, [30, 30], 5)
     imp = torch.tensor([float(i % 7) for i in range(layout.n)])  # many ties
-    a = SpecSelector().pick(layout, 0.2, _identity_view(layout), imp, None)
-    b = SpecSelector().pick(layout, 0.2, _identity_view(layout), imp, None)
+    a = DraftNormSelector().pick(layout, 0.2, _identity_view(layout), imp, None)
+    b = DraftNormSelector().pick(layout, 0.2, _identity_view(layout), imp, None)
     assert torch.equal(a, b)
 
 

@@ -1,5 +1,6 @@
-"""SpecCache (000): a draft model reads the assembled prompt; importance = mean hidden-state norm over its deep
-layers (Eq. 1); top-K; semantic span completion (Eq. 3-6); cross-tokenizer alignment to target tokens (Eq. 7).
+"""SpecCache's selector (seed 000), registered as `spec`: a draft model reads the assembled prompt; importance =
+mean hidden-state norm over its deep layers (Eq. 1); top-K; semantic span completion (Eq. 3-6); cross-tokenizer
+alignment to target tokens (Eq. 7). Not SpeCache (seed 003, decode-time KV offload: chunkcache.specache).
 
 Budget: the final set holds exactly K target context tokens (budget.fit). Numbers and words are recomputed
 whole or not at all when `whole_units` is set (the alignment is closed over align.unit_ids).
@@ -52,7 +53,7 @@ def complete_spans(span_ids: torch.Tensor, init: torch.Tensor, tau_cover: float 
 
 @REGISTRY.register
 @dataclass(frozen=True, eq=False)
-class SpecSelector:
+class DraftNormSelector:
     name: ClassVar[str] = "spec"
     draft: str | Draft | None = None  # a loaded Draft, a name the engine resolves ("self", model, path), None: its own
     layers: int | None = None  # draft depth (None: the engine's; "self" defaults to a third of the target)
