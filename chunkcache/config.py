@@ -216,7 +216,7 @@ class AutoConfig:
 
 @dataclass
 class SpeCacheConfig:
-    # SpeCache decoding (issue 17; sglang_patch/decode/specache.py): low-bit KV in the device pool, full KV as the host
+    # SpeCache decoding (sglang_patch/decode/specache.py): low-bit KV in the device pool, full KV as the host
     # copy, top-k full-precision pairs prefetched by a speculative second token; the server refuses, at start-up, what
     # it cannot run it on (model, device, page size, mixed chunks, ...)
     enabled: bool = False

@@ -1,4 +1,5 @@
-"""Tenant isolation and fair service on the session's live server (issue 13, defects 1, 2, 3, 6). Each test uses
+"""Tenant isolation and fair service on the session's live server: cache_salt, the hinted requests' radix partition,
+namespaces that cannot alias, coalesced and bounded ingests. Each test uses
 documents of its own: chunk accounting depends on what the store and the radix tree already hold."""
 
 import threading

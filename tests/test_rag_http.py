@@ -146,8 +146,8 @@ def test_ingest_then_query_hits_every_chunk_and_ingest_is_idempotent(server):
 
 @slow
 def test_ingest_of_a_document_over_the_prefill_budget_and_of_many_documents(server):
-    """Triggers of the fill-pass crash under chunked prefill (a pass holding more tokens than SGLang planned): one
-    document longer than the chunked-prefill size (4096 here), and a burst of 300 small ones. Both are stored, and a
+    """The blend's fill runs in forwards of at most the chunked-prefill size (4096 here), so no pass holds more tokens
+    than SGLang planned: one document longer than that, and a burst of 300 small ones. Both are stored, and a
     query over them hits every chunk."""
     entries = " ".join(f"entry {i} holds the record of item {7 * i}." for i in range(300))
     long = "Ledger of the Varn archive. " + entries  # ~4.5K tokens

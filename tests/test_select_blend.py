@@ -135,8 +135,8 @@ def test_whole_units_option_of_target_scored_selectors(blender, prompt, name):
 
 def test_spec_per_chunk_reuses_a_stored_score_only_for_the_same_draft_tokens(blender):
     """A chunk's stored draft importance serves a request only when the draft sees the same tokens of it: on a server
-    an exact prefix reaching into a chunk leaves only its tail to blend, and a score of the whole chunk laid over the
-    tail raised a size mismatch (3,198 vs 3,196 draft tokens) and the batch was computed in full."""
+    an exact prefix reaching into a chunk leaves only its tail to blend, which a score of the whole chunk does not
+    fit."""
     from chunkcache.select.base import Layout
     from chunkcache.select.draft_norm import DraftNormSelector
 

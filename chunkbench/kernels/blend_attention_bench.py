@@ -1,6 +1,6 @@
 """One layer of the blend's recompute attention on CPU: `chunkcache.blend.attention.attend` (per 64-row block: GQA heads
 stacked, keys before the block's first row unmasked, the rest masked, merged by log-sum-exp) against one masked SDPA
-call per block (the path before the split). The default model's attention shape (9 query heads, 3 KV heads, head dim
+call per block over all its keys. The default model's attention shape (9 query heads, 3 KV heads, head dim
 64); rho of the context recomputed plus a 40-token query tail, positions drawn uniformly or late-biased (ProphetKV's
 picks in a 16-chunk prompt sat ~80 % in its last 40 %). Sides alternate; medians and ratios from one run.
 

@@ -11,11 +11,11 @@ Llama-3-8B's attention shape (32 q heads, 8 kv heads, head dim 128) at each `--s
   flashinfer_paged     sglang_patch.forward.paged_attention.PagedSparsePrefill itself: the rows cut into groups spanning
                        at most 512 positions, each group's keys before it unmasked (FA3 on Hopper) and within it with a
                        small custom mask (FA2), merged with flashinfer.merge_state
-  flashinfer_mask      FA2 paged prefill over the whole row with one custom mask (PagedSparsePrefill until it
-                       measured slower than full_causal on an H100: docs/bench/gpu.md)
-  flashinfer_two_pass  flashinfer_paged with the rows grouped by chunk instead of by position span (the served
-                       path does not know the chunks); measured before PagedSparsePrefill took this form as its own
-                       per-chunk plan (keys before the chunk start, not before the group's first row)
+  flashinfer_mask      FA2 paged prefill over the whole row with one custom mask (slower than full_causal on an
+                       H100: docs/bench/gpu.md)
+  flashinfer_two_pass  flashinfer_paged with the rows grouped by chunk instead of by position span (keys before the
+                       chunk's start unmasked, not those before the group's first row; the served path does not know
+                       the chunks)
   torch_blocks         sglang_patch.forward.sparse_attention.attend_blocks: the path CUDA takes today without flashinfer
   sdpa_mask            one SDPA call with the dense [rows, keys] mask (K/V expanded to the q heads, so the
                        memory-efficient kernel takes it instead of the math fallback)

@@ -1,4 +1,4 @@
-"""The fidelity estimate (chunkcache/blend/fidelity.py, issue 41): measured on the reference engine, fitted, judged.
+"""The fidelity estimate (chunkcache/blend/fidelity.py): measured on the reference engine, fitted, judged.
 
 `collect` blends each case with the server's default selector (`mix`, stored deviations, overlap 0.15) at every rho
 of RATIOS and keeps, per (case, rho), the first-token KL of the blend against full recompute, whether its greedy first

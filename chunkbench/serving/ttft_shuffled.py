@@ -139,7 +139,7 @@ def main() -> None:
     print(f"\nprompt tokens: median {tokens}; {args.chunks} chunks; rho={args.ratio}; {args.requests} requests per "
           f"side; dtype {settings['dtype'] if 'dtype' in settings else 'model default'}")
     # ms/token: stock's TTFT per prompt token against the blend's recompute pass per recomputed token (the
-    # issue's per-token efficiency target: the second at most the first)
+    # per-token efficiency target: a recomputed token costs at most what stock pays per prompt token)
     print(f"{'side':<10}{'TTFT median s':>15}{'speed-up vs stock':>19}{'hits':>6}{'recomputed':>12}"
           f"{'fill s':>8}{'copy s':>8}{'features s':>12}{'select s':>10}{'prefill s':>11}{'ms/token':>10}")
     print(f"{'stock':<10}{stock:>15.3f}{1.0:>19.2f}{'':>6}{'':>12}{'':>8}{'':>8}{'':>12}{'':>10}{'':>11}"

@@ -1,4 +1,4 @@
-"""Which cheap score ranks the tokens that matter to the answer? (issue 14, part 2)
+"""Which cheap score ranks the tokens that matter to the answer?
 
 `select_study` measures how much of the oracle's KV deviation a pick removes; this measures what users get: for each
 case one probe blend reads every signal once (ProphetKV's query attention per layer over the reused KV, CacheBlend's

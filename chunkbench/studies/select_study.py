@@ -1,4 +1,4 @@
-"""Where the anchors' selectors lose the tokens that matter (issue 14, part 2), against the oracle's ground truth.
+"""Where the anchors' selectors lose the tokens that matter, against the oracle's ground truth.
 
 `collect` (resumable: it keeps what OUT holds) runs the synthetic tasks through the reference blender once per case
 and keeps every feature a selector could read, next to the truth: per context token, the deviation of its reused KV

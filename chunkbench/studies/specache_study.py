@@ -1,4 +1,4 @@
-"""SpeCache decoding (issue 17) on the reference path: memory and quality against full-precision decoding.
+"""SpeCache decoding on the reference path: memory and quality against full-precision decoding.
 
 For each synthetic needle case: one HF prefill, full-precision greedy decoding from it, then SpeCache decoding from
 the same prefill for every bit width (and top-k) asked. Prints, per configuration:

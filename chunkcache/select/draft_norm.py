@@ -106,8 +106,8 @@ class DraftNormSelector:
             view = draft_view(draft, layout, features, span)
             slot = features.chunk_features(i)
             # keyed by the draft tokens scored too: a stored score is laid over this request's view of the chunk,
-            # which is not always the whole chunk (on a server an exact prefix may cover its head); a score of other
-            # tokens raised a size mismatch there (3,198 vs 3,196 draft tokens)
+            # which is not always the whole chunk (on a server an exact prefix may cover its head), and a score
+            # fits only the tokens it was computed on
             chunk_key = f"{key}:{digest(view.ids)}"
             if chunk_key not in slot:
                 ids = view.ids if prefix is None else torch.cat([prefix, view.ids])

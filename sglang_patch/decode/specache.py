@@ -1,4 +1,4 @@
-"""SpeCache decoding in SGLang (seed 003, issue 17), on when `decode.specache.enabled`.
+"""SpeCache decoding in SGLang (seed 003), on when `decode.specache.enabled`.
 
 Each decode step runs two rows per request through SGLang's own model: the real token x_t at position p and the
 speculative token s_t (the previous step's guess of x_{t+1}) at p + 1; s_t sees x_t, x_t does not see s_t.

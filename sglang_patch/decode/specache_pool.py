@@ -1,4 +1,4 @@
-"""SpeCache's low-bit side pool: the quantised K/V of SGLang's KV slots, every layer (issue 17).
+"""SpeCache's low-bit side pool: the quantised K/V of SGLang's KV slots, every layer.
 
 SGLang has no 1- or 2-bit KV dtype, so the low-bit copy is a plugin-owned pool indexed like SGLang's own: codes
 and V's per-token (scale, zero) by KV slot, K's per-channel (scale, zero) by group of `group` slots. K groups are
