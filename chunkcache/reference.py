@@ -27,7 +27,8 @@ from .blend import pipeline
 from .blend.auto import AutoChunks
 from .blend.attention import attend_blocks, plan_blocks
 from .blend.features import Models, recorded_from
-from .blend.plan import Placement, RequestPlan, plan_request
+from .blend.plan import Placement, RequestPlan
+from .blend.request import ChunkRequest, Detection, RequestHint
 from .draft import Draft
 from .draft import load as load_draft
 from .hashing import chunk_key, model_fingerprint, prefix_key
@@ -48,11 +49,12 @@ class BlendResult:
     reused_tokens: int  # chunk tokens whose KV came from the store, re-rotated and not recomputed
     past_key_values: object  # transformers DynamicCache holding the whole prompt; `generate` continues from it
     layout: Layout
-    timings: dict[str, float] = field(default_factory=dict)  # seconds per stage, and "total"
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per stage (request.STAGES), and "total"
     chunk_hits: int = 0  # chunks found in the store
     chunk_misses: int = 0  # chunks computed standalone (and inserted)
     scores: torch.Tensor | None = None  # the selector's per-token scores, if it has any
     passes: tuple[str, ...] = ()  # the engine's feature passes the blend ran (pipeline.Blended.passes)
+    report: dict | None = None  # the round's record, the fields a server reports in meta_info (pipeline.record)
 
 
 class ReferenceBlender:
@@ -111,7 +113,7 @@ class ReferenceBlender:
             reused_tokens=0,
             past_key_values=out.past_key_values,
             layout=layout,
-            timings={"prefill": total, "total": total},
+            timings={"recompute": total, "total": total},
         )
 
     @torch.inference_mode()
@@ -132,20 +134,28 @@ class ReferenceBlender:
 
     @torch.inference_mode()
     def blend_spans(self, token_ids: TokenIds, spans: Sequence[tuple[int, int]], keys: Sequence[str],
-                    selector: str | Selector = "none", ratio: float = 0.15, **selector_options) -> BlendResult:
+                    selector: str | Selector = "none", ratio: float = 0.15, detection: Detection | None = None,
+                    **selector_options) -> BlendResult:
         """Chunks already keyed (sorted, disjoint spans before the last token): the exact prefix is everything before
-        the first, the query everything after the last (automatic detection's segments, or a hint's chunks)."""
+        the first, the query everything after the last (automatic detection's segments, with its `detection`, or a
+        hint's chunks)."""
         t_start = time.perf_counter()
         if isinstance(selector, str):
             selector = selectors.create(selector, **selector_options)
         elif selector_options:
             raise ValueError("selector options go to the selector's constructor; pass a name, not an instance")
-        plan = plan_request(_as_ids(token_ids, "prompt"), spans, keys, matched=0, selector=selector.name,
-                            ratio=ratio)
+        ids = _as_ids(token_ids, "prompt")
+        hint = RequestHint(ids, tuple((int(s), int(e)) for s, e in spans), tuple(keys), selector.name, ratio,
+                           self.namespace, auto=detection is not None)
+        request = ChunkRequest(rid="reference", hint=hint, detection=detection)
+        plan = request.plan(0)
         engine = _Engine(self, plan)
-        run = pipeline.run(engine, self.store, [plan], lambda _: selector)
-        done, t = run.requests[0], run.seconds
+        prefetched = request.prefetched()
+        run = pipeline.run(engine, self.store, [plan], lambda _: selector,
+                           prefetched=[] if prefetched is None else [prefetched])
+        done = run.requests[0]
         total = time.perf_counter() - t_start
+        report = pipeline.record(request, done, stages=run.seconds, blend_s=total, select_s=done.select_s)
         for job in run.deferred:  # what a server measures when idle, measured here once the blend is done
             for key, feats in job.run().items():
                 self.store.add_features(key, feats)
@@ -155,13 +165,12 @@ class ReferenceBlender:
             reused_tokens=done.reused_tokens,
             past_key_values=self._cache(engine.k_buf, engine.v_buf),
             layout=plan.layout(),
-            timings={"prefix": engine.prefix_s, "lookup": t["lookup"], "compute_chunks": t["fill"] - engine.prefix_s,
-                     "store": t["learn"], "assemble": t["copy"], "select": t["features"] + t["select"],
-                     "recompute": t["recompute"], "total": total},
+            timings={**report["stages_s"], "total": total},
             chunk_hits=done.hits,
             chunk_misses=len(plan.chunks) - done.hits,
             scores=done.scores,
             passes=done.passes,
+            report=report,
         )
 
     @torch.inference_mode()
@@ -170,27 +179,31 @@ class ReferenceBlender:
         lacks, their KV (computed in this prompt's context, at these positions) taken from `result`, which must be
         a full prefill. Returns the segments stored."""
         ids = result.layout.token_ids
-        segments = auto.segments(ids, self.namespace, None)
-        todo = auto.to_learn(segments, torch.ones(len(ids), dtype=torch.bool), self.store)
+        request = ChunkRequest(rid="reference", segments=auto.segments(ids, self.namespace, None))
         layers = [(k[0].transpose(0, 1), v[0].transpose(0, 1)) for k, v, *_ in result.past_key_values]  # [N, H, D]
-        for (s, e), key in todo:
-            self.store.put(ChunkEntry(key=key, token_ids=ids[s:e].clone(),
-                                      k=torch.stack([k[s:e] for k, _ in layers]).cpu().contiguous(),
-                                      v=torch.stack([v[s:e] for _, v in layers]).cpu().contiguous(),
-                                      start_pos=s, model_fingerprint=self.fingerprint))
-        return len(todo)
+
+        def read_kv(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return (torch.stack([k[positions] for k, _ in layers]).cpu(),
+                    torch.stack([v[positions] for _, v in layers]).cpu())
+
+        learned = pipeline.learn_segments(self.store, auto, request, ids, torch.ones(len(ids), dtype=torch.bool),
+                                          read_kv, self.fingerprint)
+        return int(learned["segments"])
 
     @torch.inference_mode()
     def auto_blend(self, token_ids: TokenIds, auto: AutoChunks, selector: str | Selector = "none",
                    ratio: float = 0.15, **selector_options) -> BlendResult | None:
         """A prompt nobody marked, as a server with automatic detection serves it: its stored segments become the
-        chunks; None when they are too few (the server then computes the prompt as stock)."""
+        chunks (their entries fetched once, by detection); None when they are too few (the server then computes
+        the prompt as stock)."""
         ids = _as_ids(token_ids, "prompt")
-        segments = auto.segments(ids, self.namespace, None)
-        found = auto.detect(segments, len(ids), 0, set(self.store.get_many(list(segments.keys))))
-        if found is None:
+        name = selector if isinstance(selector, str) else selector.name
+        found = pipeline.detect(self.store, auto, ids, auto.segments(ids, self.namespace, None), 0,
+                                pipeline.Defaults(name, ratio, self.namespace))
+        if found.hint is None:
             return None
-        return self.blend_spans(ids, found.spans, found.keys, selector, ratio, **selector_options)
+        return self.blend_spans(ids, found.hint.spans, found.hint.keys, selector, ratio, detection=found,
+                                **selector_options)
 
     @torch.inference_mode()
     def generate(self, result: BlendResult, max_new_tokens: int) -> list[int]:
@@ -357,15 +370,12 @@ class _Engine:
         self.entry_shape = (blender.n_layers, blender.n_kv_heads, blender.head_dim)
         self.ids = plan.token_ids.to(blender.device)
         self.k_buf, self.v_buf = blender._kv_buffers(1, plan.n)
-        self.prefix_s = 0.0  # the fill's exact prefix, reported apart from the chunks it computes
         self._fresh: tuple[torch.Tensor, torch.Tensor] | None = None  # all-token exact KV of the first layers
 
     def fill(self, chunks: list[tuple[int, Placement]]) -> list[ChunkEntry]:
         b, P = self.blender, self.plan.start
-        t0 = time.perf_counter()
         if P:
             b._forward(self.ids[None, :P], torch.arange(P, device=b.device), self.k_buf[:, :, :P], self.v_buf[:, :, :P])
-        self.prefix_s = time.perf_counter() - t0
         return b._compute_chunks({c.key: self.plan.chunk_ids(c) for _, c in chunks}, self.k_buf, self.v_buf,
                                  self.plan.shared_prefix_len)
 

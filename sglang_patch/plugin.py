@@ -112,7 +112,7 @@ def _blend_extend(original, runner, forward_batch, pp_proxy_tensors=None):
         _report_exact(forward_batch, reqs or ())
     if reuse is not None and reqs and reuse.auto is not None and reuse.config.auto.learn:
         try:
-            auto_chunks.learn(reuse, runner.model_runner, forward_batch, reqs, request_hint.of)
+            auto_chunks.learn(reuse, runner.model_runner, forward_batch, reqs, request_hint.record)
         except Exception:  # noqa: BLE001 - learning is an optimisation: the request's own output is already computed
             log.exception("chunkcache: learning the batch's segments failed; they are not stored")
     return out
@@ -130,7 +130,7 @@ def _extend(original, runner, forward_batch, pp_proxy_tensors, reuse, reqs):
         log.exception("chunkcache: blended prefill failed; computing the batch in full")
         for r in reqs:
             if request_hint.of(r) is not None:
-                report.fallback(r, "error", f"{type(exc).__name__}: {exc}")
+                report.fallback(request_hint.record(r), "error", f"{type(exc).__name__}: {exc}")
         out = None
     return _stock_forward(original, runner, forward_batch, pp_proxy_tensors, reuse) if out is None else out
 
@@ -140,7 +140,7 @@ def _report_exact(forward_batch, reqs) -> None:
     row of a mixed batch, or a retracted request's re-prefill, is not a prompt round)."""
     for i, req in enumerate(reqs):
         if request_hint.exact(req) is not None and not req.output_ids:
-            report.exact(req, radix=int(forward_batch.extend_prefix_lens_cpu[i]),
+            report.exact(request_hint.record(req), radix=int(forward_batch.extend_prefix_lens_cpu[i]),
                          computed=int(forward_batch.extend_seq_lens_cpu[i]))
 
 

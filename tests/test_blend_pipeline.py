@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from chunkcache.blend import pipeline, plan
+from chunkcache.blend.auto import Segments
 from chunkcache.blend.features import Models
 from chunkcache.blend.plan import Placement, plan_request, recompute_set, to_compute
+from chunkcache.blend.request import STAGES, ChunkRequest, RequestHint
 from chunkcache.select.base import Layout, Selection, finish
 from chunkcache.store import ChunkEntry, ChunkStore
 
@@ -137,7 +139,7 @@ def test_pipeline_runs_the_steps_in_order():
     # learn: the computed chunks, then the features selectors kept (request 0's "x", request 1's "y")
     assert store.puts == [("put", "y"), ("put", "z"), ("add_features", "x", ["grows:kv"]),
                           ("add_features", "y", ["grows:kv"])]
-    assert set(run.seconds) == set(pipeline.STEPS)
+    assert set(run.seconds) == set(STAGES)
 
 
 def test_an_entry_holding_other_tokens_is_a_miss():
@@ -149,3 +151,103 @@ def test_an_entry_holding_other_tokens_is_a_miss():
     run = pipeline.run(engine, store, plans, lambda name: GrowsFeatures())
     assert engine.steps[0] == ("fill", ["x"]) and run.requests[0].hits == 0
     assert store.get("x").token_ids.tolist() == ids[2:4].tolist()  # replaced by the computed chunk
+
+
+# ---- the request's lifecycle around the batch's blend ----------------------------------------------------------------
+
+
+class ThreeSegments:
+    """AutoChunks' contract as a stand-in: segments (2, 4), (4, 6), (6, 8) of the prompt are "a", "b", "c"; a
+    prompt blends when two of them are stored; every segment computed and not stored is learned."""
+
+    def detect(self, segments, n, matched, stored):
+        picked = [(span, key) for span, key in zip(segments.spans, segments.keys)
+                  if key in stored and span[0] >= matched]
+        if len(picked) < 2:
+            return None
+        return type("Detected", (), {"spans": tuple(s for s, _ in picked), "keys": tuple(k for _, k in picked)})
+
+    def to_learn(self, segments, computed, stored, crowded=False):
+        return [(span, key) for span, key in zip(segments.spans, segments.keys)
+                if key not in stored and bool(computed[span[0]: span[1]].all())]
+
+
+SEGMENTS = Segments(((2, 4), (4, 6), (6, 8)), ("a", "b", "c"))
+DEFAULTS = pipeline.Defaults("grows", 0.1, "ns")
+
+
+class AskedStore(CountingStore):
+    """Records every key the store is asked for."""
+
+    def lookup(self, keys, costs=None):
+        self.puts.append(("lookup", sorted(keys)))
+        return super().lookup(keys, costs)
+
+
+def test_detection_fetches_once_and_the_blend_reuses_its_entries():
+    ids = torch.arange(3, 15)
+    store = AskedStore()
+    store.put(entry("a", ids[2:4], 2))
+    store.put(entry("c", ids[6:8], 6))
+    store.puts.clear()
+    found = pipeline.detect(store, ThreeSegments(), ids, SEGMENTS, 0, DEFAULTS)
+    assert found.hint.spans == ((2, 4), (6, 8)) and found.hint.auto and found.hint.selector == "grows"
+    assert set(found.found.entries) == {"a", "c"} and found.looked_up == 3
+    request = ChunkRequest("r", hint=found.hint, detection=found)
+    plans = [request.plan(0)]
+    assert request.plan(0) is plans[0]  # built once per radix match
+    run = pipeline.run(FakeEngine(plans), store, plans, lambda name: GrowsFeatures(),
+                       prefetched=[request.prefetched()])
+    assert [p for p in store.puts if p[0] == "lookup"] == [("lookup", ["a", "b", "c"])]  # detection's only
+    assert run.requests[0].hits == 2 and request.prefetched() is None  # handed over once
+
+
+def test_too_few_stored_segments_detect_no_hint():
+    ids = torch.arange(3, 15)
+    store = ChunkStore(model_fingerprint=FP)
+    store.put(entry("b", ids[4:6], 4))
+    found = pipeline.detect(store, ThreeSegments(), ids, SEGMENTS, 0, DEFAULTS)
+    assert found.hint is None and found.found.entries == {}
+
+
+def test_segments_are_learned_from_one_read_of_the_engine_kv():
+    ids = torch.arange(3, 15)
+    store = ChunkStore(model_fingerprint=FP)
+    store.put(entry("b", ids[4:6], 4))
+    kv = torch.arange(SHAPE[0] * 12 * SHAPE[1] * SHAPE[2], dtype=torch.float32).view(SHAPE[0], 12, *SHAPE[1:])
+    reads = []
+
+    def read_kv(positions):
+        reads.append(positions.tolist())
+        return kv[:, positions], -kv[:, positions]
+
+    request = ChunkRequest("r", segments=SEGMENTS)
+    computed = torch.ones(12, dtype=torch.bool)
+    computed[7] = False  # segment "c" was not all computed in this prompt's context
+    learned = pipeline.learn_segments(store, ThreeSegments(), request, ids, computed, read_kv, FP)
+    assert reads == [[2, 3]] and learned["segments"] == 1 and learned["tokens"] == 2
+    a = store.get("a")
+    assert a.start_pos == 2 and a.token_ids.tolist() == [5, 6]
+    torch.testing.assert_close(a.k, kv[:, 2:4])
+    torch.testing.assert_close(a.v, -kv[:, 2:4])
+    assert request.segments is None  # learned once per prompt
+    assert pipeline.learn_segments(store, ThreeSegments(), request, ids, computed, read_kv, FP)["segments"] == 0
+    assert reads == [[2, 3]]
+
+
+def test_a_round_record_has_every_stage_and_the_request_report_merges_rounds():
+    ids = torch.arange(3, 15)
+    store = ChunkStore(model_fingerprint=FP)
+    request = ChunkRequest("r", hint=RequestHint(ids, ((2, 4), (4, 6)), ("x", "y"), "grows", 0.1, "ns"), charged=7)
+    plans = [request.plan(0)]
+    run = pipeline.run(FakeEngine(plans), store, plans, lambda name: GrowsFeatures())
+    info = pipeline.record(request, run.requests[0], stages=run.seconds, blend_s=0.5)
+    assert list(info["stages_s"]) == list(STAGES) and info["admitted_compute"] == 7
+    assert (info["chunk_hits"], info["chunk_misses"], info["reused_tokens"]) == (0, 2, 3)
+    assert info["attended_pairs"] == sum(i + 1 for i in run.requests[0].recomputed.tolist())
+    assert "auto" not in info and request.report is None
+    request.add_round({"fallback": "partial_prefill", "detail": "d"})
+    request.add_round(info)
+    merged = request.report
+    assert merged["rounds"] == [{"fallback": "partial_prefill", "detail": "d"}, info]
+    assert merged["fallback"] == "partial_prefill" and merged["chunk_hits"] == 0

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry
 from sglang.srt.managers.kv_hints import decode_kv_hints_envelope
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
+from chunkcache.blend.request import ChunkRequest
 from chunkcache.hints import ACTION_TYPE, HintError
 from chunkcache.store import ChunkEntry, ChunkStore
 from sglang_patch.http import hint_validation
@@ -128,7 +129,9 @@ def test_malformed_hint_at_creation_is_a_bad_hint_round():
                           cache_salt=None, to_finish=None)
     request_hint.attach(Reuse(), None, req)
     assert request_hint.of(req) is None
-    assert req.chunkcache_info == {"fallback": "bad_hint", "detail": "chunkcache hint: span past the prompt"}
+    assert request_hint.record(req).report == {"fallback": "bad_hint",
+                                               "detail": "chunkcache hint: span past the prompt"}
+    assert [k for k in vars(req) if k.startswith("chunkcache")] == [request_hint.ATTR]  # the one record on the Req
 
 
 def test_aborted_request_is_not_blended():
@@ -205,11 +208,18 @@ INFO = {"chunk_hits": 2, "chunk_misses": 1, "reused_tokens": 700, "recomputed_to
         "ratio": 0.15, "select_s": 0.01, "blend_s": 0.2}
 
 
+def reported(info: dict, **fields) -> SimpleNamespace:
+    """A Req whose record holds one round, `info`."""
+    request = ChunkRequest(rid="r")
+    request.add_round(info)
+    return SimpleNamespace(**fields, **{request_hint.ATTR: request})
+
+
 def test_scheduler_side_attaches_the_report_as_request_level_info():
-    req = SimpleNamespace(customized_info=None, chunkcache_info=INFO)
+    req = reported(INFO, customized_info=None)
     report.attach(object(), req=req)
     assert req.customized_info == {"chunkcache": [INFO]}
-    req = SimpleNamespace(customized_info={"x": [1]}, chunkcache_info=INFO)
+    req = reported(INFO, customized_info={"x": [1]})
     report.attach(object(), req=req)
     assert req.customized_info == {"x": [1], "chunkcache": [INFO]}
     plain = SimpleNamespace(customized_info=None)  # a request the blend did not touch

@@ -7,6 +7,7 @@ import types
 import pytest
 from sglang.srt.plugins.hook_registry import HookRegistry
 
+from chunkcache.blend.request import ChunkRequest
 from sglang_patch import lang, plugin
 from sglang_patch.decode import specache
 from sglang_patch.scheduler import metrics, request_hint
@@ -46,7 +47,7 @@ def test_every_hook_target_exists_in_the_installed_sglang(monkeypatch):
 @pytest.mark.parametrize("hinted,graph_ok,expected", [(True, True, False), (False, True, True), (False, False, False)])
 def test_a_batch_with_chunks_never_replays_the_prefill_cuda_graph(hinted, graph_ok, expected):
     req = types.SimpleNamespace(to_finish=None)
-    req.__dict__[request_hint.ATTR] = object() if hinted else None
+    req.__dict__[request_hint.ATTR] = ChunkRequest(rid="r", hint=object() if hinted else None)
     batch = types.SimpleNamespace(chunkcache_reqs=[types.SimpleNamespace(to_finish=None), req])
     assert plugin._eager_for_blends(graph_ok, None, batch) is expected
     assert plugin._eager_for_blends(graph_ok, None, types.SimpleNamespace()) is graph_ok  # a stock server's batch

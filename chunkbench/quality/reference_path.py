@@ -98,9 +98,10 @@ def remember_deviations(blender: ReferenceBlender, parts, selector, ratio: float
 
 
 def blend_seconds(result: BlendResult) -> float:
-    """The blend's time with its chunks already stored (computing and storing missed chunks left out)."""
+    """The blend's time with its chunks already stored: a blend that missed chunks has its whole fill (the exact
+    prefix's with the chunks') and their storing left out."""
     t = result.timings
-    return t["total"] - t.get("compute_chunks", 0.0) - t.get("store", 0.0)
+    return t["total"] - (t.get("fill", 0.0) if result.chunk_misses else 0.0) - t.get("learn", 0.0)
 
 
 def rho_used(result: BlendResult) -> float:
@@ -146,7 +147,8 @@ class ReferenceMeasure:
 
     def blended(self, ref: FullRecompute, name: str, ratio: float, options: dict) -> dict:
         res = blend(self.blender, ref.parts, name, ratio, options)
-        return self._fields(res, self.blender.generate(res, self.max_new_tokens), ref, select_s=res.timings["select"],
+        return self._fields(res, self.blender.generate(res, self.max_new_tokens), ref,
+                            select_s=res.timings["features"] + res.timings["select"],
                             blend_s=blend_seconds(res), full_s=ref.result.timings["total"],
                             recomputed=int(res.recomputed.numel()), rho_used=rho_used(res))
 

@@ -70,7 +70,8 @@ def main() -> None:
                 "answer": text, "agree": case.extract(text) == case.extract(ref),
                 "same_text": _norm(text) == _norm(ref),
                 "correct": case.correct(text),
-                "select_s": res.timings["select"], "blend_s": blend_seconds(res), "full_s": full.timings["total"],
+                "select_s": res.timings["features"] + res.timings["select"], "blend_s": blend_seconds(res),
+                "full_s": full.timings["total"],
                 "recomputed": int(res.recomputed.numel()),
             })
         out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))  # a cut-short run keeps its cases

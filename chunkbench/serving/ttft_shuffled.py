@@ -15,6 +15,9 @@ import random
 import statistics
 import time
 
+from chunkcache.blend.request import STAGES
+
+FILL = ("detect", "plan", "lookup", "fill", "learn")  # the stages before the copy: the request's fill column
 WORDS = ("the river city north market council bridge winter harvest museum library station engineer doctor "
          "garden history mountain festival report village").split()
 
@@ -141,7 +144,7 @@ def main() -> None:
     # ms/token: stock's TTFT per prompt token against the blend's recompute pass per recomputed token (the
     # per-token efficiency target: a recomputed token costs at most what stock pays per prompt token)
     print(f"{'side':<10}{'TTFT median s':>15}{'speed-up vs stock':>19}{'hits':>6}{'recomputed':>12}"
-          f"{'fill s':>8}{'copy s':>8}{'features s':>12}{'select s':>10}{'prefill s':>11}{'ms/token':>10}")
+          f"{'fill s':>8}{'copy s':>8}{'features s':>12}{'select s':>10}{'recompute s':>11}{'ms/token':>10}")
     print(f"{'stock':<10}{stock:>15.3f}{1.0:>19.2f}{'':>6}{'':>12}{'':>8}{'':>8}{'':>12}{'':>10}{'':>11}"
           f"{1e3 * stock / tokens:>10.3f}")
     for name in selectors:
@@ -150,12 +153,13 @@ def main() -> None:
         fallbacks = sum(1 for i in stages[name] if not i or "fallback" in i)
         reasons = sorted({f"{(i or {}).get('fallback', 'no report')}: {(i or {}).get('detail', '')[:160]}"
                           for i in stages[name] if not i or "fallback" in i})
-        def m(key, sub=None):
-            vals = [(i["stages_s"][key] if sub else i[key]) for i in infos]
+        def m(*keys, sub=False):
+            vals = [sum(i["stages_s"][k] for k in keys) if sub else i[keys[0]] for i in infos]
             return statistics.median(vals) if vals else float("nan")
         print(f"{name:<10}{med:>15.3f}{stock / med:>19.2f}{m('chunk_hits'):>6.0f}{m('recomputed_tokens'):>12.0f}"
-              f"{m('match_fill', 1):>8.3f}{m('copy', 1):>8.3f}{m('features', 1):>12.3f}{m('select', 1):>10.3f}"
-              f"{m('prefill', 1):>11.3f}{1e3 * m('prefill', 1) / m('recomputed_tokens'):>10.3f}"
+              f"{m(*FILL, sub=True):>8.3f}{m('copy', sub=True):>8.3f}{m('features', sub=True):>12.3f}"
+              f"{m('select', sub=True):>10.3f}{m('recompute', sub=True):>11.3f}"
+              f"{1e3 * m('recompute', sub=True) / m('recomputed_tokens'):>10.3f}"
               + (f"  {fallbacks} of {len(stages[name])} computed in full ({'; '.join(reasons)})" if fallbacks
                  else ""))
     print_floor(shape, tokens, attention, stock, rows, stages, selectors)
@@ -203,11 +207,11 @@ def print_floor(shape, tokens: int, attention: float, stock: float, rows: dict, 
         fl = [floor(shape, int(tokens), stock, i["recomputed_tokens"], i["attended_pairs"], i["reused_tokens"],
                     attention, bandwidth) for i in infos]
         ttft = med(rows[name])
-        s = {k: med(i["stages_s"][k] for i in infos) for k in ("match_fill", "copy", "features", "select", "prefill")}
+        s = {k: med(i["stages_s"][k] for i in infos) for k in STAGES}
         total = med(f.total_s for f in fl)
-        print(f"{name:<10}{ttft:>8.3f}{total:>9.3f}{total / ttft:>12.2f}{s['prefill']:>13.3f}"
+        print(f"{name:<10}{ttft:>8.3f}{total:>9.3f}{total / ttft:>12.2f}{s['recompute']:>13.3f}"
               f"{med(f.recompute_s for f in fl):>11.3f}{s['copy']:>8.3f}{med(f.copy_s for f in fl):>11.3f}"
-              f"{s['match_fill'] + s['features'] + s['select']:>24.3f}{ttft - sum(s.values()):>8.3f}")
+              f"{sum(s[k] for k in FILL) + s['features'] + s['select']:>24.3f}{ttft - sum(s.values()):>8.3f}")
 
 
 if __name__ == "__main__":

@@ -1,28 +1,35 @@
-"""The blend of a batch of requests, the same steps for every engine:
+"""A request's chunk reuse, in the order it happens, the same for every engine (the reference blender on HF
+modules, chunkcache.reference; SGLang's model runner, sglang_patch.scheduler.blend). One `ChunkRequest`
+(chunkcache.blend.request) carries the request through:
 
-  lookup     the chunk store's entries for the batch's chunks (the only store reads), a remote one fetched only when
-             that is predicted faster than computing the chunk here (`compute`: this server's measured cost);
-  fill       exact KV for each request's unmatched shared prefix, and every chunk no entry holds computed
-             standalone right after its request's shared prefix (once per batch);
-  learn      those chunks go into the store;
-  copy       every chunk's KV into its request's slots, K re-rotated to where the chunk now sits;
-  features   the model passes the batch's selectors declare (Selector.needs), one per feature for the whole batch;
+  detect     automatic detection only: the prompt's stored segments past its exact prefix become its hint, when they
+             are enough to blend; the store's entries stay on the request for the lookup (`detect`)
+  plan       the round's blend plan, once per radix match (ChunkRequest.plan)
+  lookup     the store's entries for a batch's chunks (the only store reads), a remote one fetched only when that is
+             predicted faster than computing the chunk here (`compute`: this server's measured cost)
+  fill       exact KV for each request's unmatched shared prefix, and every chunk no entry holds computed standalone
+             right after its request's shared prefix (once per batch)
+  learn      those chunks go into the store (`store_entries`); after the prefill, the prompt's new segments too, from
+             one read of the engine's KV (`learn_segments`)
+  copy       every chunk's KV into its request's slots, K re-rotated to where the chunk now sits
+  features   the model passes the batch's selectors declare (Selector.needs), one per feature for the whole batch
   select     per request, at its ratio or, with a quality floor (plan.max_kl), at the smallest rho whose fidelity
-             estimate meets it (chunkcache.blend.fidelity: no model pass); every request's estimate at the rho it
-             got; per-chunk features a selector kept go into the store with their entry;
-  recompute  the selected tokens of every request through all layers; its output is the engine's.
+             estimate meets it (chunkcache.blend.fidelity: no model pass); per-chunk features a selector kept go into
+             the store with their entry
+  recompute  the selected tokens of every request through all layers; its output is the engine's
+  record     each round's report, the same fields from both engines (`record`, `record_exact`); the glue only
+             serialises it into meta_info, logs and /metrics
 
-The engine (`Engine`) runs the model: the reference blender on HF modules (chunkcache.reference), SGLang's model
-runner in the server (sglang_patch.scheduler.blend). Plans come from chunkcache.blend.plan.
+`run` is lookup through recompute for one batch (the engine's forward); the engine (`Engine`) runs the model.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -30,13 +37,45 @@ import torch
 from ..select.base import Selector, needs
 from ..store import ChunkEntry, ChunkStore, Lookup
 from . import fidelity
-from .cost import ComputeCost
+from .auto import AutoChunks, Segments
+from .cost import ComputeCost, Prediction
 from .features import DeviationJob, FeaturePasses, Models, RequestFeatures, check_deviation_args
 from .plan import Placement, RequestPlan, recompute_set, to_compute
+from .request import STAGES, ChunkRequest, Detection, RequestHint
 
 log = logging.getLogger(__name__)
-STEPS = ("lookup", "fill", "learn", "copy", "features", "select", "recompute")
 PASSES = ("query_attention", "kv_deviation")  # the features an engine computes with model passes
+NO_BATCH = {"requests": 0, "plain": 0, "decodes": 0, "forwards": 0}  # a round that blended nothing
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """What a hint found by detection asks for: the server's (or the caller's) selector, ratio, namespace, floor."""
+
+    selector: str
+    ratio: float
+    namespace: str
+    max_kl: float | None = None
+
+
+def detect(store: ChunkStore, auto: AutoChunks, token_ids: Sequence[int] | torch.Tensor, segments: Segments,
+           matched: int, defaults: Defaults, compute: ComputeCost | None = None) -> Detection:
+    """The stored segments of a prompt past its first `matched` tokens (held exactly) as an auto hint, or none when
+    they are too few to blend (the request is then served as stock). The store is asked once for all the segments
+    (the remote tier in one round trip, for those worth fetching: a segment computing faster than it fetches is a
+    hole); the entries it returned for the hint's chunks are kept for the blend's lookup."""
+    t0 = time.perf_counter()
+    wanted = [(e - s, k) for (s, e), k in zip(segments.spans, segments.keys) if s >= matched]
+    costs = None if compute is None else {k: (n, compute.chunk_s(n)) for n, k in wanted}
+    looked = store.lookup([k for _, k in wanted], costs) if wanted else Lookup({}, frozenset(), frozenset())
+    found = auto.detect(segments, len(token_ids), matched, set(looked.entries))
+    hint = None if found is None else RequestHint(
+        token_ids=torch.as_tensor(list(token_ids), dtype=torch.long), spans=found.spans, keys=found.keys,
+        selector=defaults.selector, ratio=defaults.ratio, namespace=defaults.namespace, auto=True,
+        max_kl=defaults.max_kl)
+    keys = frozenset(() if found is None else found.keys)
+    kept = Lookup({k: looked.entries[k] for k in keys}, looked.fetched & keys, frozenset())
+    return Detection(hint, kept, len(wanted), time.perf_counter() - t0)
 
 
 class Engine(FeaturePasses, Protocol):
@@ -63,7 +102,7 @@ class Engine(FeaturePasses, Protocol):
 
 @dataclass
 class Blended:
-    """What the blend did for one request."""
+    """What the blend did for one request in one round."""
 
     plan: RequestPlan
     hits: int  # chunks found in the store (before the fill)
@@ -84,35 +123,40 @@ class Blended:
         spans = self.plan.layout().context_mask()
         return blended - int(spans[self.recomputed].sum())
 
+    @property
+    def attended_pairs(self) -> int:
+        """(query, key) pairs the recomputed tokens attend, against the n(n+1)/2 of a causal prefill."""
+        return int((self.recomputed + 1).sum())
+
 
 @dataclass
 class BatchBlend:
     output: Any  # the engine's recompute output
     requests: list[Blended]
-    seconds: dict[str, float]  # per step (STEPS)
+    seconds: dict[str, float]  # per stage (STAGES), the batch's
     # deviations estimated for chunks that remembered none (mix's first_reuse "estimate"), for the engine's owner to
     # measure after the batch: each job's `run` returns the features to write through (ChunkStore.add_features)
-    deferred: list[DeviationJob]
+    deferred: list[DeviationJob] = field(default_factory=list)
 
 
 def run(engine: Engine, store: ChunkStore, plans: Sequence[RequestPlan], selector: Callable[[str], Selector],
-        floor_cap: float = 1.0, compute: ComputeCost | None = None) -> BatchBlend:
-    """`floor_cap`: the largest rho a request's quality floor may choose. `compute`: what computing a chunk costs
-    this server (priced against a remote fetch, and measured on the fill); None: every remote entry is fetched."""
-    seconds = dict.fromkeys(STEPS, 0.0)
+        floor_cap: float = 1.0, compute: ComputeCost | None = None,
+        prefetched: Iterable[Lookup] = ()) -> BatchBlend:
+    """lookup, fill, learn, copy, features, select and recompute for one batch. `floor_cap`: the largest rho a
+    request's quality floor may choose. `compute`: what computing a chunk costs this server (priced against a remote
+    fetch, and measured on the fill); None: every remote entry is fetched. `prefetched`: entries detection already
+    fetched (not asked of the store again)."""
+    seconds = dict.fromkeys(STAGES, 0.0)
     step = _stopwatch(seconds)
     with step("lookup"):
-        looked = lookup(store, plans, engine, compute)
+        looked = lookup(store, plans, engine, compute, prefetched)
     found = looked.entries
     with step("fill"):
         computed = engine.fill(to_compute(plans, found))
     if compute is not None:
         compute.observe(sum(e.num_tokens for e in computed), seconds["fill"])
     with step("learn"):
-        for entry in computed:
-            if not store.put(entry):
-                log.warning("chunkcache: the chunk store kept no copy of chunk %s (%d bytes); every request that uses "
-                            "it computes it again", entry.key, entry.nbytes)
+        store_entries(store, computed)
     entries = {**found, **{e.key: e for e in computed}}
     per_request = [[entries[c.key] for c in p.chunks] for p in plans]
     with step("copy"):
@@ -122,31 +166,37 @@ def run(engine: Engine, store: ChunkStore, plans: Sequence[RequestPlan], selecto
     selectors = [selector(p.selector) for p in plans]
     with step("features"):
         prefetch(engine, features, selectors)
-    blended = []
     with step("select"):
-        for p, f, sel in zip(plans, features, selectors):
-            t = time.perf_counter()
-            layout = f.layout
-            ratio, met = _budget(p, sel, f, floor_cap)
-            selection = sel.select(layout, ratio, f)
-            recomputed = recompute_set(layout, selection.indices)
-            estimate = None if selection.scores is None else fidelity.estimate(
-                fidelity.signals(fidelity.evidence(layout, selection.scores, f.values), recomputed))
-            blended.append(Blended(p, sum(c.key in found for c in p.chunks), recomputed, selection.scores,
-                                   time.perf_counter() - t, tuple(sorted({name for name, _ in f.values
-                                                                          if name in PASSES})),
-                                   ratio, estimate, met, sum(c.key in looked.fetched for c in p.chunks),
-                                   sum(c.key in looked.computed_instead for c in p.chunks)))
-        added: dict[str, dict[str, torch.Tensor]] = {}
-        for f in features:  # per-chunk selector features reach every tier and the host budget
-            for key, feats in f.added_features().items():
-                added.setdefault(key, {}).update(feats)
-        for key, feats in added.items():
-            store.add_features(key, feats)
+        blended = [_select(p, f, sel, floor_cap, looked) for p, f, sel in zip(plans, features, selectors)]
+        _keep_features(store, features)
     with step("recompute"):
         output = engine.recompute([b.recomputed for b in blended])
     return BatchBlend(output, blended, seconds, [DeviationJob(engine, f, engine.rope) for f in features
                                                  if f.unmeasured is not None])
+
+
+def _select(plan: RequestPlan, f: RequestFeatures, sel: Selector, floor_cap: float, looked: Lookup) -> Blended:
+    """One request's selection at its ratio (or its quality floor's), and its fidelity estimate at that rho."""
+    t = time.perf_counter()
+    ratio, met = _budget(plan, sel, f, floor_cap)
+    selection = sel.select(f.layout, ratio, f)
+    recomputed = recompute_set(f.layout, selection.indices)
+    estimate = None if selection.scores is None else fidelity.estimate(
+        fidelity.signals(fidelity.evidence(f.layout, selection.scores, f.values), recomputed))
+    return Blended(plan, sum(c.key in looked.entries for c in plan.chunks), recomputed, selection.scores,
+                   time.perf_counter() - t, tuple(sorted({name for name, _ in f.values if name in PASSES})),
+                   ratio, estimate, met, sum(c.key in looked.fetched for c in plan.chunks),
+                   sum(c.key in looked.computed_instead for c in plan.chunks))
+
+
+def _keep_features(store: ChunkStore, features: list[RequestFeatures]) -> None:
+    """Per-chunk selector features reach every tier and the host budget."""
+    added: dict[str, dict[str, torch.Tensor]] = {}
+    for f in features:
+        for key, feats in f.added_features().items():
+            added.setdefault(key, {}).update(feats)
+    for key, feats in added.items():
+        store.add_features(key, feats)
 
 
 def _budget(plan: RequestPlan, sel: Selector, features: RequestFeatures, cap: float) -> tuple[float, bool | None]:
@@ -158,17 +208,24 @@ def _budget(plan: RequestPlan, sel: Selector, features: RequestFeatures, cap: fl
     return (1.0, False) if chosen is None else (chosen, True)
 
 
-def lookup(store: ChunkStore, plans: Sequence[RequestPlan], engine: Engine, compute: ComputeCost | None) -> Lookup:
-    """Each distinct chunk's entry, where the store has one that holds exactly its tokens (the batch's keys in one
-    store call: one remote round trip per server at most, for the chunks worth fetching)."""
+def lookup(store: ChunkStore, plans: Sequence[RequestPlan], engine: Engine, compute: ComputeCost | None,
+           prefetched: Iterable[Lookup] = ()) -> Lookup:
+    """Each distinct chunk's entry, where the store has one that holds exactly its tokens (the batch's keys not
+    `prefetched` in one store call: one remote round trip per server at most, for the chunks worth fetching)."""
     chunks = {c.key: (plan, c) for plan in plans for c in plan.chunks}
+    given: dict[str, ChunkEntry] = {}
+    fetched: set[str] = set()
+    for p in prefetched:
+        given.update(p.entries)
+        fetched |= p.fetched
+    asked = {key: c for key, (_, c) in chunks.items() if key not in given}
     costs = None if compute is None else {
-        key: (c.span[1] - c.span[0], compute.chunk_s(c.span[1] - c.span[0])) for key, (_, c) in chunks.items()}
-    looked = store.lookup(list(chunks), costs)
-    found = {key: _holding(looked.entries.get(key), plan.chunk_ids(c), key, engine)
-             for key, (plan, c) in chunks.items()}
+        key: (c.span[1] - c.span[0], compute.chunk_s(c.span[1] - c.span[0])) for key, c in asked.items()}
+    looked = store.lookup(list(asked), costs) if asked else Lookup({}, frozenset(), frozenset())
+    held = {**given, **looked.entries}
+    found = {key: _holding(held.get(key), plan.chunk_ids(c), key, engine) for key, (plan, c) in chunks.items()}
     entries = {key: entry for key, entry in found.items() if entry is not None}
-    return Lookup(entries, frozenset(k for k in looked.fetched if k in entries), looked.computed_instead)
+    return Lookup(entries, frozenset(k for k in fetched | looked.fetched if k in entries), looked.computed_instead)
 
 
 def _holding(entry: ChunkEntry | None, ids: torch.Tensor, key: str, engine: Engine) -> ChunkEntry | None:
@@ -210,6 +267,100 @@ def prefetch(passes: FeaturePasses, features: list[RequestFeatures], selectors: 
             continue  # served lazily by RequestFeatures
         for f, value in zip(fs, values):
             f.values[name, args] = value
+
+
+def store_entries(store: ChunkStore, entries: Iterable[ChunkEntry]) -> dict[str, float]:
+    """Put `entries` into the store: what it kept (segments, tokens, bytes). One it kept no copy of is said in the
+    log: every request that uses it computes it again."""
+    kept = {"segments": 0, "tokens": 0, "bytes": 0}
+    for entry in entries:
+        if store.put(entry):
+            kept["segments"] += 1
+            kept["tokens"] += entry.num_tokens
+            kept["bytes"] += entry.nbytes
+        else:
+            log.warning("chunkcache: the chunk store kept no copy of chunk %s (%d bytes); every request that uses "
+                        "it computes it again", entry.key, entry.nbytes)
+    return kept
+
+
+def learn_segments(store: ChunkStore, auto: AutoChunks, request: ChunkRequest, token_ids: torch.Tensor,
+                   computed: torch.Tensor, read_kv: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                   fingerprint: str, token_bytes: int | None = None) -> dict[str, float]:
+    """After the request's prompt prefill: its segments that this prefill computed in the prompt's own context
+    (`computed`, bool [N]) and no tier holds, stored from one read of the engine's KV (`read_kv(positions)`: K and
+    V [layers, len(positions), heads, dim], copied out, never aliasing the engine's buffers), at the positions they
+    had here (the entries' start_pos). Learned once per prompt: the request's segments are dropped. With
+    `token_bytes` (KV bytes per token), a store without room for the prompt's KV is crowded (auto.to_learn)."""
+    t0 = time.perf_counter()
+    segments, request.segments = request.segments, None
+    crowded = token_bytes is not None and store.room() < int(computed.sum()) * token_bytes
+    todo = [] if segments is None else auto.to_learn(segments, computed, store, crowded)
+    if not todo:
+        return {"segments": 0, "tokens": 0, "bytes": 0, "seconds": 0.0}
+    k, v = read_kv(torch.cat([torch.arange(s, e) for (s, e), _ in todo]))
+    entries, at = [], 0
+    for (s, e), key in todo:
+        entries.append(ChunkEntry(key=key, token_ids=token_ids[s:e].clone(), k=k[:, at: at + e - s].clone(),
+                                  v=v[:, at: at + e - s].clone(), start_pos=s, model_fingerprint=fingerprint))
+        at += e - s
+    return {**store_entries(store, entries), "seconds": round(time.perf_counter() - t0, 6)}
+
+
+def record(request: ChunkRequest, b: Blended, *, stages: dict[str, float] | None = None, blend_s: float = 0.0,
+           select_s: float = 0.0, batch: dict[str, int] | None = None,
+           prediction: Prediction | None = None) -> dict:
+    """A blended round's report: chunk hits, reused and recomputed tokens, the radix match, the selector and its rho,
+    the fidelity estimate (and the quality floor), the remote tier's part, seconds per stage (`stages`, the batch's;
+    `detect` is the request's own) and `blend_s`/`select_s` (this request's share), the blend-or-full `prediction`
+    when one was made, and the engine's `batch` (requests, forwards)."""
+    plan = b.plan
+    return {
+        **_auto(request),
+        "chunk_hits": b.hits, "chunk_misses": len(plan.chunks) - b.hits, "reused_tokens": b.reused_tokens,
+        "recomputed_tokens": len(b.recomputed), "attended_pairs": b.attended_pairs, "radix_tokens": plan.matched,
+        "selector": plan.selector, "ratio": b.ratio, "select_s": round(select_s, 6), "blend_s": round(blend_s, 6),
+        "stages_s": _stages(request, stages), "batch": dict(batch or NO_BATCH),
+        "admitted_compute": request.charged, "feature_passes": list(b.passes),
+        **(prediction.report() if prediction is not None else {}),
+        **({} if b.estimate is None else {"fidelity": {"kl": round(b.estimate.kl, 6),
+                                                        "agree": round(b.estimate.agree, 4)}}),
+        **_floor(b), "fetched": b.fetched, "computed_instead": b.computed_instead,
+    }
+
+
+def _floor(b: Blended) -> dict:
+    """With a quality floor: the bound and, when no rho up to the cap met it, the fallback (every context token
+    recomputed) and why."""
+    if b.plan.max_kl is None:
+        return {}
+    if b.floor_met:
+        return {"max_kl": b.plan.max_kl}
+    detail = (f"no rho up to select.max_kl_cap has an estimated first-token KL of at most {b.plan.max_kl}"
+              if b.estimate is not None else f"selector {b.plan.selector!r} gives no fidelity estimate (the estimator "
+              f"reads mix's signals)") + ": every context token recomputed"
+    return {"max_kl": b.plan.max_kl, "fallback": "quality_floor", "detail": detail}
+
+
+def record_held(request: ChunkRequest, plan: RequestPlan, computed: int) -> dict:
+    """A round whose chunks the radix tree held entirely: computed exactly, nothing blended."""
+    return {**_auto(request), "chunk_hits": 0, "chunk_misses": 0, "reused_tokens": 0, "recomputed_tokens": computed,
+            "attended_pairs": 0, "radix_tokens": plan.matched, "selector": plan.selector, "ratio": plan.ratio,
+            "select_s": 0.0, "blend_s": 0.0, "stages_s": _stages(request, None), "batch": dict(NO_BATCH),
+            "admitted_compute": request.charged,
+            "feature_passes": []}
+
+
+def _stages(request: ChunkRequest, stages: dict[str, float] | None) -> dict[str, float]:
+    seconds = {**(stages or {}), "detect": request.detection.seconds if request.detection else 0.0}
+    return {k: round(seconds.get(k, 0.0), 6) for k in STAGES}
+
+
+def _auto(request: ChunkRequest) -> dict:
+    d = request.detection
+    if request.hint is None or not request.hint.auto or d is None:
+        return {}
+    return {"auto": True, "segments": d.looked_up, "detect_s": round(d.seconds, 6)}
 
 
 def _stopwatch(seconds: dict[str, float]):

@@ -1,9 +1,8 @@
 """What every blend of one serving model shares, and a request's hint resolved against it.
 
 A server (sglang_patch.scheduler.cache) holds one `ChunkReuse`: the config, the chunk store, the model's KV layout and
-RoPE, the selectors and the models selectors load. `hint()` turns a validated chunkcache payload into a `RequestHint`:
-the server's defaults filled in and every chunk's store key hashed, once per request; `RequestHint.plan()` is that
-request's blend plan for one prefill round.
+RoPE, the selectors and the models selectors load. `hint()` turns a validated chunkcache payload into a `RequestHint`
+(chunkcache.blend.request): the server's defaults filled in and every chunk's store key hashed, once per request.
 """
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -25,28 +23,12 @@ from ..store import ChunkStore, EntryLayout
 from .auto import AutoChunks, Segments
 from .cost import Calibration, ComputeCost, Rates
 from .features import DeviationJob, Models
-from .plan import RequestPlan, plan_request
+from .pipeline import Defaults
+from .request import RequestHint
 
 log = logging.getLogger(__name__)
 # deferred deviation measurements kept at most (each holds its request's plan and chunk entries until measured)
 DEFERRED_JOBS = 32
-
-
-@dataclass(frozen=True)
-class RequestHint:
-    token_ids: torch.Tensor  # [N] int64, the prompt the hint was resolved against
-    spans: tuple[tuple[int, int], ...]  # the chunks' token spans in the prompt (end exclusive)
-    keys: tuple[str, ...]  # chunk-store key of each span
-    selector: str
-    ratio: float
-    namespace: str
-    auto: bool = False  # found by automatic chunk detection (chunkcache.blend.auto), not marked by the client
-    max_kl: float | None = None  # the quality floor (RequestPlan.max_kl)
-
-    def plan(self, matched: int) -> RequestPlan:
-        """The blend plan of a prefill round that finds the prompt's first `matched` tokens already exact."""
-        return plan_request(self.token_ids, self.spans, self.keys, matched, self.selector, self.ratio,
-                            max_kl=self.max_kl)
 
 
 class ChunkReuse:
@@ -109,20 +91,11 @@ class ChunkReuse:
         """The prompt's reusable segments under the server's namespace (auto detection must be on)."""
         return self.auto.segments(token_ids, self.config.store.namespace, cache_salt)
 
-    def auto_hint(self, token_ids: Sequence[int], segments: Segments, matched: int) -> RequestHint | None:
-        """A hint whose chunks are the prompt's stored segments past its first `matched` tokens (held exactly), or
-        None when they are too few to blend (the request is then served as stock). The store is asked once for all
-        the segments (the remote tier in one round trip, for those worth fetching: a segment computing faster than
-        it fetches is a hole); a remote hit is promoted into memory for the blend."""
-        wanted = {k: (e - s, self.compute.chunk_s(e - s)) for (s, e), k in zip(segments.spans, segments.keys)
-                  if s >= matched}
-        stored = set(self.store.lookup(list(wanted), wanted).entries) if wanted else set()
-        found = self.auto.detect(segments, len(token_ids), matched, stored)
-        if found is None:
-            return None
-        return RequestHint(token_ids=torch.as_tensor(list(token_ids), dtype=torch.long), spans=found.spans,
-                           keys=found.keys, selector=self.config.select.selector, ratio=self.config.select.ratio,
-                           namespace=self.config.store.namespace, auto=True, max_kl=self.config.select.max_kl)
+    @property
+    def defaults(self) -> Defaults:
+        """What a hint found by automatic detection asks for: the server's selector, ratio, namespace and floor."""
+        select = self.config.select
+        return Defaults(select.selector, select.ratio, self.config.store.namespace, select.max_kl)
 
     def _floor(self, asked: float | None, ratio: float | None) -> float | None:
         """A request's quality floor: its own, else the server's unless the request set its ratio."""

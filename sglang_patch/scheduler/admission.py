@@ -28,7 +28,6 @@ from . import request_hint
 from .cache import reuse_of
 
 log = logging.getLogger(__name__)
-CHARGED = "chunkcache_compute"  # Req attribute: the compute estimate admission charged it
 
 
 def compute_tokens(reuse: ChunkReuse, req, prefix_len: int) -> int | None:
@@ -36,10 +35,9 @@ def compute_tokens(reuse: ChunkReuse, req, prefix_len: int) -> int | None:
     shared prefix, every missing chunk (computed standalone), the tokens outside chunks (query included), the
     selector's budget and its feature pass. None for a request that is not blended as a whole (no chunks, a
     retracted request that re-prefills its output)."""
-    hint = request_hint.of(req)
-    if hint is None or req.output_ids:
+    if request_hint.of(req) is None or req.output_ids:
         return None
-    plan = hint.plan(prefix_len)
+    plan = request_hint.record(req).plan(prefix_len)
     extend = plan.n - prefix_len
     if not plan.blends:
         return extend
@@ -58,16 +56,13 @@ def compute_tokens(reuse: ChunkReuse, req, prefix_len: int) -> int | None:
     return (plan.start - prefix_len) + missing + outside + selected + features
 
 
-def charged(req) -> int | None:
-    """What admission charged `req` (None: SGLang's own charge, its extend length)."""
-    return req.__dict__.get(CHARGED)
-
-
 class ChunkAwarePrefillAdder(PrefillAdder):
     def _select_prefill_admission(self, req, **kwargs):
         prefix_len = req.prefix_len + kwargs["host_hit_length"]
         compute = compute_tokens(self.tree_cache.reuse, req, prefix_len)
-        req.__dict__[CHARGED] = compute
+        request = request_hint.record(req)
+        if request is not None:
+            request.charged = compute
         if compute is None:
             return super()._select_prefill_admission(req, **kwargs)
         budgets = [b for b in (self.rem_chunk_tokens, self.rem_input_tokens) if b is not None]
@@ -90,7 +85,8 @@ class ChunkAwarePrefillAdder(PrefillAdder):
     def _commit_prefill_admission(self, req, admission, mamba_gap_reserve: int) -> None:
         saved = self.rem_chunk_tokens, self.rem_input_tokens
         super()._commit_prefill_admission(req, admission, mamba_gap_reserve)
-        compute = charged(req)
+        request = request_hint.record(req)
+        compute = None if request is None else request.charged
         if compute is not None and not admission.is_chunked:
             # SGLang charged the whole extend; charge the compute instead (its KV reservation stays in full)
             chunk, tokens = saved

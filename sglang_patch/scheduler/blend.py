@@ -1,8 +1,8 @@
 """The blended prefill of one extend batch, run in place of SGLang's model forward when a request carries chunks.
 
 `run` sorts the batch's rows, runs chunkcache.blend.pipeline on the ones that blend, and reports every hinted
-request's round (sglang_patch.scheduler.report):
-  * a hinted request's whole-prompt prefill blends: its plan (RequestHint.plan) starts after the radix match, a
+request's round (the pipeline's record, through sglang_patch.scheduler.report):
+  * a hinted request's whole-prompt prefill blends: its plan (ChunkRequest.plan) starts after the radix match, a
     chunk the match reaches into keeping its exact head;
   * one whose chunks the radix tree holds entirely is computed exactly (reported, nothing to blend);
   * one prefilled in part (chunked prefill, a retracted request), or in a batch that wants input logprobs, is
@@ -24,12 +24,13 @@ from chunkcache.blend import pipeline
 from chunkcache.blend.cost import Prediction, predict
 from chunkcache.blend.features import recorded_from
 from chunkcache.blend.plan import Placement, RequestPlan
+from chunkcache.blend.request import ChunkRequest
 from chunkcache.blend.reuse import ChunkReuse
 from chunkcache.rope import rerotate
 from chunkcache.select.base import needs
 from chunkcache.store import ChunkEntry
 
-from . import admission, report, request_hint
+from . import report, request_hint
 from ..forward.forward_pass import Pass, Row, Runner, batch_rows
 from ..forward.sparse_attention import pool_index
 
@@ -38,59 +39,57 @@ def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
     """The batch's logits output, or None when nothing blends (SGLang's own forward then computes the batch)."""
     t0 = time.perf_counter()
     rows = batch_rows(model_runner, forward_batch, reqs)
-    hinted = [(row, hint) for row in rows if not row.decode and (hint := request_hint.of(row.req)) is not None]
+    hinted = [(row, request_hint.record(row.req)) for row in rows
+              if not row.decode and request_hint.of(row.req) is not None]
     if not hinted:
         return None
     if forward_batch.return_logprob:
-        for row, _ in hinted:
-            report.fallback(row.req, "logprobs", "input logprobs need every prompt token's logits")
+        for _, request in hinted:
+            report.fallback(request, "logprobs", "input logprobs need every prompt token's logits")
         return None
-    blending: dict[int, RequestPlan] = {}  # batch row -> its plan
+    blending: dict[int, tuple[ChunkRequest, RequestPlan]] = {}  # batch row -> its record and plan
     predictions: dict[int, Prediction | None] = {}  # calibrated (reported); at_rates: as the rates alone predict
     at_rates: dict[int, Prediction | None] = {}
-    for row, hint in hinted:
+    for row, request in hinted:
         prompt = len(row.req.origin_input_ids)
         if row.seq_len != prompt:
-            report.fallback(row.req, "partial_prefill", f"tokens [{row.matched}, {row.seq_len}) of "
+            report.fallback(request, "partial_prefill", f"tokens [{row.matched}, {row.seq_len}) of "
                             f"{prompt} (chunked prefill or a retracted request): this round is computed in full")
-        elif (plan := hint.plan(row.matched)).blends:
+        elif (plan := request.plan(row.matched)).blends:
             raw = _predicted(reuse, plan)  # at the rates alone; the choice at them scaled by what was observed
             predicted = None if raw is None else reuse.calibration.apply(raw)
             if predicted is not None and not predicted.blend:
-                report.fallback(row.req, "predicted_slower", f"blending ({predicted.tokens} tokens computed, "
+                report.fallback(request, "predicted_slower", f"blending ({predicted.tokens} tokens computed, "
                                 f"{predicted.pairs} pairs attended, {predicted.reused} copied) predicted "
                                 f"{predicted.blend_s:.3f} s against {predicted.stock_s:.3f} s computed in full "
                                 f"({row.seq_len - row.matched} tokens; rates of this host)", predicted.report())
                 continue
-            blending[row.index] = plan
+            blending[row.index] = request, plan
             predictions[row.index] = predicted
             at_rates[row.index] = raw
         else:  # the radix tree holds every chunk: computed exactly, and said so
-            report.blended(row.req, plan, hits=0, reused=0, recomputed=row.seq_len - row.matched,
-                           admitted_compute=admission.charged(row.req), auto=hint.auto)
+            report.blended(request, pipeline.record_held(request, plan, row.seq_len - row.matched))
     if not blending:
         return None
     planned = time.perf_counter()
-    engine = BatchEngine(reuse, Runner(model_runner, forward_batch), rows, blending)
-    done = pipeline.run(engine, reuse.store, list(blending.values()), reuse.selector,
-                        floor_cap=reuse.config.select.max_kl_cap, compute=reuse.compute)
+    plans = [plan for _, plan in blending.values()]
+    engine = BatchEngine(reuse, Runner(model_runner, forward_batch), rows, plans, list(blending))
+    done = pipeline.run(engine, reuse.store, plans, reuse.selector, floor_cap=reuse.config.select.max_kl_cap,
+                        compute=reuse.compute,
+                        prefetched=[p for request, _ in blending.values() if (p := request.prefetched()) is not None])
     if all(p is not None for p in at_rates.values()):  # the batch's blend time against the rates' prediction
         reuse.calibration.observe("blend", sum(p.blend_s for p in at_rates.values()), time.perf_counter() - t0)
     reuse.deferred.extend(done.deferred)  # measured when the scheduler is idle (plugin: Scheduler.on_idle)
-    s = done.seconds
-    stages = {"match_fill": planned - t0 + s["lookup"] + s["fill"] + s["learn"], "copy": s["copy"],
-              "features": s["features"], "select": s["select"], "prefill": s["recompute"]}
+    stages = {**done.seconds, "plan": planned - t0}
     decodes = sum(row.decode for row in rows)
     batch = {"requests": len(blending), "plain": len(rows) - len(blending) - decodes, "decodes": decodes,
              "forwards": engine.runner.forwards}
-    feature_s = s["features"] / len(blending)  # a batched feature pass is shared evenly by its requests
-    blend_s = time.perf_counter() - t0 - s["features"] - s["select"]
-    for index, request in zip(blending, done.requests):
-        report.blended(rows[index].req, request.plan, hits=request.hits, reused=request.reused_tokens,
-                       recomputed=len(request.recomputed), admitted_compute=admission.charged(rows[index].req),
-                       select_s=feature_s + request.select_s, blend_s=blend_s, stages=stages, batch=batch,
-                       auto=request_hint.of(rows[index].req).auto, passes=request.passes,
-                       pairs=int((request.recomputed + 1).sum()), predicted=predictions[index], blended=request)
+    feature_s = stages["features"] / len(blending)  # a batched feature pass is shared evenly by its requests
+    blend_s = time.perf_counter() - t0 - stages["features"] - stages["select"]
+    for (index, (request, _)), b in zip(blending.items(), done.requests):
+        report.blended(request, pipeline.record(request, b, stages=stages, blend_s=blend_s,
+                                                select_s=feature_s + b.select_s, batch=batch,
+                                                prediction=predictions[index]))
     return done.output
 
 
@@ -108,14 +107,16 @@ class BatchEngine:
     """chunkcache.blend.pipeline's Engine for one extend batch: `plans` are the blending rows' (request i of the
     pipeline is the i-th), the other rows are computed exactly by `recompute`."""
 
-    def __init__(self, reuse: ChunkReuse, runner: Runner, rows: list[Row], blending: dict[int, RequestPlan]):
+    def __init__(self, reuse: ChunkReuse, runner: Runner, rows: list[Row], plans: list[RequestPlan],
+                 plan_rows: list[int]):
+        """`plan_rows`: the batch row of each plan."""
         self.reuse, self.runner, self.rows = reuse, runner, rows
         self.fingerprint, self.models, self.entry_shape = reuse.fingerprint, reuse.models, reuse.entry_shape
         self.rope = reuse.rope
         self.n_layers = reuse.layout.num_layers
-        self.plans = list(blending.values())
-        self.plan_rows = [rows[index] for index in blending]
-        self.request_of_row = {index: i for i, index in enumerate(blending)}
+        self.plans = plans
+        self.plan_rows = [rows[index] for index in plan_rows]
+        self.request_of_row = {index: i for i, index in enumerate(plan_rows)}
         self.pool = runner.model_runner.token_to_kv_pool
 
     def fill(self, chunks: list[tuple[int, Placement]]) -> list[ChunkEntry]:

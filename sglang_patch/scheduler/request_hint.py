@@ -1,9 +1,10 @@
-"""A hinted request's hint, resolved once when the scheduler creates its `Req` and kept on it.
+"""A request's chunk reuse record (chunkcache.blend.request.ChunkRequest), attached once when the scheduler creates
+its `Req`: the one attribute chunkcache keeps on it (`ATTR`).
 
 `attach` runs at the Req's creation (plugin.hooks, after `Scheduler._create_generation_req`): it moves the request
 into its radix partition and resolves its validated payload against the server's `ChunkReuse` (defaults filled in,
-chunk keys hashed). Admission (sglang_patch.scheduler.admission) and the blend (sglang_patch.scheduler.blend) read it
-with `of(req)`.
+chunk keys hashed). Admission, the blend, learning and the report read the record with `record(req)`, the hint with
+`of(req)`.
 
 A request that asks for exact KV (`exact: true`, or `selector: full` by its payload or the server's default) gets no
 hint: it stays in its own partition and SGLang's own prefill computes it, so its output is stock's bit for bit; `exact`
@@ -19,13 +20,14 @@ from __future__ import annotations
 
 import logging
 
-from chunkcache.blend.reuse import ChunkReuse, RequestHint
+from chunkcache.blend.request import ChunkRequest, RequestHint
+from chunkcache.blend.reuse import ChunkReuse
 from chunkcache.hints import EXACT_SELECTOR, HintError, find_payload
 
 from . import auto_chunks, report
 
 log = logging.getLogger(__name__)
-ATTR = "chunkcache_hint"
+ATTR = report.ATTR
 # Every hinted request's extra_key starts with this, and the HTTP layer refuses it on any other request
 # (hint_validation.check_request), so a plain request can never name a hinted request's radix partition.
 RESERVED_EXTRA_KEY = "chunkcache\x1f"
@@ -35,33 +37,31 @@ def attach(reuse: ChunkReuse | None, tree_cache, req) -> None:
     """`reuse`: the scheduler's, None when its tree cache is not chunkcache's (a stock server still partitions).
     With automatic detection on, a request without a hint may get one (auto_chunks.detect) and every request's
     segments are kept for learning."""
-    hint = None
+    request = ChunkRequest(rid=str(getattr(req, "rid", "?")))
+    req.__dict__[ATTR] = request
     try:
         payload = find_payload(getattr(req, "kv_hints", None))
         if payload is not None:
-            why = exact_reason(reuse, payload)
-            if why is not None:
-                req.__dict__[report.EXACT] = why
-            else:
+            request.exact = exact_reason(reuse, payload)
+            if request.exact is None:
                 req.extra_key = radix_partition(payload.get("namespace"), req.extra_key)
                 if reuse is not None:
-                    hint = reuse.hint(payload, req.origin_input_ids, getattr(req, "cache_salt", None))
+                    request.hint = reuse.hint(payload, req.origin_input_ids, getattr(req, "cache_salt", None))
             if reuse is not None and reuse.auto is not None:
-                req.__dict__[auto_chunks.SEGMENTS] = reuse.segments(req.origin_input_ids,
-                                                                    getattr(req, "cache_salt", None))
+                request.segments = reuse.segments(req.origin_input_ids, getattr(req, "cache_salt", None))
         elif (reuse is not None and reuse.auto is not None and getattr(req, "to_finish", None) is None
               and reuse.config.select.selector != EXACT_SELECTOR):  # a server serving `full` blends nothing
             try:
-                hint = auto_chunks.detect(reuse, tree_cache, req)
+                auto_chunks.detect(reuse, tree_cache, req, request)
             except Exception as exc:  # noqa: BLE001 - e.g. the shared tier failing mid-lookup: serve it as stock
-                log.exception("chunkcache: automatic chunk detection failed for request %s", getattr(req, "rid", "?"))
-                report.fallback(req, "auto_error", f"{type(exc).__name__}: {exc}")
-            if hint is not None:
+                log.exception("chunkcache: automatic chunk detection failed for request %s", request.rid)
+                request.hint = request.detection = None
+                report.fallback(request, "auto_error", f"{type(exc).__name__}: {exc}")
+            if request.hint is not None:
                 req.extra_key = auto_partition(req.extra_key)
     except HintError as exc:  # validated at the HTTP layer; an Engine-side bypass still must not fail the request
         if reuse is not None:
-            report.fallback(req, "bad_hint", str(exc))
-    req.__dict__[ATTR] = hint
+            report.fallback(request, "bad_hint", str(exc))
 
 
 def exact_reason(reuse: ChunkReuse | None, payload: dict) -> str | None:
@@ -72,9 +72,15 @@ def exact_reason(reuse: ChunkReuse | None, payload: dict) -> str | None:
     return "selector_full" if (payload.get("selector") or default) == EXACT_SELECTOR else None
 
 
+def record(req) -> ChunkRequest | None:
+    """The request's record; None for a request the scheduler created before chunkcache saw it (none)."""
+    return req.__dict__.get(ATTR)
+
+
 def exact(req) -> str | None:
     """Why the request is computed exactly (exact_reason), None for any other request."""
-    return req.__dict__.get(report.EXACT)
+    request = record(req)
+    return None if request is None else request.exact
 
 
 def of(req) -> RequestHint | None:
@@ -82,7 +88,8 @@ def of(req) -> RequestHint | None:
     by one token to skip the prefill: it is not served at all, so it is neither blended nor a malformed hint)."""
     if getattr(req, "to_finish", None) is not None:
         return None
-    return req.__dict__.get(ATTR)
+    request = record(req)
+    return None if request is None else request.hint
 
 
 def radix_partition(namespace: str | None, extra_key: str | None) -> str:
