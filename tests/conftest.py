@@ -3,6 +3,7 @@ import os
 import random
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -199,6 +200,15 @@ class Rag:
 def blended_context(spans, meta) -> int:
     """Chunk tokens the blend handles: all chunk tokens but those inside SGLang's exact radix match."""
     return sum(e - s for s, e in spans) - max(0, meta["cached_tokens"] - spans[0][0])
+
+
+def flush(engine, timeout: float = 60) -> None:
+    """Empty the engine's radix tree and KV pool. SGLang refuses a flush until its scheduler has retired the batch
+    that answered the last request (`Scheduler.is_fully_idle`: its last batch is still set when a client that just
+    got its answer asks at once), so the flush is asked again until the scheduler takes it."""
+    deadline = time.monotonic() + timeout
+    while not engine.flush_cache().success:
+        assert time.monotonic() < deadline, "the engine kept refusing flush_cache: a request is still in it"
 
 
 def gen(engine, ids, kv_hints=None, n=12):

@@ -4,7 +4,7 @@ import random
 import time
 
 import pytest
-from conftest import Rag, blended_context, gen, hints, sglang_engine
+from conftest import Rag, blended_context, flush, gen, hints, sglang_engine
 
 pytestmark = pytest.mark.slow
 
@@ -145,7 +145,7 @@ def test_many_requests_over_a_small_pool_evict_and_do_not_leak_slots(engine, rag
     after = kv_pool(engine)
     assert served > 3 * total, "the workload must not fit in the pool, so eviction has to happen"
     assert after["protected"] == 0 and after["available"] + after["evictable"] == total
-    engine.flush_cache()
+    flush(engine)
     assert kv_pool(engine)["available"] == total
 
 

@@ -4,7 +4,7 @@ radix tree's exact prefix, never a blend's reused chunk tokens."""
 
 import pytest
 import transformers
-from conftest import Rag, gen, hints, sglang_engine
+from conftest import Rag, flush, gen, hints, sglang_engine
 
 from chunkcache.models import resolve_model
 
@@ -23,7 +23,7 @@ def served(request, tmp_path_factory):
 
 def fresh(engine, ids, kv_hints=None) -> dict:
     """The request computed from an empty radix tree: each side below computes the whole prompt itself."""
-    assert engine.flush_cache().success
+    flush(engine)
     return gen(engine, ids, kv_hints, n=12)
 
 
