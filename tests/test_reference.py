@@ -326,6 +326,9 @@ def test_disk_store_is_shared_between_blenders(model, model_dir, tmp_path):
     assert (b.chunk_hits, b.chunk_misses) == (4, 0) and second.store.stats().disk_hits == 3
     torch.testing.assert_close(a.logits, b.logits, atol=0, rtol=0)
     assert set(a.timings) == {*STAGES, "total"}
+    # the round's record is the server's (chunkcache.blend.pipeline.record): the same fields, this blend's counts
+    assert (b.report["chunk_hits"], b.report["chunk_misses"], b.report["reused_tokens"]) == (4, 0, b.reused_tokens)
+    assert list(b.report["stages_s"]) == list(STAGES) and b.report["recomputed_tokens"] == len(b.recomputed)
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------------

@@ -78,7 +78,7 @@ def learn(reuse: ChunkReuse, model_runner, forward_batch, reqs, record_of) -> No
         metrics.record_auto_learned(learned["segments"], learned["bytes"])
         if not hinted and request.exact is None:
             report.auto_stock(request, radix=row.matched, computed=row.seq_len - row.matched, learned=learned)
-        elif learned["segments"]:
+        else:
             request.add_learned(learned)
 
 
