@@ -123,7 +123,7 @@ def start(enabled: bool, registry=None) -> None:
 
 
 def record_request(info: dict) -> None:
-    """Count one blended request from its `chunkcache_info` (the dict that also goes to meta_info)."""
+    """Count one blended request from its round report (the dict that also goes to meta_info)."""
     m = _metrics
     if m is None:
         return
