@@ -17,7 +17,7 @@ modules, chunkcache.reference; SGLang's model runner, sglang_patch.scheduler.ble
              estimate meets it (chunkcache.blend.fidelity: no model pass); per-chunk features a selector kept go into
              the store with their entry
   recompute  the selected tokens of every request through all layers; its output is the engine's
-  record     each round's report, the same fields from both engines (`record`, `record_exact`); the glue only
+  record     each round's report, the same fields from both engines (`record`, `record_held`); the glue only
              serialises it into meta_info, logs and /metrics
 
 `run` is lookup through recompute for one batch (the engine's forward); the engine (`Engine`) runs the model.
@@ -316,7 +316,7 @@ def record(request: ChunkRequest, b: Blended, *, stages: dict[str, float] | None
     when one was made, and the engine's `batch` (requests, forwards)."""
     plan = b.plan
     return {
-        **_auto(request),
+        **detection_fields(request),
         "chunk_hits": b.hits, "chunk_misses": len(plan.chunks) - b.hits, "reused_tokens": b.reused_tokens,
         "recomputed_tokens": len(b.recomputed), "attended_pairs": b.attended_pairs, "radix_tokens": plan.matched,
         "selector": plan.selector, "ratio": b.ratio, "select_s": round(select_s, 6), "blend_s": round(blend_s, 6),
@@ -344,10 +344,10 @@ def _floor(b: Blended) -> dict:
 
 def record_held(request: ChunkRequest, plan: RequestPlan, computed: int) -> dict:
     """A round whose chunks the radix tree held entirely: computed exactly, nothing blended."""
-    return {**_auto(request), "chunk_hits": 0, "chunk_misses": 0, "reused_tokens": 0, "recomputed_tokens": computed,
-            "attended_pairs": 0, "radix_tokens": plan.matched, "selector": plan.selector, "ratio": plan.ratio,
-            "select_s": 0.0, "blend_s": 0.0, "stages_s": _stages(request, None), "batch": dict(NO_BATCH),
-            "admitted_compute": request.charged,
+    return {**detection_fields(request), "chunk_hits": 0, "chunk_misses": 0, "reused_tokens": 0,
+            "recomputed_tokens": computed, "attended_pairs": 0, "radix_tokens": plan.matched,
+            "selector": plan.selector, "ratio": plan.ratio, "select_s": 0.0, "blend_s": 0.0,
+            "stages_s": _stages(request, None), "batch": dict(NO_BATCH), "admitted_compute": request.charged,
             "feature_passes": []}
 
 
@@ -356,11 +356,10 @@ def _stages(request: ChunkRequest, stages: dict[str, float] | None) -> dict[str,
     return {k: round(seconds.get(k, 0.0), 6) for k in STAGES}
 
 
-def _auto(request: ChunkRequest) -> dict:
+def detection_fields(request: ChunkRequest) -> dict:
+    """What automatic detection did for the request (segments looked up, seconds), when it ran."""
     d = request.detection
-    if request.hint is None or not request.hint.auto or d is None:
-        return {}
-    return {"auto": True, "segments": d.looked_up, "detect_s": round(d.seconds, 6)}
+    return {} if d is None else {"auto": True, "segments": d.looked_up, "detect_s": round(d.seconds, 6)}
 
 
 def _stopwatch(seconds: dict[str, float]):

@@ -57,6 +57,10 @@ class ChunkRequest:
     detection: Detection | None = None  # automatic detection's answer, if it ran
     charged: int | None = None  # the tokens admission charged its prefill (None: SGLang's own charge)
     rounds: list[dict] = field(default_factory=list)  # one serialised report per prefill round
+    # what the response carries: the last round's report, with all rounds listed when there were several, and a
+    # round computed in full kept visible as the top-level `fallback` after a later round blends; None before any
+    # round. Kept merged here (add_round, add_learned): the scheduler reads it on every output step
+    report: dict | None = None
     _plan: RequestPlan | None = field(default=None, repr=False)
 
     def plan(self, matched: int) -> RequestPlan:
@@ -78,22 +82,19 @@ class ChunkRequest:
 
     def add_round(self, info: dict) -> None:
         self.rounds.append(info)
+        self._merge()
 
     def add_learned(self, learned: dict) -> None:
         """The segments the request's prefill taught the store, added to its last round."""
         if self.rounds:
             self.rounds[-1]["learned"] = learned
+            self._merge()
 
-    @property
-    def report(self) -> dict | None:
-        """The last round's report; with several rounds all of them under `rounds`, and a round computed in full
-        stays visible as the top-level `fallback` after a later round blends. None before any round."""
-        if not self.rounds:
-            return None
+    def _merge(self) -> None:
         merged = dict(self.rounds[-1])
         if len(self.rounds) > 1:
             merged["rounds"] = list(self.rounds)
             full = next((r for r in self.rounds if "fallback" in r), None)
             if full is not None and "fallback" not in merged:
                 merged["fallback"], merged["detail"] = full["fallback"], full["detail"]
-        return merged
+        self.report = merged

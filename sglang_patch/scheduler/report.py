@@ -5,7 +5,8 @@ response's `meta_info["chunkcache"]`.
 Each prefill round of the request adds one entry: `blended` (what the blend did, or that the radix tree already
 held every chunk), `exact`, `auto_stock` or `fallback` (computed in full, and why). SGLang already carries
 per-request extras to the TokenizerManager: `Req.customized_info` -> BatchTokenIDOutput -> detokenizer ->
-BatchStrOutput -> `TokenizerManager.update_request_meta_info`. The report rides on it through three hooks (plugin.hooks):
+BatchStrOutput -> `TokenizerManager.update_request_meta_info`. The report rides on it through three hooks
+(plugin.hooks):
   * scheduler, before `_GenerationStreamAccumulator.accept` (`attach`): copy the report of the request's record
     (request_hint.record(req).report) into `req.customized_info`;
   * scheduler, after `SchedulerOutputStreamer.is_request_level_customized_info_key` (`request_level`): our key is
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import logging
 
+from chunkcache.blend import pipeline
 from chunkcache.blend.request import ChunkRequest
 
 from . import metrics
@@ -44,8 +46,7 @@ def auto_stock(request: ChunkRequest, *, radix: int, computed: int, learned: dic
     store."""
     log.info("chunkcache: request %s served as stock by automatic detection (too few stored segments); learned %s",
              request.rid, learned)
-    d = request.detection
-    auto = {"auto": True, "segments": d.looked_up if d else 0, "detect_s": round(d.seconds, 6) if d else 0.0}
+    auto = {"auto": True, "segments": 0, "detect_s": 0.0, **pipeline.detection_fields(request)}
     request.add_round({**auto, "chunk_hits": 0, "reused_tokens": 0, "recomputed_tokens": computed,
                        "radix_tokens": radix, "learned": learned})
 
