@@ -14,7 +14,7 @@ that rounding at the new position instead of adding its own.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -65,6 +65,11 @@ class RopeSpec:
     @property
     def per_layer(self) -> bool:
         return self.inv_freq.dim() == 2
+
+    def layers(self, which: slice) -> "RopeSpec":
+        """The spec of the layers in `which`, for keys stacked [len(which), T, H, D] (itself when layers rotate
+        alike)."""
+        return replace(self, inv_freq=self.inv_freq[which]) if self.per_layer else self
 
 
 def _inv_freq(params: dict, config: Any, head_dim: int) -> tuple[str, torch.Tensor]:

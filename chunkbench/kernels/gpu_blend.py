@@ -84,7 +84,9 @@ import torch.nn.functional as F
 # project) puts the root on sys.path, so chunkcache and sglang_patch import from it; none of the modules used here
 # imports sglang.
 from chunkcache.blend.attention import attend_blocks, plan_blocks
+from chunkcache.blend.layer_copy import LayerCopy
 from chunkcache.rope import RopeSpec, rerotate, rotate_half
+from chunkcache.store.codec import Codec
 from sglang_patch.forward import paged_attention
 from sglang_patch.forward.sparse_attention import Segment
 
@@ -397,9 +399,10 @@ class Model(torch.nn.Module):
         cos, sin = (t.repeat(1, 2)[:, None, :].to(x.dtype) for t in (angles.cos(), angles.sin()))
         return x * cos + rotate_half(x) * sin
 
-    def forward(self, ids, pos, write_slots, k_pool, v_pool, attend) -> torch.Tensor:
+    def forward(self, ids, pos, write_slots, k_pool, v_pool, attend, copied: LayerCopy | None = None):
         """Logits of the last of `ids` (at positions `pos`); K/V written to the pools at `write_slots` before
-        `attend(q, k, v, layer)` runs, so a sparse pass reads reused and fresh keys alike from the pool."""
+        `attend(q, k, v, layer)` runs, so a sparse pass reads reused and fresh keys alike from the pool; with
+        `copied`, after that layer's copy (as sglang_patch.forward.sparse_attention waits for it)."""
         x = self.embed[ids]
         for i, layer in enumerate(self.layers):
             qkv = F.rms_norm(x, x.shape[-1:]) @ layer.qkv.T
@@ -407,6 +410,8 @@ class Model(torch.nn.Module):
             q = self.rotate(q.view(-1, self.hq, self.d), pos)
             k = self.rotate(k.view(-1, self.hk, self.d), pos)
             v = v.view(-1, self.hk, self.d)
+            if copied is not None:
+                copied.wait(i)
             k_pool[i][write_slots], v_pool[i][write_slots] = k, v
             x = x + attend(q, k, v, i).flatten(1) @ layer.o.T
             gate, up = (F.rms_norm(x, x.shape[-1:]) @ layer.gate_up.T).chunk(2, dim=-1)
@@ -422,27 +427,34 @@ def full_prefill(model: Model, ids, slots, k_pool, v_pool, scale):
     return model(ids, torch.arange(len(ids), device=ids.device), slots, k_pool, v_pool, attend)
 
 
-def copy_chunks(model: Model, store, slots, k_pool, v_pool, device) -> None:
-    """sglang_patch.scheduler.blend.copy_chunks on plain tensors: each stored chunk (K post-RoPE at positions
-    start_pos.., [layers, tokens, Hk, D]) re-rotated to its place, then one indexed write per layer and buffer."""
-    total = sum(e - s for s, e, *_ in store)
-    layers = len(k_pool)
-    k = torch.empty(layers, total, model.hk, model.d, dtype=k_pool[0].dtype, device=device)
-    v = torch.empty_like(k)
-    at = 0
-    for s, e, start_pos, sk, sv in store:
-        n = e - s
-        k[:, at: at + n] = rerotate(sk.to(device, non_blocking=True), s - start_pos, model.rope,
-                                    torch.arange(start_pos, start_pos + n))
-        v[:, at: at + n].copy_(sv, non_blocking=True)
-        at += n
+def copy_chunks(model: Model, store, slots, k_pool, v_pool, device, codec: Codec | None = None) -> LayerCopy:
+    """sglang_patch.scheduler.blend.BatchEngine.copy on plain tensors: per layer, the stored chunks' KV (K post-RoPE
+    at positions start_pos.., [layers, tokens, Hk, D], or the codec's tensors of them, decoded on the device after
+    the copy) gathered on the device, K re-rotated to its place in one call and one write per buffer; layer by layer
+    on a side stream on CUDA (chunkcache.blend.layer_copy)."""
     dst = torch.cat([slots[s:e] for s, e, *_ in store])
-    for i in range(layers):
-        k_pool[i][dst], v_pool[i][dst] = k[i], v[i]
+    at = torch.cat([torch.arange(p, p + e - s) for s, e, p, *_ in store]).to(device)
+    moved = torch.cat([torch.full((e - s,), s - p) for s, e, p, *_ in store]).to(device)
+
+    def fetch(sk, sv, layers: slice):
+        if codec is None:
+            return sk[layers].to(device, non_blocking=True), sv[layers].to(device, non_blocking=True)
+        return codec.decode({name: t[layers].to(device, non_blocking=True) for name, t in sk.items()},
+                            k_pool[0].dtype)  # sk: the codec's tensors, sv unused
+
+    def write(layers: slice) -> None:
+        k, v = (torch.cat(parts, 1) for parts in zip(*(fetch(sk, sv, layers) for *_, sk, sv in store)))
+        k = rerotate(k, moved, model.rope.layers(layers), at)
+        for i, layer in enumerate(range(layers.start, layers.stop)):
+            k_pool[layer][dst], v_pool[layer][dst] = k[i], v[i]
+    return LayerCopy(len(k_pool), device, write)
 
 
-def blended_prefill(model, ids, layout, slots, k_pool, v_pool, store, scale, variant, device):
-    copy_chunks(model, store, slots, k_pool, v_pool, device)
+def blended_prefill(model, ids, layout, slots, k_pool, v_pool, store, scale, variant, device, codec=None,
+                    overlap=True):
+    copied = copy_chunks(model, store, slots, k_pool, v_pool, device, codec)
+    if not overlap:  # the copy done before the pass starts
+        copied.wait_all()
     sel = layout.sel.to(device)
     case = Case(layout, None, None, None, slots, scale)
     run = []
@@ -452,7 +464,26 @@ def blended_prefill(model, ids, layout, slots, k_pool, v_pool, store, scale, var
         if not run:  # the plan is made once per pass, at the first layer, as SparseAttention does
             run.append(globals()[variant](case))
         return run[0]()
-    return model(ids[sel], sel, slots[sel], k_pool, v_pool, attend)
+    return model(ids[sel], sel, slots[sel], k_pool, v_pool, attend, copied)
+
+
+def stored(device_store, source: str, device) -> tuple[list, Codec | None]:
+    """The chunks' KV as the store would hold it: on the device, in pageable (`host`) or page-locked (`pinned`)
+    host memory, or compressed by store.compress's codec (`pinned-int8`, `pinned-int4`: encoded on the device,
+    kept page-locked, decoded on the device after the copy)."""
+    if source == "device":
+        return device_store, None
+    place = (lambda t: t.cpu()) if source == "host" else (
+        (lambda t: t.cpu().pin_memory()) if device.type == "cuda" else (lambda t: t.clone()))
+    if source in ("host", "pinned"):
+        return [(s, e, p, place(k), place(v)) for s, e, p, k, v in device_store], None
+    codec = Codec(int(source.removeprefix("pinned-int")))
+    return [(s, e, p, {name: place(t) for name, t in codec.encode(k, v).items()}, None)
+            for s, e, p, k, v in device_store], codec
+
+
+def stored_bytes(store) -> int:
+    return sum(t.nbytes for *_, k, v in store for t in ([*k.values()] if isinstance(k, dict) else [k, v]))
 
 
 def bench_model(args, shape, dtype, device, gen) -> tuple[list[dict], bool]:
@@ -461,9 +492,10 @@ def bench_model(args, shape, dtype, device, gen) -> tuple[list[dict], bool]:
     scale = shape["head_dim"] ** -0.5
     print(f"\n== whole prefill, {args.layers} layers of Llama-3.1-8B's shape ({args.shape}), random weights, "
           f"{str(dtype).removeprefix('torch.')}, rho {args.model_rho}; ms, median of {args.model_repeats}; "
-          f"ratio = full / blended; err = max |logit diff| / max |logit| against the full prefill")
-    print(f"{'tokens':>7}{'rows':>7}  {'blend attention':<21}{'KV from':<9}{'full ms':>10}{'copy ms':>9}"
-          f"{'blend ms':>10}{'ratio':>7}{'err':>10}")
+          f"ratio = full / blended; err = max |logit diff| / max |logit| against the full prefill; copy = the "
+          f"copy alone; serial: the pass starts after the whole copy, overlap: layer i + 1 copied during layer i")
+    print(f"{'tokens':>7}{'rows':>7}  {'blend attention':<18}{'KV from':<13}{'B/token':>9}{'full ms':>10}"
+          f"{'copy ms':>9}{'serial ms':>10}{'ratio':>7}{'overlap ms':>11}{'ratio':>7}{'err':>10}")
     for n in args.model_sizes:
         layout = Layout.make(n, args.model_rho, args.chunk, gen)
         ids = torch.randint(shape["vocab"], (n,), generator=gen).to(device)
@@ -479,48 +511,100 @@ def bench_model(args, shape, dtype, device, gen) -> tuple[list[dict], bool]:
         prefix = layout.chunks[0][0]
         device_store = [(s, e, prefix, rerotate(layers_k[:, s:e], prefix - s, model.rope, torch.arange(s, e)),
                          layers_v[:, s:e].clone()) for s, e in layout.chunks]
+        chunk_tokens = layout.chunks[-1][1] - prefix
         del layers_k, layers_v
-        sources = {"device": device_store}
-        if device.type == "cuda":  # the server's memory tier: pageable host tensors, or page-locked (pin_memory)
-            sources["host"] = [(s, e, p, k.cpu(), v.cpu()) for s, e, p, k, v in device_store]
-            sources["pinned"] = [(s, e, p, k.pin_memory(), v.pin_memory()) for s, e, p, k, v in sources["host"]]
         for variant in args.model_attention:
-            for source, store in sources.items():
-                row = dict(tokens=n, rows=len(layout.sel), attention=variant, kv_from=source, full_ms=full_ms)
-                for t in k_pool + v_pool:  # the chunks' slots must come from the copy, never from the full run
-                    t[slots[prefix: layout.chunks[-1][1]]] = float("nan")
+            for source in args.sources:
+                row = dict(tokens=n, rows=len(layout.sel), attention=variant, kv_from=source, full_ms=full_ms,
+                           full_ms_per_token=full_ms / n)
                 try:
-                    got = blended_prefill(model, ids, layout, slots, k_pool, v_pool, store, scale, variant, device)
-                    copy_ms, _ = timed(lambda: copy_chunks(model, store, slots, k_pool, v_pool, device),
-                                       args.model_repeats, device)
-                    blend_ms, _ = timed(lambda: blended_prefill(model, ids, layout, slots, k_pool, v_pool, store,
-                                                                scale, variant, device), args.model_repeats, device)
+                    store, codec = stored(device_store, source, device)
+                    row["bytes_per_token"] = per_token = stored_bytes(store) / chunk_tokens
+                    for t in k_pool + v_pool:  # the chunks' slots must come from the copy, never from the full run
+                        t[slots[prefix: layout.chunks[-1][1]]] = float("nan")
+                    got = blended_prefill(model, ids, layout, slots, k_pool, v_pool, store, scale, variant, device,
+                                          codec)
+                    copy_ms, _ = timed(lambda: copy_chunks(model, store, slots, k_pool, v_pool, device,
+                                                           codec).wait_all(), args.model_repeats, device)
+                    blend = {overlap: timed(lambda: blended_prefill(model, ids, layout, slots, k_pool, v_pool, store,
+                                                                    scale, variant, device, codec, overlap),
+                                            args.model_repeats, device)[0] for overlap in (False, True)}
                 except Skip as e:
-                    print(f"{n:>7}{len(layout.sel):>7}  {variant:<21}skipped: {e}")
+                    print(f"{n:>7}{len(layout.sel):>7}  {variant:<18}skipped: {e}")
                     rows.append(dict(row, skipped=str(e)))
                     break
                 except torch.OutOfMemoryError:
-                    print(f"{n:>7}{len(layout.sel):>7}  {variant:<21}{source:<9}skipped: out of device memory")
+                    print(f"{n:>7}{len(layout.sel):>7}  {variant:<18}{source:<13}skipped: out of device memory")
                     rows.append(dict(row, skipped="out of device memory"))
                     torch.cuda.empty_cache()
                     continue
                 except Exception as e:  # noqa: BLE001  as in bench_attention: report, go on with the others
-                    print(f"{n:>7}{len(layout.sel):>7}  {variant:<21}{source:<9}FAILED: {type(e).__name__}: "
+                    print(f"{n:>7}{len(layout.sel):>7}  {variant:<18}{source:<13}FAILED: {type(e).__name__}: "
                           f"{str(e)[:300]}")
                     rows.append(dict(row, failed=f"{type(e).__name__}: {e}", ok=False))
                     ok = False
                     continue
                 err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
-                good = err <= 5 * TOLERANCE[dtype]  # rounding differences grow through the layers
+                # rounding differences grow through the layers; a compressed store's error is its codec's, reported
+                good = err <= 5 * TOLERANCE[dtype] or codec is not None
                 ok &= good
-                rows.append(dict(row, copy_ms=copy_ms, blend_ms=blend_ms, ratio=full_ms / blend_ms, err=err,
-                                 ok=good))
-                print(f"{n:>7}{len(layout.sel):>7}  {variant:<21}{source:<9}{full_ms:>10.2f}{copy_ms:>9.2f}"
-                      f"{blend_ms:>10.2f}{full_ms / blend_ms:>7.2f}{err:>10.2e}{'' if good else '  FAILS'}")
-        del k_pool, v_pool, device_store, sources
+                serial, overlap = blend[False], blend[True]
+                rows.append(dict(row, copy_ms=copy_ms, blend_ms=serial, ratio=full_ms / serial, overlap_ms=overlap,
+                                 overlap_ratio=full_ms / overlap, err=err, ok=good))
+                print(f"{n:>7}{len(layout.sel):>7}  {variant:<18}{source:<13}{per_token:>9.0f}{full_ms:>10.2f}"
+                      f"{copy_ms:>9.2f}{serial:>10.2f}{full_ms / serial:>7.2f}{overlap:>11.2f}{full_ms / overlap:>7.2f}"
+                      f"{err:>10.2e}{'' if good else '  FAILS'}")
+                del store
+        del k_pool, v_pool, device_store
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows, ok
+
+
+def bench_link(args, shape, dtype, device, gen, model_rows: list[dict]) -> dict:
+    """The host-to-device copy rate (page-locked and pageable), the device's decode cost per token for each codec,
+    and from them and the whole prefill's measured cost per token, where store.remote_fetch's rule (fetch a chunk
+    when its bytes arrive faster than it computes: chunkcache.store.link) flips for this model at each link rate."""
+    mib = args.copy_rate_mib
+    src = torch.empty(mib << 20, dtype=torch.uint8)
+    rates = {}
+    for name, host in (("pageable", src), ("page-locked", src.pin_memory() if device.type == "cuda" else src)):
+        ms, _ = timed(lambda: host.to(device, non_blocking=True), args.model_repeats, device)
+        rates[name] = (mib << 20) / ms / 1e6  # GB/s
+    L, hk, d, n = args.layers, shape["kv_heads"], shape["head_dim"], args.chunk * 8
+    k = torch.randn(L, n, hk, d, generator=gen).to(device, dtype)
+    v = torch.randn(L, n, hk, d, generator=gen).to(device, dtype)
+    codecs = {"none": (None, 2 * k.nbytes / n, 0.0)}
+    for bits in (8, 4):
+        codec = Codec(bits)
+        enc = codec.encode(k, v)
+        ms, _ = timed(lambda: codec.decode(enc, dtype), args.model_repeats, device)
+        codecs[f"int{bits}"] = (codec, sum(t.nbytes for t in enc.values()) / n, 1e3 * ms / n)  # B, us per token
+    print(f"\n== fetch or compute, {L} layers of {args.shape}'s KV: host-to-device copy {rates['page-locked']:.1f} "
+          f"GB/s page-locked, {rates['pageable']:.1f} GB/s pageable ({mib} MiB, median of {args.model_repeats}); "
+          f"decode on the device per token: " + ", ".join(f"{c} {us:.3f} us" for c, (_, _, us) in codecs.items()
+                                                          if c != "none"))
+    print("fetch us/token = bytes / link + bytes / page-locked copy + decode; compute us/token = the full prefill's "
+          "ms / tokens at that size; flip = the link rate above which fetching wins")
+    links = [float(g) for g in args.links]
+    print(f"{'tokens':>7}{'compute us':>11}  {'codec':<6}{'B/token':>9}"
+          + "".join(f"{f'fetch@{g:g}G':>12}" for g in links) + f"{'flip Gb/s':>11}")
+    table = []
+    full = {r["tokens"]: r["full_ms_per_token"] for r in model_rows if "full_ms_per_token" in r}
+    for tokens, c_ms in sorted(full.items()):
+        compute_us = 1e3 * c_ms
+        for name, (_, per_token, decode_us) in codecs.items():
+            staged_us = per_token / rates["page-locked"] / 1e3 + decode_us  # B / (GB/s) = ns
+            fetch = {g: per_token * 8 / (g * 1e3) + staged_us for g in links}  # B * 8 / (Gb/s * 1e3) = us
+            room = compute_us - staged_us
+            flip = per_token * 8 / (room * 1e3) if room > 0 else float("inf")
+            table.append(dict(tokens=tokens, compute_us=compute_us, codec=name, bytes_per_token=per_token,
+                              decode_us=decode_us, fetch_us=fetch, flip_gbps=flip))
+            print(f"{tokens:>7}{compute_us:>11.2f}  {name:<6}{per_token:>9.0f}"
+                  + "".join(f"{fetch[g]:>11.2f}{'*' if fetch[g] < compute_us else ' '}" for g in links)
+                  + f"{flip:>11.1f}")
+    print("* fetching is predicted faster than computing")
+    return dict(copy_gb_per_s=rates, table=table)
 
 
 def main(argv=None) -> int:
@@ -543,6 +627,11 @@ def main(argv=None) -> int:
     ap.add_argument("--model-attention", type=lambda s: s.split(","),
                     default=["flashinfer_paged", "flex_mask", "torch_blocks"], help="sparse variants the blend uses")
     ap.add_argument("--model-repeats", type=int, default=5)
+    ap.add_argument("--sources", type=lambda s: s.split(","), default=["device", "pinned", "pinned-int8"],
+                    help="where the stored KV is: device, host (pageable), pinned, pinned-int8, pinned-int4")
+    ap.add_argument("--copy-rate-mib", type=int, default=1024, help="bytes per host-to-device rate measurement")
+    ap.add_argument("--links", type=lambda s: s.split(","), default=["25", "100", "400"],
+                    help="link rates (Gb/s) of the fetch-or-compute table (empty: skip it)")
     ap.add_argument("--json", help="write every row here")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -556,9 +645,11 @@ def main(argv=None) -> int:
     print(f"device {name}; torch {torch.__version__}; {fi}")
     attention, ok_a = bench_attention(args, shape, dtype, device, gen) if args.sizes != [0] else ([], True)
     model, ok_m = bench_model(args, shape, dtype, device, gen) if args.model_sizes != [0] else ([], True)
+    link = bench_link(args, shape, dtype, device, gen, model) if model and args.links != [""] else {}
     if args.json:
         Path(args.json).write_text(json.dumps(dict(device=name, torch=torch.__version__, flashinfer=fi,
-                                                   args=vars(args), attention=attention, model=model), indent=1))
+                                                   args=vars(args), attention=attention, model=model, link=link),
+                                              indent=1))
     print("all outputs match the reference" if ok_a and ok_m else "SOME OUTPUTS DO NOT MATCH THE REFERENCE")
     return 0 if ok_a and ok_m else 1
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from chunkcache.blend.layer_copy import LayerCopy
+
 from .sparse_attention import Segment, SparseAttention
 
 
@@ -90,6 +92,7 @@ class Runner:
         self.model_runner, self.forward_batch = model_runner, forward_batch
         self.device = forward_batch.input_ids.device if forward_batch.input_ids is not None else model_runner.device
         self.forwards = 0
+        self.copied: LayerCopy | None = None  # the batch's chunk KV copy; a pass's attention waits for its layers
 
     def run(self, p: Pass, logits: bool = False, layers: int | None = None):
         """One forward over `p`. With `logits`, `p` holds one segment per request of the batch, each ending with
@@ -121,7 +124,7 @@ class Runner:
             fb.extend_prefix_lens_cpu = [int(s) - c for s, c in zip(src.seq_lens_cpu, lens)]
             fb.extend_logprob_start_lens_cpu = [c - 1 for c in lens] if src.extend_logprob_start_lens_cpu else None
         backend = SparseAttention(self.model_runner.attn_backend, p.segments, fb.out_cache_loc, device,
-                                  final_layer=_last_layer(self.model_runner.model) if logits and not (
+                                  copied=self.copied, final_layer=_last_layer(self.model_runner.model) if logits and not (
                                       fb.capture_hidden_mode and fb.capture_hidden_mode.is_full()) else None)
         if has_forward_context():
             ctx = replace(get_forward_context(), attn_backend=backend)

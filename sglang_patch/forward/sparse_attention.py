@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from chunkcache.blend.attention import attend_blocks, plan_blocks
+from chunkcache.blend.layer_copy import LayerCopy
 
 from . import paged_attention
 
@@ -62,14 +63,16 @@ class SparseAttention:
     """Takes the place of the model runner's attention backend for one pass (sglang_patch.forward.forward_pass)."""
 
     def __init__(self, base, segments: list[Segment], out_cache_loc: torch.Tensor, device: torch.device,
-                 final_layer: int | None = None):
-        """`final_layer`: the model's last layer when only each segment's last row's output is read there (a logits
+                 copied: LayerCopy | None = None, final_layer: int | None = None):
+        """`copied`: the chunk KV still being copied into the pool, waited for layer by layer before the pool is
+        written or read. `final_layer`: the model's last layer when only each segment's last row's output is read there (a logits
         pass): at that layer the torch path attends for those rows only and gives the others zeros (their K/V are
         still written; nothing reads their last hidden state). A recomputed token's last-layer attention is 1/L of
         the pass's attention, spent on an output no one reads."""
         self.token_to_kv_pool = base.token_to_kv_pool
         self.req_to_token_pool = base.req_to_token_pool
         self.segments = segments
+        self.copied = copied
         written = [s for s in segments if s.to_pool]
         if written and all(s.to_pool for s in segments):
             self.write_rows, self.write_loc = None, out_cache_loc  # every row writes: no gather
@@ -98,6 +101,8 @@ class SparseAttention:
         window = layer.sliding_window_size if layer.sliding_window_size > -1 else None
         hq, hk, d, dv = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim
         q, k, v = q.view(-1, hq, d), k.view(-1, hk, d), v.view(-1, hk, dv)
+        if self.copied is not None:
+            self.copied.wait(layer.layer_id)
         pool = self.token_to_kv_pool
         if self.write_loc is not None:
             rows = self.write_rows

@@ -23,6 +23,7 @@ import torch
 from chunkcache.blend import pipeline
 from chunkcache.blend.cost import Prediction, predict
 from chunkcache.blend.features import recorded_from
+from chunkcache.blend.layer_copy import LayerCopy
 from chunkcache.blend.plan import Placement, RequestPlan
 from chunkcache.blend.request import ChunkRequest
 from chunkcache.blend.reuse import ChunkReuse
@@ -32,7 +33,6 @@ from chunkcache.store import ChunkEntry
 
 from . import report, request_hint
 from ..forward.forward_pass import Pass, Row, Runner, batch_rows
-from ..forward.sparse_attention import pool_index
 
 
 def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
@@ -74,9 +74,13 @@ def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
     planned = time.perf_counter()
     plans = [plan for _, plan in blending.values()]
     engine = BatchEngine(reuse, Runner(model_runner, forward_batch), rows, plans, list(blending))
-    done = pipeline.run(engine, reuse.store, plans, reuse.selector, floor_cap=reuse.config.select.max_kl_cap,
-                        compute=reuse.compute,
-                        prefetched=[p for request, _ in blending.values() if (p := request.prefetched()) is not None])
+    try:
+        done = pipeline.run(engine, reuse.store, plans, reuse.selector, floor_cap=reuse.config.select.max_kl_cap,
+                            compute=reuse.compute, prefetched=[p for request, _ in blending.values()
+                                                               if (p := request.prefetched()) is not None])
+    finally:  # whatever runs next on these slots (the next batch, a fallback's prefill) follows the whole copy
+        if engine.runner.copied is not None:
+            engine.runner.copied.wait_all()
     if all(p is not None for p in at_rates.values()):  # the batch's blend time against the rates' prediction
         reuse.calibration.observe("blend", sum(p.blend_s for p in at_rates.values()), time.perf_counter() - t0)
     reuse.deferred.extend(done.deferred)  # measured when the scheduler is idle (plugin: Scheduler.on_idle)
@@ -150,23 +154,31 @@ class BatchEngine:
 
     def copy(self, entries: list[list[ChunkEntry]]) -> None:
         """Copy (never alias) every chunk's stored KV into its request's slots, K re-rotated to its new positions:
-        straight into the pool, one write per chunk, layer and buffer, a plain slice copy where the chunk's slots
-        are one run of the pool (the usual case), so the KV is read once and written once."""
+        per layer, the chunks' KV gathered into one tensor on the device, K re-rotated in one call (each token by its
+        chunk's move) and one indexed write per buffer. On CUDA layer by layer behind the passes that read it
+        (chunkcache.blend.layer_copy: the runner's attention waits per layer); from page-locked host memory
+        (store.pin_memory) without blocking the host."""
         device = self.plan_rows[0].slots.device
         keys = [self.pool.get_key_buffer(layer) for layer in range(self.n_layers)]
         values = [self.pool.get_value_buffer(layer) for layer in range(self.n_layers)]
-        for plan, row, chunk_entries in zip(self.plans, self.plan_rows, entries):
-            for c, entry in zip(plan.chunks, chunk_entries):
-                slots = pool_index(row.slots[slice(*c.span)])
-                # with the cached positions, re-rotation reproduces the model's own float32 angle rounding
-                # (chunkcache.rope); from page-locked host memory (store.pin_memory) the copies run behind the
-                # host's loop, in stream order
-                k = rerotate(entry.k[:, c.head:].to(device, non_blocking=True), c.chunk[0] - entry.start_pos,
-                             self.rope, torch.arange(entry.start_pos + c.head, entry.start_pos + entry.num_tokens))
-                v = entry.v[:, c.head:]
-                for layer in range(self.n_layers):
-                    keys[layer][slots] = k[layer]
-                    values[layer][slots] = v[layer].to(device, non_blocking=True)
+        moves = [(row.slots[slice(*c.span)], c, entry)
+                 for plan, row, chunk_entries in zip(self.plans, self.plan_rows, entries)
+                 for c, entry in zip(plan.chunks, chunk_entries)]
+        dst = torch.cat([slots for slots, _, _ in moves]).to(device)
+        # where each token was computed and how far it moves: with the cached positions, re-rotation reproduces the
+        # model's own float32 angle rounding (chunkcache.rope)
+        at = torch.cat([torch.arange(e.start_pos + c.head, e.start_pos + e.num_tokens) for _, c, e in moves])
+        moved = torch.cat([torch.full((e.num_tokens - c.head,), c.chunk[0] - e.start_pos) for _, c, e in moves])
+        at, moved = at.to(device), moved.to(device)
+
+        def write(layers: slice) -> None:
+            k, v = (torch.cat([getattr(e, name)[layers, c.head:].to(device, non_blocking=True) for _, c, e in moves],
+                              1) for name in ("k", "v"))
+            k = rerotate(k, moved, self.rope.layers(layers), at)
+            for i, layer in enumerate(range(layers.start, layers.stop)):
+                keys[layer][dst] = k[i]
+                values[layer][dst] = v[i]
+        self.runner.copied = LayerCopy(self.n_layers, device, write)
 
     def query_attention(self, requests: Sequence[int]) -> list[torch.Tensor]:
         """ProphetKV's score for each request: its query tokens through all layers against its reused KV, the
