@@ -66,11 +66,6 @@ class RopeSpec:
     def per_layer(self) -> bool:
         return self.inv_freq.dim() == 2
 
-    def layers(self, which: slice) -> "RopeSpec":
-        """The spec of the layers in `which`, for keys stacked [len(which), T, H, D] (itself when layers rotate
-        alike)."""
-        return replace(self, inv_freq=self.inv_freq[which]) if self.per_layer else self
-
 
 def _inv_freq(params: dict, config: Any, head_dim: int) -> tuple[str, torch.Tensor]:
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -135,23 +130,45 @@ def rerotate(k: torch.Tensor, delta: int | torch.Tensor, spec: RopeSpec,
         raise ValueError(f"keys have head_dim {k.shape[-1]}, RoPE expects {spec.head_dim}")
     if positions is None and not isinstance(delta, torch.Tensor) and delta == 0:
         return k
-    inv_freq = spec.inv_freq.to(k.device)
-    if spec.per_layer:
-        if k.dim() != 4 or k.shape[0] != inv_freq.shape[0]:
-            raise ValueError(f"per-layer RoPE moves keys stacked [L, T, H, D] for its {inv_freq.shape[0]} layers; "
+    return Rotation.of(delta, spec, positions, k.device).apply(k)
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """One move of keys (rerotate's), its cos and sin computed once, for keys moved a few layers at a time (the
+    blend's layer-by-layer copy): [T or 1, 1, D / 2] float32, or [L, T or 1, 1, D / 2] for per-layer RoPE."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    per_layer: bool
+
+    @classmethod
+    def of(cls, delta: int | torch.Tensor, spec: RopeSpec, positions: torch.Tensor | None = None,
+           device: torch.device | None = None) -> "Rotation":
+        inv_freq = spec.inv_freq.to(device)
+        if spec.per_layer:
+            inv_freq = inv_freq[:, None, :]  # [L, 1, F]: angles [L, T, F]
+        d = torch.as_tensor(delta, device=device).reshape(-1, 1)  # [T or 1, 1]
+        if positions is None:
+            angles = d.double() * inv_freq.double()
+        else:
+            p = positions.to(device).reshape(-1, 1)
+            angles = ((p + d).float() * inv_freq).double() - (p.float() * inv_freq).double()
+        # [(L,) T or 1, 1, F]: broadcasts over heads
+        return cls(angles.cos().float().unsqueeze(-2), angles.sin().float().unsqueeze(-2), spec.per_layer)
+
+    def layers(self, which: slice) -> "Rotation":
+        """The rotation of the layers in `which`, for keys stacked [len(which), T, H, D]."""
+        return replace(self, cos=self.cos[which], sin=self.sin[which]) if self.per_layer else self
+
+    def apply(self, k: torch.Tensor) -> torch.Tensor:
+        if self.per_layer and (k.dim() != 4 or k.shape[0] != self.cos.shape[0]):
+            raise ValueError(f"per-layer RoPE moves keys stacked [L, T, H, D] for its {self.cos.shape[0]} layers; "
                              f"got {tuple(k.shape)}")
-        inv_freq = inv_freq[:, None, :]  # [L, 1, F]: angles [L, T, F]
-    d = torch.as_tensor(delta, device=k.device).reshape(-1, 1)  # [T or 1, 1]
-    if positions is None:
-        angles = d.double() * inv_freq.double()
-    else:
-        p = positions.to(k.device).reshape(-1, 1)
-        angles = ((p + d).float() * inv_freq).double() - (p.float() * inv_freq).double()
-    cos = angles.cos().float().unsqueeze(-2)  # [(L,) T or 1, 1, F]: broadcasts over heads
-    sin = angles.sin().float().unsqueeze(-2)
-    # rotate_half's pairs: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), each half written once into the output
-    x1, x2 = k[..., : k.shape[-1] // 2].float(), k[..., k.shape[-1] // 2:].float()
-    out = torch.empty_like(k)
-    out[..., : k.shape[-1] // 2] = (x1 * cos).sub_(x2 * sin)
-    out[..., k.shape[-1] // 2:] = (x2 * cos).add_(x1 * sin)
-    return out
+        # rotate_half's pairs: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), each half written once into the output
+        half = k.shape[-1] // 2
+        x1, x2 = k[..., :half].float(), k[..., half:].float()
+        out = torch.empty_like(k)
+        out[..., :half] = (x1 * self.cos).sub_(x2 * self.sin)
+        out[..., half:] = (x2 * self.cos).add_(x1 * self.sin)
+        return out

@@ -50,10 +50,16 @@ def test_self_check_on_cpu(gpu_blend, tmp_path):
 
 
 def test_a_blend_that_does_not_move_the_keys_fails(gpu_blend, monkeypatch):
-    rerotate = gpu_blend.rerotate
+    class Unmoved:  # copy_chunks' move to each chunk's place is skipped (the store is still built moved)
+        @classmethod
+        def of(cls, *args, **kwargs):
+            return cls()
 
-    def unmoved(k, delta, spec, positions=None):  # copy_chunks' move (to a later place) is skipped
-        return k if delta > 0 else rerotate(k, delta, spec, positions)
-    monkeypatch.setattr(gpu_blend, "rerotate", unmoved)
+        def layers(self, which):
+            return self
+
+        def apply(self, k):
+            return k
+    monkeypatch.setattr(gpu_blend, "Rotation", Unmoved)
     args = TINY + ["--sizes", "0", "--model-attention", "torch_blocks"]
     assert gpu_blend.main(args) == 1

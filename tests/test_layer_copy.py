@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from chunkcache.blend.layer_copy import LayerCopy
-from chunkcache.rope import RopeSpec
+from chunkcache.rope import RopeSpec, Rotation, rerotate
 
 
 def test_off_cuda_every_layer_is_written_in_one_call_before_it_returns():
@@ -17,11 +17,15 @@ def test_off_cuda_every_layer_is_written_in_one_call_before_it_returns():
     copied.wait(3), copied.wait_all()  # nothing left to wait for
 
 
-def test_a_per_layer_spec_keeps_the_rows_of_its_layers():
-    per_layer = RopeSpec("default+nope", torch.arange(12.).view(3, 4), 8)
-    assert torch.equal(per_layer.layers(slice(1, 2)).inv_freq, torch.tensor([[4., 5., 6., 7.]]))
-    shared = RopeSpec("default", torch.arange(4.), 8)
-    assert shared.layers(slice(1, 2)) is shared
+def test_a_rotation_of_some_layers_moves_keys_as_rerotate_moves_all_of_them():
+    per_layer = RopeSpec("default+nope", torch.rand(3, 4), 8)  # 3 layers, head_dim 8
+    k, moved, at = torch.randn(3, 5, 2, 8), torch.tensor([7, 7, 7, -2, -2]), torch.arange(5)
+    whole = rerotate(k, moved, per_layer, at)
+    rotation = Rotation.of(moved, per_layer, at)
+    assert torch.equal(torch.cat([rotation.layers(slice(i, i + 1)).apply(k[i:i + 1]) for i in range(3)]), whole)
+    shared = RopeSpec("default", torch.rand(4), 8)
+    assert torch.equal(Rotation.of(moved, shared, at).layers(slice(1, 2)).apply(k[1:2]),
+                       rerotate(k, moved, shared, at)[1:2])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -34,8 +38,8 @@ def test_on_cuda_a_reader_that_waits_sees_each_layer_whole_while_the_copy_runs_b
         torch.cuda._sleep(50_000_000)  # ~25 ms per layer on the side stream
         pool[which] = source[which].to("cuda", non_blocking=True)
 
-    unwaited = LayerCopy(layers, torch.device("cuda"), write)
-    assert pool[layers - 1].sum().item() == 0, "the copy finished before the reader: the waits are not tested"
+    unwaited = LayerCopy(layers, torch.device("cuda"), write)  # layers 0 and 1 queued, behind the sleeps
+    assert pool[1].sum().item() == 0, "the copy finished before the reader: the waits are not tested"
     unwaited.wait_all()
     pool.zero_()
     copied = LayerCopy(layers, torch.device("cuda"), write)

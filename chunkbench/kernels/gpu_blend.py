@@ -30,13 +30,19 @@ layer's call (median of --repeats, CUDA events); `vs full` is full_causal's run 
 Part 2, a whole prefill of a random-weight model of Llama-3.1-8B's shape (RMSNorm, fused q/k/v, RoPE llama3, o,
 SwiGLU; `--layers` of them; the LM head on the last token): stock full prefill against chunkcache's blend at
 `--model-rho`, which is (a) the copy of every chunk's stored KV into the pool, K re-rotated from its standalone
-positions to its place with chunkcache.rope.rerotate (as blend.copy_chunks does, per chunk then one write per layer),
-from a store in host memory (as the server's memory tier: pageable `host`, or page-locked `pinned` as with
-`store.pin_memory`, copied without blocking) or already on the device, then (b) one pass of the selected
-tokens through every layer: linear layers on those tokens only, fresh K/V written to the pool, each attention variant
-above that exists there. The stored KV is the full prefill's own, moved to the chunks' standalone positions, so the
+positions to its place (chunkcache.rope.Rotation, as BatchEngine.copy does: per layer, all chunks in one call),
+from a store (`--sources`) in host memory (as the server's memory tier: pageable `host`, or page-locked `pinned` as
+with `store.pin_memory`, copied without blocking; `pinned-int8`/`pinned-int4`: store.compress's codes, decoded on the
+device) or already on the device, then (b) one pass of the selected tokens through every layer: linear layers on
+those tokens only, fresh K/V written to the pool, each attention variant above that exists there. Each blend runs
+twice: `serial`, the whole copy before the pass, and `overlap`, the copy layer by layer on a side stream behind the
+pass (chunkcache.blend.layer_copy, as the server copies on CUDA). The stored KV is the full prefill's own, moved to the chunks' standalone positions, so the
 blended logits must equal the full prefill's up to rounding: that checks the re-rotation, the copy and the sparse
 attention end to end. The selector's own cost is not included (it differs per selector).
+
+Part 3 (`--links`, after part 2): the host-to-device copy rate (page-locked and pageable), the device's decode cost
+per token of each codec, and from them and part 2's full prefill cost per token, the fetch-or-compute table: where
+store.remote_fetch's rule (chunkcache.store.link) flips for this model at each link rate.
 
 GPU session (H100/H200), two commands of the `run` tool, each well inside its 10 minutes, both with carry [".fi"]
 after `bash chunkbench/kernels/pack_flashinfer.sh --aot` here (the .venv's flashinfer 0.7.2 trimmed to 21 MB, its paged
@@ -85,7 +91,7 @@ import torch.nn.functional as F
 # imports sglang.
 from chunkcache.blend.attention import attend_blocks, plan_blocks
 from chunkcache.blend.layer_copy import LayerCopy
-from chunkcache.rope import RopeSpec, rerotate, rotate_half
+from chunkcache.rope import RopeSpec, Rotation, rerotate, rotate_half
 from chunkcache.store.codec import Codec
 from sglang_patch.forward import paged_attention
 from sglang_patch.forward.sparse_attention import Segment
@@ -433,8 +439,11 @@ def copy_chunks(model: Model, store, slots, k_pool, v_pool, device, codec: Codec
     the copy) gathered on the device, K re-rotated to its place in one call and one write per buffer; layer by layer
     on a side stream on CUDA (chunkcache.blend.layer_copy)."""
     dst = torch.cat([slots[s:e] for s, e, *_ in store])
-    at = torch.cat([torch.arange(p, p + e - s) for s, e, p, *_ in store]).to(device)
-    moved = torch.cat([torch.full((e - s,), s - p) for s, e, p, *_ in store]).to(device)
+    rotation = Rotation.of(torch.cat([torch.full((e - s,), s - p) for s, e, p, *_ in store]), model.rope,
+                           torch.cat([torch.arange(p, p + e - s) for s, e, p, *_ in store]), device)
+
+    # chunks whose tokens fill whole K groups (all but the last) decode as one: their codes and groups concatenate
+    whole_groups = codec is not None and all((e - s) % codec.group == 0 for s, e, *_ in store[:-1])
 
     def fetch(sk, sv, layers: slice):
         if codec is None:
@@ -443,8 +452,12 @@ def copy_chunks(model: Model, store, slots, k_pool, v_pool, device, codec: Codec
                             k_pool[0].dtype)  # sk: the codec's tensors, sv unused
 
     def write(layers: slice) -> None:
-        k, v = (torch.cat(parts, 1) for parts in zip(*(fetch(sk, sv, layers) for *_, sk, sv in store)))
-        k = rerotate(k, moved, model.rope.layers(layers), at)
+        if whole_groups:
+            parts = [{name: t[layers].to(device, non_blocking=True) for name, t in sk.items()} for *_, sk, _ in store]
+            k, v = codec.decode({name: torch.cat([p[name] for p in parts], 1) for name in parts[0]}, k_pool[0].dtype)
+        else:
+            k, v = (torch.cat(parts, 1) for parts in zip(*(fetch(sk, sv, layers) for *_, sk, sv in store)))
+        k = rotation.layers(layers).apply(k)
         for i, layer in enumerate(range(layers.start, layers.stop)):
             k_pool[layer][dst], v_pool[layer][dst] = k[i], v[i]
     return LayerCopy(len(k_pool), device, write)

@@ -1,45 +1,63 @@
 """Stored chunk KV written into a KV pool layer by layer, behind the pass that reads it.
 
-On a CUDA device the writes run on a side stream, in layer order, one event after each layer: a pass waits for layer
-i's event only where layer i's attention reads the pool, so the host-to-device copy (and re-rotation, and a
-compressed entry's decoding) of layer i + 1 runs while layer i computes. Elsewhere there is no second stream and
+On a CUDA device the writes run on a side stream, one layer at a time, each followed by an event, and are queued
+lazily: layer 0 (and the next `ahead`) at the start, layer i + 1 + ahead when a pass waits for layer i. So the host
+queues layer i + 1's copy between layer i's kernels, not all layers' before the pass's first kernel (the host's
+queueing would otherwise delay the pass by as much as the overlap saves), and the device copies (and re-rotates,
+and decodes a compressed entry of) layer i + 1 while layer i computes. Elsewhere there is no second stream and
 everything is written at once, before the pass: nothing to overlap, and one call keeps the host's loop short.
 
 The contract:
 - `write(layers)` writes the stored KV of the layers in the slice `layers` (every layer in one call off CUDA, one
-  layer per call on CUDA); it is called on the side stream, so what it allocates stays on that stream.
+  layer per call on CUDA), on the side stream, so what it allocates stays on that stream.
 - The side stream starts after the work already queued on the caller's stream (the pool's slots may have been
   written by it), and `wait(i)` orders the caller's stream after layer i's writes. A reader waits before it reads
-  layer i and before it writes fresh K/V over copied slots; `wait_all()` before anything else touches the pool (a
-  fallback's stock prefill, a request freed).
+  layer i and before it writes fresh K/V over copied slots.
+- `wait_all()` queues what is left and orders the caller's stream after all of it: before anything else touches
+  the pool (a fallback's stock prefill, the next batch), and at the latest when the blend ends, or layers no pass
+  waited for would never be written.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
 
 
+@functools.cache
+def copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for every copy: the caching allocator keeps blocks per stream, so a new stream per
+    blend would allocate afresh (cudaMalloc, which waits for the whole device) where a reused one finds its blocks."""
+    return torch.cuda.Stream(device)
+
+
 class LayerCopy:
-    def __init__(self, n_layers: int, device: torch.device, write: Callable[[slice], None]):
+    def __init__(self, n_layers: int, device: torch.device, write: Callable[[slice], None], ahead: int = 1):
+        self.n_layers, self.write, self.ahead = n_layers, write, ahead
         self.events: list[torch.cuda.Event] = []
-        if device.type != "cuda":
+        self.stream = copy_stream(device) if device.type == "cuda" else None
+        if self.stream is None:
             write(slice(0, n_layers))
             return
-        stream, caller = torch.cuda.Stream(device), torch.cuda.current_stream(device)
-        stream.wait_stream(caller)
-        with torch.cuda.stream(stream):
-            for layer in range(n_layers):
-                write(slice(layer, layer + 1))
+        self.stream.wait_stream(torch.cuda.current_stream(device))
+        self._queue(1 + ahead)
+
+    def _queue(self, upto: int) -> None:
+        with torch.cuda.stream(self.stream):
+            while len(self.events) < min(upto, self.n_layers):
+                layer = len(self.events)
+                self.write(slice(layer, layer + 1))
                 self.events.append(torch.cuda.Event())
-                self.events[-1].record(stream)
+                self.events[-1].record(self.stream)
 
     def wait(self, layer: int) -> None:
         """The caller's stream runs after layer `layer`'s writes (no wait off CUDA: they are done)."""
-        if self.events:
+        if self.stream is not None:
+            self._queue(layer + 2 + self.ahead)
             torch.cuda.current_stream().wait_event(self.events[layer])
 
     def wait_all(self) -> None:
-        if self.events:
-            self.wait(len(self.events) - 1)  # one stream, in layer order: the last event follows every write
+        if self.stream is not None:
+            self.wait(self.n_layers - 1)  # one stream, in layer order: the last event follows every write

@@ -27,7 +27,7 @@ from chunkcache.blend.layer_copy import LayerCopy
 from chunkcache.blend.plan import Placement, RequestPlan
 from chunkcache.blend.request import ChunkRequest
 from chunkcache.blend.reuse import ChunkReuse
-from chunkcache.rope import rerotate
+from chunkcache.rope import Rotation
 from chunkcache.select.base import needs
 from chunkcache.store import ChunkEntry
 
@@ -169,12 +169,12 @@ class BatchEngine:
         # model's own float32 angle rounding (chunkcache.rope)
         at = torch.cat([torch.arange(e.start_pos + c.head, e.start_pos + e.num_tokens) for _, c, e in moves])
         moved = torch.cat([torch.full((e.num_tokens - c.head,), c.chunk[0] - e.start_pos) for _, c, e in moves])
-        at, moved = at.to(device), moved.to(device)
+        rotation = Rotation.of(moved, self.rope, at, device)
 
         def write(layers: slice) -> None:
             k, v = (torch.cat([getattr(e, name)[layers, c.head:].to(device, non_blocking=True) for _, c, e in moves],
                               1) for name in ("k", "v"))
-            k = rerotate(k, moved, self.rope.layers(layers), at)
+            k = rotation.layers(layers).apply(k)
             for i, layer in enumerate(range(layers.start, layers.stop)):
                 keys[layer][dst] = k[i]
                 values[layer][dst] = v[i]
