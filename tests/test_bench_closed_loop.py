@@ -134,7 +134,8 @@ def test_run_alternates_the_sides_on_two_live_servers_and_report_rerenders(tmp_p
         blocks.append((url, clients, [tuple(r.prompt.input_ids) for r in requests],
                        {hints(r) is None for r in requests}))
         return [{"request": r.id, "arrival_s": 0.0, "finish_s": 2.0, "ttft_s": 0.5, "output_tokens": max_new_tokens,
-                 "prompt_tokens": len(r.prompt.input_ids), "chunk_hits": 0, "chunk_misses": 0, "report": None}
+                 "prompt_tokens": len(r.prompt.input_ids), "cached_tokens": 0, "chunk_hits": 0, "chunk_misses": 0,
+                 "report": None}
                 for r in requests]
 
     monkeypatch.setattr(closed_loop, "start_server", FakeServer)
@@ -157,3 +158,21 @@ def test_run_alternates_the_sides_on_two_live_servers_and_report_rerenders(tmp_p
     assert "| 2 | prophet@0.15 | 4 | 1.000 | 16.00 | 0.500 | 0.500 | 0 |" in summary
     (tmp_path / "closed_loop.md").unlink()
     assert commands.bench(["--report", str(tmp_path)]) == 0 and (tmp_path / "closed_loop.md").read_text() == summary
+
+
+def test_the_floor_prices_each_request_at_stocks_own_rates_in_the_same_run():
+    """By hand: stock's block is 1.11 s for two 10-token prompts, nothing cached: 2 x 55 causal pairs at 1 ms = 0.11 s
+    of attention, so 1.0 s / 20 tokens = 50 ms per computed token. A blend recomputing 4 tokens that attend 30 pairs
+    and copying 100 tokens of 64 B at 64 kB/s: 0.2 + 0.03 + 0.1 = 0.33 s; one computed in full from a 4-token radix
+    hit: 6 x 50 ms + (110 - 20) / 2 pairs = 0.345 s. Floor 2 / 0.675 req/s; chunkcache's block took 1 s."""
+    host = {"shape": {"layers": 2, "heads": 2, "kv_heads": 1, "head_dim": 4, "dtype": "float32"}, "pair_s": 1e-3,
+            "copy_bytes_s": 64e3}
+    blend = {"recomputed_tokens": 4, "attended_pairs": 30, "reused_tokens": 100}
+    records = [dict(row("stock", 1, 0, 0.0, 0.5, 0.1), prompt_tokens=10, cached_tokens=0),
+               dict(row("stock", 1, 0, 0.5, 1.11, 0.1), prompt_tokens=10, cached_tokens=0),
+               dict(row("chunkcache", 1, 0, 0.0, 0.4, 0.1, report=blend), prompt_tokens=10, cached_tokens=0,
+                    recomputed_tokens=4, reused_tokens=100),
+               dict(row("chunkcache", 1, 0, 0.4, 1.0, 0.1, report={"fallback": "predicted_slower"}),
+                    prompt_tokens=10, cached_tokens=4, recomputed_tokens=0, reused_tokens=0)]
+    line = closed_report.floor_lines(records, host)[-1]
+    assert line == f"| 1 | 0.555 | 10% | 50.000 ms | {2 / 0.675:.3f} | 2.000 | **{2 / (2 / 0.675):.2f}** |"

@@ -12,13 +12,14 @@ gets `[system][document]` for every document that opens a measured prompt.
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..workloads import WorkloadConfig, chunk_warmup, fresh, items, prefix_warmup, to_request
-from . import closed_report
+from . import closed_report, floor
 from .ab import Arm, warm
 from .http_client import drain
 from .load import closed
@@ -40,7 +41,7 @@ class ClosedConfig:
     out: Path = Path("results/closed")
 
 
-CONFIG, RECORDS = "closed_loop.json", "closed_loop.jsonl"
+CONFIG, RECORDS, HOST = "closed_loop.json", "closed_loop.jsonl", "closed_loop_host.json"
 
 
 def run(config: ClosedConfig) -> Path:
@@ -56,6 +57,8 @@ def run(config: ClosedConfig) -> Path:
     n = config.requests
     measured = fresh(config.workload, pool, len(config.clients) * config.blocks * n)
     schedule = [to_request(tok, it) for it in measured]
+    host = host_rates(config, int(statistics.median(len(r.prompt.input_ids) for r in schedule)))
+    (out / HOST).write_text(json.dumps(host, indent=1))
     warmups = {"stock": prefix_warmup(measured), "chunkcache": chunk_warmup(pool, config.workload.docs)}
     arms = {"stock": Arm(), "chunkcache": config.arm}
 
@@ -86,13 +89,30 @@ def run(config: ClosedConfig) -> Path:
                     records += rows
                     with jsonl.open("a") as f:
                         f.writelines(json.dumps(r) + "\n" for r in rows)
-    print(closed_report.write(config, records))
+    print(closed_report.write(config, records, host))
     return out
 
 
-def load_run(out: Path) -> tuple[ClosedConfig, list[dict]]:
-    """The config and records of an earlier closed-loop run's results directory."""
+def host_rates(config: ClosedConfig, tokens: int) -> dict:
+    """The floor's rates on this host (closed_report.floor_lines), timed before any server starts: the model's
+    causal attention at the median prompt length per (query, key) pair, and a memory copy of that prompt's KV."""
+    from chunkcache.config import Config
+    from chunkcache.models import resolve_model
+    from sglang_patch.serve.launcher import server_settings
+
+    path = resolve_model(config.model)
+    dtype = server_settings(path, Config.load(config.server_config)).get("dtype", "bfloat16")
+    shape = floor.Shape.of_model(path, dtype)
+    return dict(shape={**asdict(shape), "dtype": str(shape.dtype).removeprefix("torch.")},
+                pair_s=floor.causal_attention_s(shape, tokens) / floor.causal_pairs(tokens),
+                copy_bytes_s=floor.copy_bandwidth(tokens * shape.kv_bytes_per_token))
+
+
+def load_run(out: Path) -> tuple[ClosedConfig, list[dict], dict | None]:
+    """The config, records and floor rates (None for a run from before they were measured) of an earlier closed-loop
+    run's results directory."""
     raw = json.loads((out / CONFIG).read_text())
     config = ClosedConfig(**{**raw, "workload": WorkloadConfig(**raw["workload"]), "arm": Arm(**raw["arm"]),
                              "clients": tuple(raw["clients"]), "out": out})
-    return config, [json.loads(line) for line in (out / RECORDS).read_text().splitlines()]
+    host = json.loads((out / HOST).read_text()) if (out / HOST).exists() else None
+    return config, [json.loads(line) for line in (out / RECORDS).read_text().splitlines()], host

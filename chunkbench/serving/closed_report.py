@@ -7,7 +7,10 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
+import torch
+
 from . import plots
+from .floor import Shape, StockRates, causal_pairs
 from .http_client import fell_back
 from .ab_report import mean, pct, span
 
@@ -92,9 +95,45 @@ def markdown(config, records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(config, records: list[dict]) -> str:
-    """Write closed_loop.md and closed_loop.png into the run's results directory; the markdown."""
+def floor_lines(records: list[dict], host: dict) -> list[str]:
+    """Per client count, chunkcache's throughput against its floor at stock's rates in the same blocks
+    (chunkbench.serving.floor.StockRates; `host`: the shape, the attention kernel's seconds per pair and the copy
+    bandwidth, measured by the run)."""
+    shape = Shape(**{**host["shape"], "dtype": getattr(torch, host["shape"]["dtype"])})
+    lines = ["", f"Floor at stock's rates ({shape.layers} layers, {host['shape']['dtype']}; causal attention "
+             f"{host['pair_s'] * 1e9:.2f} ns per (query, key) pair timed by the bench, copy "
+             f"{host['copy_bytes_s'] / 1e9:.1f} GB/s): stock's seconds per request less its attention, per prompt "
+             f"token it computed, prices each recomputed token; a request computed in full is priced as stock's. "
+             f"Fraction = chunkcache's throughput over the floor's (1: at the floor).", "",
+             "| clients | stock s/request | of it attention | stock s per computed token | floor req/s "
+             "| chunkcache req/s | floor fraction |", "|" + "---|" * 7]
+    by: dict[tuple[int, str], list[dict]] = defaultdict(list)
+    for r in records:
+        by[r["clients"], r["side"]].append(r)
+    for clients, sides in cells(records).items():
+        if len(sides) < 2:
+            continue
+        stock_rows = by[clients, "stock"]
+        rates = StockRates.measured(sides["stock"].seconds, [(r["prompt_tokens"], r["cached_tokens"])
+                                                             for r in stock_rows], host["pair_s"], host["copy_bytes_s"])
+        attention = rates.pair_s * sum(causal_pairs(r["prompt_tokens"], r["cached_tokens"]) for r in stock_rows)
+        floor_s = sum(rates.stock_s(r["prompt_tokens"], r["cached_tokens"]) if not r["report"] or fell_back(r["report"])
+                      else rates.blend_s(shape, r["recomputed_tokens"], r["report"].get("attended_pairs", 0),
+                                         r["reused_tokens"]) for r in by[clients, "chunkcache"])
+        cc = sides["chunkcache"]
+        floor_req_s = cc.requests / floor_s
+        lines.append(f"| {clients} | {sides['stock'].seconds / len(stock_rows):.3f} "
+                     f"| {attention / sides['stock'].seconds:.0%} | {rates.token_s * 1e3:.3f} ms "
+                     f"| {floor_req_s:.3f} | {cc.req_s:.3f} | **{cc.req_s / floor_req_s:.2f}** |")
+    return lines
+
+
+def write(config, records: list[dict], host: dict | None = None) -> str:
+    """Write closed_loop.md and closed_loop.png into the run's results directory; the markdown. `host`: the floor's
+    rates (floor_lines), when the run measured them."""
     summary = markdown(config, records)
+    if host is not None:
+        summary += "\n".join(floor_lines(records, host)) + "\n"
     (config.out / "closed_loop.md").write_text(summary)
     plots.closed_loop(cells(records), config.out / "closed_loop.png")
     return summary

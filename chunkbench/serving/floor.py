@@ -11,6 +11,13 @@ the same run (notes: shared/notes/speed.md).
   of a causal prefill;
 * bandwidth: this host's memory copy rate, timed here on a buffer the size of the KV copied.
 Selection passes (features, select) and the fill have no floor: a selector that needs a pass earns it in quality.
+
+Under concurrency (the closed loop) there is no per-request TTFT to split, so `StockRates` prices work instead:
+stock's machine seconds per request (a block's wall time over its requests) less its attention at the timed
+kernel's cost per causal pair, over the prompt tokens it computed, is its cost per computed token; a blended
+request's floor is that per recomputed token, plus its attended pairs at the kernel's rate, plus its copy. Stock's
+share of decoding rides in the per-token cost, so a blend's floor carries only rho's share of it: the floor is low,
+and the fraction reached conservative.
 """
 
 from __future__ import annotations
@@ -79,3 +86,30 @@ def floor(shape: Shape, n: int, stock_s: float, recomputed: int, pairs: int, reu
     linear = max(stock_s - attention_s, 0.0)
     recompute = recomputed / n * linear + pairs / (n * (n + 1) / 2) * attention_s
     return Floor(recompute, reused * shape.kv_bytes_per_token / bandwidth)
+
+
+def causal_pairs(n: int, cached: int = 0) -> int:
+    """(query, key) pairs a causal prefill of tokens [cached, n) attends over the whole n-token context."""
+    return (n * (n + 1) - cached * (cached + 1)) // 2
+
+
+@dataclass(frozen=True)
+class StockRates:
+    """Stock's own cost per unit of work on this host under a load (see the module's docstring)."""
+
+    token_s: float  # per computed prompt token, attention excluded
+    pair_s: float  # per causal (query, key) pair of attention
+    copy_bytes_s: float  # a plain memory copy's bandwidth
+
+    @classmethod
+    def measured(cls, seconds: float, computed: list[tuple[int, int]], pair_s: float,
+                 copy_bytes_s: float) -> "StockRates":
+        """From stock's wall `seconds` for requests whose (prompt, cached) tokens are `computed`."""
+        attention = pair_s * sum(causal_pairs(n, c) for n, c in computed)
+        return cls(max(seconds - attention, 0.0) / sum(n - c for n, c in computed), pair_s, copy_bytes_s)
+
+    def blend_s(self, shape: Shape, recomputed: int, pairs: int, reused: int) -> float:
+        return recomputed * self.token_s + pairs * self.pair_s + reused * shape.kv_bytes_per_token / self.copy_bytes_s
+
+    def stock_s(self, n: int, cached: int) -> float:
+        return (n - cached) * self.token_s + causal_pairs(n, cached) * self.pair_s
