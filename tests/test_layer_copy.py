@@ -1,5 +1,5 @@
 """chunkcache.blend.layer_copy: the chunk KV copy that runs behind the pass on CUDA. Off CUDA every layer is written
-at once, before anything reads the pool; on CUDA a reader that waits for layer i sees layer i's copy complete even
+before anything reads the pool; on CUDA a reader that waits for layer i sees layer i's copy complete even
 when the side stream is far behind (it is held back here with a device sleep), and one that does not wait would not
 (the premise, checked, so that the waits are what the test shows)."""
 
@@ -10,10 +10,10 @@ from chunkcache.blend.layer_copy import LayerCopy
 from chunkcache.rope import RopeSpec, Rotation, rerotate
 
 
-def test_off_cuda_every_layer_is_written_in_one_call_before_it_returns():
+def test_off_cuda_every_layer_is_written_in_order_before_it_returns():
     calls = []
     copied = LayerCopy(5, torch.device("cpu"), calls.append)
-    assert calls == [slice(0, 5)]
+    assert calls == [slice(i, i + 1) for i in range(5)]
     copied.wait(3), copied.wait_all()  # nothing left to wait for
 
 
