@@ -57,9 +57,9 @@ FAMILIES = (
     Family("Gemma 2", ("Gemma2ForCausalLM",), (),
            "attention logit soft-capping on every layer (`attn_logit_softcapping`): the blend's attention does not "
            "cap"),
-    Family("Gemma 3 (text)", ("Gemma3ForCausalLM",), ("sglang",),
-           "SGLang only: local layers' sliding window in the blend's masks, each layer's RoPE base in re-rotation, "
-           "q/k norm and scaled embeddings in SGLang's model; the reference path has no Gemma layer loop"),
+    Family("Gemma 3 (text)", ("Gemma3ForCausalLM",), ("sglang", "reference"),
+           "local layers' sliding window in the blend's masks, each layer's RoPE base in re-rotation, q/k norm, "
+           "scaled embeddings and the norms around both sublayers (SGLang's model; the reference loop's own code)"),
     Family("DeepSeek V2/V3 (MLA)", ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"), (),
            "multi-head latent attention: the pool holds a compressed latent and a shared RoPE key, not per-head K/V"),
 )
@@ -100,12 +100,16 @@ def check(config: Any, path: str = "sglang", context_len: int | None = None) -> 
 
 def _features(config: Any, path: str, context_len: int | None):
     """What an accepted family's config may still switch on that the blend does not compute. On the SGLang path the
-    blend reads each layer's sliding window from SGLang's attention layer; the reference loop has none."""
+    blend reads each layer's sliding window from SGLang's attention layer; the reference loop reads it from
+    transformers' attention module, which holds it only where the config gives windows per layer type
+    (`layer_types`: Gemma 3, Qwen2/3), not a model-wide one (Mistral)."""
     window = getattr(config, "sliding_window", None)
     use_window = getattr(config, "use_sliding_window", True)  # Qwen2/3 carry a window they do not use by default
-    if path == "reference" and window and use_window and (context_len is None or window < context_len):
-        yield (f"a sliding window of {window} tokens (context {context_len}): the reference path has no sliding "
-               f"window")
+    per_layer = "sliding_attention" in (getattr(config, "layer_types", None) or ())
+    if path == "reference" and window and use_window and not per_layer and (context_len is None or
+                                                                            window < context_len):
+        yield (f"a sliding window of {window} tokens (context {context_len}) for the whole model: the reference path "
+               f"takes windows per layer type only")
     if getattr(config, "attn_logit_softcapping", None):
         yield (f"attention logit soft-capping (attn_logit_softcapping={config.attn_logit_softcapping}): the blend's "
                f"attention does not cap")

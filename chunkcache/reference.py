@@ -14,6 +14,7 @@ difference from `full_prefill` (the unmodified HF forward) comes from the blendi
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from collections.abc import Sequence
@@ -61,7 +62,7 @@ class ReferenceBlender:
     def __init__(self, model, model_dir: str | os.PathLike, store: ChunkStore | None = None, namespace: str = "default"):
         config = model.config
         # the support table's "reference" families are those whose decoder layer `_forward` reproduces: Llama's, with
-        # q/k norm before RoPE (Qwen3) and layers without RoPE (SmolLM3)
+        # q/k norm before RoPE (Qwen3), layers without RoPE (SmolLM3), and Gemma 3's (see layer_types below)
         self.rope = architectures.check(config, "reference")
         self.model = model.eval()
         self.config = config
@@ -76,6 +77,11 @@ class ReferenceBlender:
         self.n_kv_heads = config.num_key_value_heads
         self.head_dim = self.rope.head_dim
         self.max_len = config.max_position_embeddings
+        # Gemma 3's decoder layer: a rotary embedding per layer type, sliding-window layers, and norms around both
+        # sublayers (`_forward` reads each layer's window from its attention module)
+        self.layer_types = list(getattr(config, "layer_types", None) or ())
+        self._typed_rope = "layer_type" in inspect.signature(model.model.rotary_emb.forward).parameters
+        self._sandwich = hasattr(model.model.layers[0], "pre_feedforward_layernorm")
         self.models = Models(model_dir, lambda name, layers: load_draft(name, layers, "float32", self.device,
                                                                          target=self.model))
 
@@ -323,22 +329,34 @@ class ReferenceBlender:
         """
         inner = self.model.model
         B, M = ids.shape
-        h = inner.embed_tokens(ids)
-        cos, sin = inner.rotary_emb(h, pos[None])
-        cos, sin = cos[:, :, None], sin[:, :, None]  # [1, M, 1, D] broadcasts over heads
+        h = inner.embed_tokens(ids)  # Gemma 3's scales itself by sqrt(hidden)
         slots = torch.arange(k_buf.shape[2], device=self.device)
         split = M if record_from is None else record_from
-        blocks = plan_blocks(pos[:split], slots, False)
-        recorded = plan_blocks(pos[split:], slots, True)
+        rotations, plans = {}, {}  # per layer type (Gemma 3: local and global RoPE bases) and per window
+
+        def rotation(layer_type: str | None):
+            if layer_type not in rotations:
+                cos, sin = inner.rotary_emb(h, pos[None], *([layer_type] if self._typed_rope else []))
+                rotations[layer_type] = cos[:, :, None], sin[:, :, None]  # [1, M, 1, D] broadcasts over heads
+            return rotations[layer_type]
+
+        def planned(window: int | None):  # transformers' window counts the query: keys q - (window - 1) .. q
+            if window not in plans:
+                plans[window] = (plan_blocks(pos[:split], slots, False, window and window - 1),
+                                 plan_blocks(pos[split:], slots, True, window and window - 1))
+            return plans[window]
+
         layers = inner.layers[: n_layers or self.n_layers]
         record = torch.zeros(len(layers), k_buf.shape[2], dtype=torch.float32, device=self.device)
         for l, layer in enumerate(layers):
             attn = layer.self_attn
+            cos, sin = rotation(self.layer_types[l] if self._typed_rope else None)
+            blocks, recorded = planned(getattr(attn, "sliding_window", None))
             x = layer.input_layernorm(h)
             q = attn.q_proj(x).view(B, M, self.n_heads, self.head_dim)
             k = attn.k_proj(x).view(B, M, self.n_kv_heads, self.head_dim)
             v = attn.v_proj(x).view(B, M, self.n_kv_heads, self.head_dim)
-            if hasattr(attn, "q_norm"):  # Qwen3: per-head RMS norm before RoPE
+            if hasattr(attn, "q_norm"):  # Qwen3, Gemma 3: per-head RMS norm before RoPE
                 q, k = attn.q_norm(q), attn.k_norm(k)
             if getattr(attn, "use_rope", True):  # SmolLM3's NoPE layers keep their positions out of q and k
                 q = q * cos + rotate_half(q) * sin
@@ -351,12 +369,19 @@ class ReferenceBlender:
                 if split < M:
                     o[b, split:] = attend_blocks(q[b, split:], k_buf[l, b], v_buf[l, b], recorded, attn.scaling,
                                                  record[l])
-            h = h + attn.o_proj(o.reshape(B, M, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            o = attn.o_proj(o.reshape(B, M, -1))
+            if self._sandwich:  # Gemma 3: each sublayer's output normed before the residual, the MLP's input too
+                h = h + layer.post_attention_layernorm(o)
+                h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+            else:
+                h = h + o
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
         return h if record_from is None else (h, record)
 
     def _logits(self, h_last: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.model.model.norm(h_last))[0].float()
+        logits = self.model.lm_head(self.model.model.norm(h_last))[0].float()
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 class _Engine:

@@ -47,10 +47,13 @@ class LargestValueDeviation:
         return finish(layout, rank(scores, layout.context_mask())[: layout.budget(ratio)], scores)
 
 
-# every family the reference path blends (chunkcache.architectures): Qwen3's q/k norm and SmolLM3's NoPE layers are
-# the reference loop's own code, checked here against transformers' forward
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mistral", "smollm3"])
+# every family the reference path blends (chunkcache.architectures): Qwen3's q/k norm, SmolLM3's NoPE layers, Gemma
+# 3's layers (local windows of 64 tokens inside these ~100-token prompts, two RoPE bases, norms around both sublayers)
+# and Qwen2's windows per layer type are the reference loop's own code, checked here against transformers' forward
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mistral", "smollm3", "gemma3", "qwen2-window"])
 def model_dir(request):
+    if request.param == "qwen2-window":  # every layer windowed, 48 tokens
+        return tiny_model("qwen2", use_sliding_window=True, sliding_window=48, max_window_layers=0, **TINY)
     return tiny_model(request.param, **TINY)
 
 
@@ -74,15 +77,21 @@ def prompt(seed=0, prefix=9, chunks=(17, 6, 23, 11), query=7):
 
 
 def cache_kv(cache, layer):
-    """[N, H, D] keys and values of a transformers cache layer (batch 0)."""
+    """[N, H, D] keys and values of a transformers cache layer (batch 0). A sliding-window layer (Gemma 3's local
+    ones) keeps only the window's last tokens: the positions before them are NaN."""
     layer = cache.layers[layer]
-    return layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)
+    k, v = layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)
+    dropped = layer.get_seq_length() - len(k)
+    if dropped:
+        k, v = (torch.cat([torch.full((dropped, *t.shape[1:]), float("nan"), dtype=t.dtype), t]) for t in (k, v))
+    return k, v
 
 
 def assert_same_cache(a, b, n_layers, **tol):
     for layer in range(n_layers):
         for x, y in zip(cache_kv(a, layer), cache_kv(b, layer)):
-            torch.testing.assert_close(x, y, **tol)
+            assert x.isnan().sum() < x.numel(), "a layer with nothing to compare"
+            torch.testing.assert_close(x, y, equal_nan=True, **tol)
 
 
 def stored_entries(blender, prefix, chunks):
@@ -195,13 +204,15 @@ def test_unselected_tokens_keep_the_stored_kv_rerotated(blender):
     recomputed = set(res.recomputed.tolist())
     for entry, (s, e) in zip(stored_entries(blender, p, moved), res.layout.chunk_spans):
         k_moved = rerotate(entry.k, s - entry.start_pos, blender.rope, torch.arange(entry.start_pos, entry.start_pos + e - s))
-        keep = torch.tensor([t not in recomputed for t in range(s, e)])
+        reused = torch.tensor([t not in recomputed for t in range(s, e)])
         for layer in range(blender.n_layers):
             k, v = cache_kv(res.past_key_values, layer)
+            held = ~k[s:e, 0, 0].isnan()  # all but the tokens a sliding window dropped
+            keep, fresh = reused & held, ~reused & held
             assert torch.equal(k[s:e][keep], k_moved[layer][keep])
             assert torch.equal(v[s:e][keep], entry.v[layer][keep])
-            if layer > 0 and (~keep).any() and s != entry.start_pos:  # moved recomputed tokens got fresh KV
-                assert not torch.equal(v[s:e][~keep], entry.v[layer][~keep])
+            if layer > 0 and fresh.any() and s != entry.start_pos:  # moved recomputed tokens got fresh KV
+                assert not torch.equal(v[s:e][fresh], entry.v[layer][fresh])
 
 
 def test_every_token_sits_at_its_full_prompt_position(blender):
@@ -212,7 +223,9 @@ def test_every_token_sits_at_its_full_prompt_position(blender):
     moved = [c[1], c[3], c[2], c[0]]
     full = blender.full_prefill(p, moved, q)
     res = blender.blend(p, moved, q, selector=Fixed([len(p) + 3, len(p) + 30]))
-    torch.testing.assert_close(cache_kv(res.past_key_values, 0)[0], cache_kv(full.past_key_values, 0)[0], atol=1e-5, rtol=0)
+    got, want = cache_kv(res.past_key_values, 0)[0], cache_kv(full.past_key_values, 0)[0]
+    assert (~got.isnan()).sum() > got.numel() // 3  # a sliding window keeps its last tokens only, not nothing
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0, equal_nan=True)
     assert res.past_key_values.get_seq_length() == full.past_key_values.get_seq_length() == res.layout.n
 
 
@@ -363,8 +376,8 @@ def test_unsupported_models_are_refused_at_load():
                                                 "original_max_position_embeddings": 2048})
     with pytest.raises(UnsupportedModel, match="'yarn'"):
         ReferenceBlender.from_pretrained(yarn)
-    with pytest.raises(UnsupportedModel, match="sliding window"):  # Gemma 3's local layers
-        ReferenceBlender.from_pretrained(tiny_model("gemma3"))
+    with pytest.raises(UnsupportedModel, match="sliding window"):  # Mistral's window is in its mask only
+        ReferenceBlender.from_pretrained(tiny_model("mistral", sliding_window=64))
     with pytest.raises(UnsupportedModel, match="fused qkv"):  # Phi-3: the SGLang path only
         ReferenceBlender.from_pretrained(tiny_model("phi3"))
 
