@@ -46,18 +46,20 @@ store.remote_fetch's rule (chunkcache.store.link) flips for this model at each l
 
 GPU session (H100/H200), two commands of the `run` tool, each well inside its 10 minutes, both with carry [".fi"]
 after `bash chunkbench/kernels/pack_flashinfer.sh --aot` here (the .venv's flashinfer 0.7.2 trimmed to 21 MB, its paged
-prefill modules compiled here for sm_90a, + the cp312 apache-tvm-ffi wheel; without --aot the first command
-JIT-builds them on the GPU machine, about 2 of its minutes; without .fi, drop the first line: the flashinfer
-variants are then skipped with the reason printed):
+prefill modules compiled here for sm_90a, + the cp312 apache-tvm-ffi wheel and the redis wheel chunkcache's store
+imports; without --aot the first command JIT-builds them on the GPU machine, about 2 of its minutes; without the
+tarball, install only the wheels: the flashinfer variants are then skipped with the reason printed):
 
     mkdir -p /tmp/site && tar -xzf .fi/flashinfer.tar.gz -C /tmp/site && python3 -m pip install -q --no-index \
-      --no-deps --no-compile --target /tmp/site .fi/apache_tvm_ffi-*.whl && export PYTHONPATH=/tmp/site \
+      --no-deps --no-compile --target /tmp/site .fi/*.whl && export PYTHONPATH=/tmp/site \
       FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16;
     PYTHONUNBUFFERED=1 python3 -m chunkbench.kernels.gpu_blend --model-sizes 0 --json $OUT/attention.json 2>&1 \
       | tee $OUT/attention.log
 
-and the same first line, then `PYTHONUNBUFFERED=1 python3 -m chunkbench.kernels.gpu_blend --sizes 0 --json
-$OUT/model.json 2>&1 | tee $OUT/model.log` (32 layers, 4K-32K: ~35 GB of GPU memory at 32K, fits an H100).
+and the same first line, then `PYTHONUNBUFFERED=1 python3 -m chunkbench.kernels.gpu_blend --sizes 0
+--model-attention flashinfer_paged --sources device,pinned,pinned-int8 --json $OUT/model.json 2>&1 | tee
+$OUT/model.log` (32 layers, 4K-32K: ~40 GB of GPU memory at 32K, fits an H100; ~85 s on one). The layered copy's
+own check runs there too: `python3 -m pytest -q --noconftest -p no:cacheprovider tests/test_layer_copy.py`.
 
 CPU self-check (tests/test_gpu_blend.py runs it in float32):
 

@@ -41,8 +41,11 @@ mkdir -p .fi
     find nvidia/cu13/include -name 'curand*.h'
   } | tar -czf - --transform 's,^nvidia/cu13/include/,flashinfer/data/include/,' -T - "${aot[@]}"
 ) >.fi/flashinfer.tar.gz
-rm -f .fi/apache_tvm_ffi-*.whl
+rm -f .fi/apache_tvm_ffi-*.whl .fi/redis-*.whl
 .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
   -d .fi "apache-tvm-ffi==$version"
+# chunkcache's store imports redis-py (pure Python), which the GPU machine's image lacks
+.venv/bin/python -m pip download -q --no-deps --only-binary=:all: -d .fi \
+  "redis==$(.venv/bin/python -c 'import redis; print(redis.__version__)')"
 du -ch .fi/* | tail -n 1
