@@ -58,7 +58,7 @@ tarball, install only the wheels: the flashinfer variants are then skipped with 
 
 and the same first line, then `PYTHONUNBUFFERED=1 python3 -m chunkbench.kernels.gpu_blend --sizes 0
 --model-attention flashinfer_paged --sources device,pinned,pinned-int8 --json $OUT/model.json 2>&1 | tee
-$OUT/model.log` (32 layers, 4K-32K: ~40 GB of GPU memory at 32K, fits an H100; ~85 s on one). The layered copy's
+$OUT/model.log` (32 layers, 4K-32K: it ran on an H100 in 85 s, docs/bench/gpu.md). The layered copy's
 own check runs there too: `python3 -m pytest -q --noconftest -p no:cacheprovider tests/test_layer_copy.py`.
 
 CPU self-check (tests/test_gpu_blend.py runs it in float32):
