@@ -36,9 +36,9 @@ with `store.pin_memory`, copied without blocking; `pinned-int8`/`pinned-int4`: s
 device) or already on the device, then (b) one pass of the selected tokens through every layer: linear layers on
 those tokens only, fresh K/V written to the pool, each attention variant above that exists there. Each blend runs
 twice: `serial`, the whole copy before the pass, and `overlap`, the copy layer by layer on a side stream behind the
-pass (chunkcache.blend.layer_copy, as the server copies on CUDA). The stored KV is the full prefill's own, moved to the chunks' standalone positions, so the
-blended logits must equal the full prefill's up to rounding: that checks the re-rotation, the copy and the sparse
-attention end to end. The selector's own cost is not included (it differs per selector).
+pass (chunkcache.blend.layer_copy, as the server copies on CUDA). The stored KV is the full prefill's own, moved
+to the chunks' standalone positions, so the blended logits must equal the full prefill's up to rounding: that checks
+the re-rotation, the copy and the sparse attention end to end. The selector's own cost is not included (it differs per selector).
 
 Part 3 (`--links`, after part 2): the host-to-device copy rate (page-locked and pageable), the device's decode cost
 per token of each codec, and from them and part 2's full prefill cost per token, the fetch-or-compute table: where

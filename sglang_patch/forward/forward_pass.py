@@ -123,9 +123,10 @@ class Runner:
             fb.extend_prefix_lens = src.seq_lens - fb.extend_seq_lens
             fb.extend_prefix_lens_cpu = [int(s) - c for s, c in zip(src.seq_lens_cpu, lens)]
             fb.extend_logprob_start_lens_cpu = [c - 1 for c in lens] if src.extend_logprob_start_lens_cpu else None
+        lasts_only = logits and not (fb.capture_hidden_mode and fb.capture_hidden_mode.is_full())
         backend = SparseAttention(self.model_runner.attn_backend, p.segments, fb.out_cache_loc, device,
-                                  copied=self.copied, final_layer=_last_layer(self.model_runner.model) if logits and not (
-                                      fb.capture_hidden_mode and fb.capture_hidden_mode.is_full()) else None)
+                                  copied=self.copied,
+                                  final_layer=_last_layer(self.model_runner.model) if lasts_only else None)
         if has_forward_context():
             ctx = replace(get_forward_context(), attn_backend=backend)
         else:

@@ -65,9 +65,9 @@ class SparseAttention:
     def __init__(self, base, segments: list[Segment], out_cache_loc: torch.Tensor, device: torch.device,
                  copied: LayerCopy | None = None, final_layer: int | None = None):
         """`copied`: the chunk KV still being copied into the pool, waited for layer by layer before the pool is
-        written or read. `final_layer`: the model's last layer when only each segment's last row's output is read there (a logits
-        pass): at that layer the torch path attends for those rows only and gives the others zeros (their K/V are
-        still written; nothing reads their last hidden state). A recomputed token's last-layer attention is 1/L of
+        written or read. `final_layer`: the model's last layer when only each segment's last row's output is read
+        there (a logits pass): at that layer the torch path attends for those rows only and gives the others zeros
+        (their K/V are still written; nothing reads their last hidden state). A recomputed token's last-layer attention is 1/L of
         the pass's attention, spent on an output no one reads."""
         self.token_to_kv_pool = base.token_to_kv_pool
         self.req_to_token_pool = base.req_to_token_pool
