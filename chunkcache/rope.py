@@ -135,8 +135,8 @@ def rerotate(k: torch.Tensor, delta: int | torch.Tensor, spec: RopeSpec,
 
 @dataclass(frozen=True)
 class Rotation:
-    """One move of keys (rerotate's), its cos and sin computed once, for keys moved a few layers at a time (the
-    blend's layer-by-layer copy): [T or 1, 1, D / 2] float32, or [L, T or 1, 1, D / 2] for per-layer RoPE."""
+    """One move of keys (rerotate's), its cos and sin computed once, for keys moved a layer at a time (the blend's
+    layer-by-layer copy): [T or 1, 1, D / 2] float32, or [L, T or 1, 1, D / 2] for per-layer RoPE."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -157,9 +157,9 @@ class Rotation:
         # [(L,) T or 1, 1, F]: broadcasts over heads
         return cls(angles.cos().float().unsqueeze(-2), angles.sin().float().unsqueeze(-2), spec.per_layer)
 
-    def layers(self, which: slice) -> "Rotation":
-        """The rotation of the layers in `which`, for keys stacked [len(which), T, H, D]."""
-        return replace(self, cos=self.cos[which], sin=self.sin[which]) if self.per_layer else self
+    def layer(self, i: int) -> "Rotation":
+        """Layer i's rotation, for its keys [T, H, D]."""
+        return replace(self, cos=self.cos[i], sin=self.sin[i], per_layer=False) if self.per_layer else self
 
     def apply(self, k: torch.Tensor) -> torch.Tensor:
         if self.per_layer and (k.dim() != 4 or k.shape[0] != self.cos.shape[0]):

@@ -13,19 +13,18 @@ from chunkcache.rope import RopeSpec, Rotation, rerotate
 def test_off_cuda_every_layer_is_written_in_order_before_it_returns():
     calls = []
     copied = LayerCopy(5, torch.device("cpu"), calls.append)
-    assert calls == [slice(i, i + 1) for i in range(5)]
+    assert calls == list(range(5))
     copied.wait(3), copied.wait_all()  # nothing left to wait for
 
 
-def test_a_rotation_of_some_layers_moves_keys_as_rerotate_moves_all_of_them():
+def test_a_rotation_of_one_layer_moves_its_keys_as_rerotate_moves_all_of_them():
     per_layer = RopeSpec("default+nope", torch.rand(3, 4), 8)  # 3 layers, head_dim 8
     k, moved, at = torch.randn(3, 5, 2, 8), torch.tensor([7, 7, 7, -2, -2]), torch.arange(5)
-    whole = rerotate(k, moved, per_layer, at)
     rotation = Rotation.of(moved, per_layer, at)
-    assert torch.equal(torch.cat([rotation.layers(slice(i, i + 1)).apply(k[i:i + 1]) for i in range(3)]), whole)
+    assert torch.equal(torch.stack([rotation.layer(i).apply(k[i]) for i in range(3)]),
+                       rerotate(k, moved, per_layer, at))
     shared = RopeSpec("default", torch.rand(4), 8)
-    assert torch.equal(Rotation.of(moved, shared, at).layers(slice(1, 2)).apply(k[1:2]),
-                       rerotate(k, moved, shared, at)[1:2])
+    assert torch.equal(Rotation.of(moved, shared, at).layer(1).apply(k[1]), rerotate(k, moved, shared, at)[1])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -34,9 +33,9 @@ def test_on_cuda_a_reader_that_waits_sees_each_layer_whole_while_the_copy_runs_b
     source = torch.arange(layers * n, dtype=torch.float32).view(layers, n).pin_memory()
     pool = torch.zeros(layers, n, device="cuda")
 
-    def write(which: slice) -> None:
+    def write(layer: int) -> None:
         torch.cuda._sleep(50_000_000)  # ~25 ms per layer on the side stream
-        pool[which] = source[which].to("cuda", non_blocking=True)
+        pool[layer] = source[layer].to("cuda", non_blocking=True)
 
     unwaited = LayerCopy(layers, torch.device("cuda"), write)  # layers 0 and 1 queued, behind the sleeps
     assert pool[1].sum().item() == 0, "the copy finished before the reader: the waits are not tested"

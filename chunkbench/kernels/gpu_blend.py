@@ -441,27 +441,24 @@ def copy_chunks(model: Model, store, slots, k_pool, v_pool, device, codec: Codec
     the copy) gathered on the device, K re-rotated to its place in one call and one write per buffer; layer by layer
     on a side stream on CUDA (chunkcache.blend.layer_copy)."""
     dst = torch.cat([slots[s:e] for s, e, *_ in store])
+    dtype = k_pool[0].dtype
     rotation = Rotation.of(torch.cat([torch.full((e - s,), s - p) for s, e, p, *_ in store]), model.rope,
                            torch.cat([torch.arange(p, p + e - s) for s, e, p, *_ in store]), device)
 
     # chunks whose tokens fill whole K groups (all but the last) decode as one: their codes and groups concatenate
     whole_groups = codec is not None and all((e - s) % codec.group == 0 for s, e, *_ in store[:-1])
 
-    def fetch(sk, sv, layers: slice):
+    def write(layer: int) -> None:
         if codec is None:
-            return sk[layers].to(device, non_blocking=True), sv[layers].to(device, non_blocking=True)
-        return codec.decode({name: t[layers].to(device, non_blocking=True) for name, t in sk.items()},
-                            k_pool[0].dtype)  # sk: the codec's tensors, sv unused
-
-    def write(layers: slice) -> None:
-        if whole_groups:
-            parts = [{name: t[layers].to(device, non_blocking=True) for name, t in sk.items()} for *_, sk, _ in store]
-            k, v = codec.decode({name: torch.cat([p[name] for p in parts], 1) for name in parts[0]}, k_pool[0].dtype)
-        else:
-            k, v = (torch.cat(parts, 1) for parts in zip(*(fetch(sk, sv, layers) for *_, sk, sv in store)))
-        k = rotation.layers(layers).apply(k)
-        for i, layer in enumerate(range(layers.start, layers.stop)):
-            k_pool[layer][dst], v_pool[layer][dst] = k[i], v[i]
+            k, v = (torch.cat([t[layer].to(device, non_blocking=True) for t in ts]) for ts in zip(*(
+                (sk, sv) for *_, sk, sv in store)))
+        else:  # sk: the codec's tensors [layers, ...], sv unused; one layer's copied, decoded on the device
+            parts = [{name: t[layer: layer + 1].to(device, non_blocking=True) for name, t in sk.items()}
+                     for *_, sk, _ in store]
+            decoded = ([codec.decode({name: torch.cat([p[name] for p in parts], 1) for name in parts[0]}, dtype)]
+                       if whole_groups else [codec.decode(p, dtype) for p in parts])
+            k, v = (torch.cat([d[i][0] for d in decoded]) for i in (0, 1))
+        k_pool[layer][dst], v_pool[layer][dst] = rotation.layer(layer).apply(k), v
     return LayerCopy(len(k_pool), device, write)
 
 

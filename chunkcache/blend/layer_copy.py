@@ -1,7 +1,7 @@
 """Stored chunk KV written into a KV pool layer by layer, behind the pass that reads it.
 
 On a CUDA device the writes run on a side stream, one layer at a time, each followed by an event, and are queued
-lazily: layer 0 (and the next `ahead`) at the start, layer i + 1 + ahead when a pass waits for layer i. So the host
+lazily: layers 0 and 1 at the start, layer i + 2 when a pass waits for layer i. So the host
 queues layer i + 1's copy between layer i's kernels, not all layers' before the pass's first kernel (the host's
 queueing would otherwise delay the pass by as much as the overlap saves), and the device copies (and re-rotates,
 and decodes a compressed entry of) layer i + 1 while layer i computes. Elsewhere there is no second stream and
@@ -10,8 +10,8 @@ caches where every layer of them does not (re-rotating a 3K-token prompt's 30 la
 layer by layer on a Zen 4).
 
 The contract:
-- `write(layers)` writes the stored KV of the layers in the slice `layers` (one layer per call), on CUDA on the side
-  stream, so what it allocates stays on that stream.
+- `write(layer)` writes one layer's stored KV, on CUDA on the side stream, so what it allocates stays on that
+  stream.
 - The side stream starts after the work already queued on the caller's stream (the pool's slots may have been
   written by it), and `wait(i)` orders the caller's stream after layer i's writes. A reader waits before it reads
   layer i and before it writes fresh K/V over copied slots.
@@ -35,30 +35,32 @@ def copy_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
+AHEAD = 1  # layers queued beyond the one a pass waits for
+
+
 class LayerCopy:
-    def __init__(self, n_layers: int, device: torch.device, write: Callable[[slice], None], ahead: int = 1):
-        self.n_layers, self.write, self.ahead = n_layers, write, ahead
+    def __init__(self, n_layers: int, device: torch.device, write: Callable[[int], None]):
+        self.n_layers, self.write = n_layers, write
         self.events: list[torch.cuda.Event] = []
         self.stream = copy_stream(device) if device.type == "cuda" else None
         if self.stream is None:
             for layer in range(n_layers):
-                write(slice(layer, layer + 1))
+                write(layer)
             return
         self.stream.wait_stream(torch.cuda.current_stream(device))
-        self._queue(1 + ahead)
+        self._queue(1 + AHEAD)
 
     def _queue(self, upto: int) -> None:
         with torch.cuda.stream(self.stream):
             while len(self.events) < min(upto, self.n_layers):
-                layer = len(self.events)
-                self.write(slice(layer, layer + 1))
+                self.write(len(self.events))
                 self.events.append(torch.cuda.Event())
                 self.events[-1].record(self.stream)
 
     def wait(self, layer: int) -> None:
         """The caller's stream runs after layer `layer`'s writes (no wait off CUDA: they are done)."""
         if self.stream is not None:
-            self._queue(layer + 2 + self.ahead)
+            self._queue(layer + 2 + AHEAD)
             torch.cuda.current_stream().wait_event(self.events[layer])
 
     def wait_all(self) -> None:

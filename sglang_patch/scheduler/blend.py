@@ -171,13 +171,11 @@ class BatchEngine:
         moved = torch.cat([torch.full((e.num_tokens - c.head,), c.chunk[0] - e.start_pos) for _, c, e in moves])
         rotation = Rotation.of(moved, self.rope, at, device)
 
-        def write(layers: slice) -> None:
-            k, v = (torch.cat([getattr(e, name)[layers, c.head:].to(device, non_blocking=True) for _, c, e in moves],
-                              1) for name in ("k", "v"))
-            k = rotation.layers(layers).apply(k)
-            for i, layer in enumerate(range(layers.start, layers.stop)):
-                keys[layer][dst] = k[i]
-                values[layer][dst] = v[i]
+        def write(layer: int) -> None:
+            k, v = (torch.cat([getattr(e, name)[layer, c.head:].to(device, non_blocking=True) for _, c, e in moves])
+                    for name in ("k", "v"))
+            keys[layer][dst] = rotation.layer(layer).apply(k)
+            values[layer][dst] = v
         self.runner.copied = LayerCopy(self.n_layers, device, write)
 
     def query_attention(self, requests: Sequence[int]) -> list[torch.Tensor]:
