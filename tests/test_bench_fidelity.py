@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from chunkbench import intervals, workloads
 from chunkbench.quality import fidelity_measures, quality
 from chunkbench.quality.quality import COLUMNS, EvalConfig
-from chunkbench.quality.reference_path import ReferenceMeasure, kl_logits
+from chunkbench.quality.reference_path import ReferenceMeasure, greedy_ids, kl_logits
 from chunkbench.workloads import WorkloadConfig
 from chunkcache.models import tiny_model
 from chunkcache.reference import ReferenceBlender
@@ -89,6 +89,24 @@ def test_teacher_forced_logits_are_the_hf_forward_over_prompt_and_continuation(m
     assert forced.argmax(-1).tolist() == continuation  # greedy decoding agrees with its own teacher forcing
     blended = blender.blend(prefix, chunks, query, selector="none")
     assert blender.teacher_forced_logits(blended, continuation).shape == forced.shape
+
+
+def test_greedy_ids_are_step_by_step_greedy_decoding(model_dir):
+    """One teacher-forced pass stands in for decoding only when it agrees with the reference at every position:
+    full recompute against its own answer (the shortcut) and naive reuse that answers otherwise (decoded)."""
+    blender = ReferenceBlender.from_pretrained(model_dir)
+    g = torch.Generator().manual_seed(2)
+    prefix, chunks, query = (torch.randint(3, 1000, (n,), generator=g).tolist() for n in (7, 60, 9))
+    chunks = [chunks[:30], chunks[30:]]
+    full = blender.full_prefill(prefix, chunks, query)
+    reference = blender.generate(full, 12)
+    naive = blender.blend(prefix, chunks[::-1], query, selector="none")
+    decoded = blender.generate(naive, 12)
+    assert decoded != reference  # the premise: this blend answers otherwise
+    for result, oracle in ((full, reference), (naive, decoded)):
+        ids, forced = greedy_ids(blender, result, reference, 12)
+        assert ids == oracle
+        assert forced == blender.teacher_forced_logits(result, reference).argmax(-1).tolist()
 
 
 # ---- eval on the reference path ---------------------------------------------------------------------------------

@@ -73,8 +73,7 @@ def run(args) -> None:
             if res is None:  # too few stored tokens: served as stock, exactly full's answer
                 auto_row = {**full_row, "rho_used": 1.0, "stock": True}
             else:
-                auto_row = measure._fields(res, blender.generate(res, args.max_new_tokens), ref,
-                                           rho_used=rho_used(res), reused=res.reused_tokens)
+                auto_row = measure.measured(res, ref, rho_used=rho_used(res), reused=res.reused_tokens)
             row = {"id": item.id, "tokens": len(ids), "learned": learned, "selector": args.selector,
                    "ratio": args.ratio, "answers": list(item.answers)}
             for name, r in (("full", full_row), ("hinted", hinted), ("auto", auto_row)):

@@ -41,7 +41,7 @@ from chunkcache.select.mix import MixSelector
 from .. import intervals, scoring
 from ..serving.ab import first_line
 from ..workloads import Item, WorkloadConfig, items, to_request
-from .reference_path import kl_logits, remember_deviations, split
+from .reference_path import greedy_ids, kl_logits, remember_deviations, split
 from .rowlog import RowLog
 
 RATIOS = fidelity.RATIOS
@@ -132,7 +132,8 @@ def measure(blender, item: Item, file: Path, family: Family, max_new_tokens: int
     for ratio in RATIOS:
         res = blender.blend(*parts, selector=selector, ratio=ratio)
         recomputed[ratio] = res.recomputed
-        line = first_line(_answer(blender, res, full_ids, max_new_tokens))
+        line = first_line(blender.tokenizer.decode(greedy_ids(blender, res, full_ids, max_new_tokens)[0],
+                                                   skip_special_tokens=True))
         rows.append({"task": family.spec, "item": item.id, "selector": "mix", "ratio": ratio, "path": "reference",
                      "kl": kl_logits(full.logits, res.logits),
                      "agree": float(int(res.logits.argmax()) == int(full.logits.argmax())),
@@ -142,14 +143,6 @@ def measure(blender, item: Item, file: Path, family: Family, max_new_tokens: int
     torch.save({"evidence": evidence(naive.layout, naive.scores, selector.values), "recomputed": recomputed,
                 "naive_logits": naive.logits.half(), "naive_kl": kl_logits(full.logits, naive.logits)}, file)
     return rows
-
-
-def _answer(blender, result, full_ids: list[int], max_new_tokens: int) -> str:
-    """The blend's greedy answer: full recompute's when the blend's argmax is full's token at every position of it
-    (one teacher-forced pass; greedy decoding would produce the same tokens), else decoded step by step."""
-    forced = blender.teacher_forced_logits(result, full_ids).argmax(-1).tolist()
-    ids = full_ids if forced == full_ids else blender.generate(result, max_new_tokens)
-    return blender.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def _contains(line: str, answers) -> float:

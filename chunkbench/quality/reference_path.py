@@ -114,6 +114,16 @@ def answer(blender: ReferenceBlender, result: BlendResult, max_new_tokens: int) 
     return blender.tokenizer.decode(blender.generate(result, max_new_tokens), skip_special_tokens=True)
 
 
+def greedy_ids(blender: ReferenceBlender, result: BlendResult, reference: list[int],
+               max_new_tokens: int) -> tuple[list[int], list[int]]:
+    """(the blend's greedy answer, its argmax at each position of `reference` teacher-forced): `reference` itself
+    when the two argmaxes agree at every position (greedy decoding would produce the same tokens, one pass instead
+    of one per token), else decoded step by step."""
+    forced = blender.teacher_forced_logits(result, reference).argmax(-1).tolist()
+    ids = list(reference) if forced == list(reference) else blender.generate(result, max_new_tokens)
+    return ids, forced
+
+
 def kl_logits(full: torch.Tensor, blended: torch.Tensor) -> float:
     """Exact KL(full || blended) in nats of the next-token distributions of two logit vectors."""
     p, q = full.double().log_softmax(-1), blended.double().log_softmax(-1)
@@ -142,18 +152,21 @@ class ReferenceMeasure:
         result = b.full_prefill(*parts)
         ref = FullRecompute(parts, result, b.generate(result, self.max_new_tokens))
         # measured like any blend: a real check of the teacher-forced pass against step-by-step greedy decoding
-        return ref, self._fields(result, ref.continuation, ref, full_s=result.timings["total"], tokens=result.layout.n,
-                                rho_used=1.0)
+        forced = b.teacher_forced_logits(result, ref.continuation).argmax(-1).tolist()
+        return ref, self._fields(result, ref.continuation, forced, ref, full_s=result.timings["total"],
+                                 tokens=result.layout.n, rho_used=1.0)
 
     def blended(self, ref: FullRecompute, name: str, ratio: float, options: dict) -> dict:
         res = blend(self.blender, ref.parts, name, ratio, options)
-        return self._fields(res, self.blender.generate(res, self.max_new_tokens), ref,
-                            select_s=res.timings["features"] + res.timings["select"],
-                            blend_s=blend_seconds(res), full_s=ref.result.timings["total"],
-                            recomputed=int(res.recomputed.numel()), rho_used=rho_used(res))
+        return self.measured(res, ref, select_s=res.timings["features"] + res.timings["select"],
+                             blend_s=blend_seconds(res), full_s=ref.result.timings["total"],
+                             recomputed=int(res.recomputed.numel()), rho_used=rho_used(res))
 
-    def _fields(self, res: BlendResult, ids: list[int], ref: FullRecompute, **timings) -> dict:
-        forced = self.blender.teacher_forced_logits(res, ref.continuation).argmax(-1).tolist()
+    def measured(self, res: BlendResult, ref: FullRecompute, **timings) -> dict:
+        """A blend's row: its greedy answer, agreement and first-token KL against `ref`, and `timings`."""
+        return self._fields(res, *greedy_ids(self.blender, res, ref.continuation, self.max_new_tokens), ref, **timings)
+
+    def _fields(self, res: BlendResult, ids: list[int], forced: list[int], ref: FullRecompute, **timings) -> dict:
         return {"text": self.blender.tokenizer.decode(ids, skip_special_tokens=True),
                 "tf_agreement": fidelity_measures.agreement(forced, ref.continuation),
                 "kl_first": kl_logits(ref.result.logits, res.logits), **timings}
