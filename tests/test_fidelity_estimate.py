@@ -152,3 +152,17 @@ def test_the_fits_quantile_regression_and_wilson_interval():
     np.testing.assert_allclose(beta, [2.9, 3.0], atol=0.05)
     assert wilson(10, 100) == pytest.approx((0.0552, 0.1744), abs=1e-4)
     assert wilson(0, 100)[0] == 0.0 and wilson(0, 20)[1] == pytest.approx(0.1611, abs=1e-4) and wilson(5, 5)[1] == 1.0
+
+
+def test_the_calibration_tables_ttft_column_reads_ttft_shuffleds_table(tmp_path):
+    from chunkbench.quality.fidelity_fit import read_ttft
+
+    head = ("side        TTFT median s  speed-up vs stock  hits\n"
+            "stock               0.800               1.00\n")
+    sides = {0.05: 0.2, 0.1: 0.3, 0.15: 0.4, 0.25: 0.5, 0.4: 0.6, 1: 0.88}
+    table = tmp_path / "t.txt"
+    table.write_text(head + "".join(f"mix@{r:<8g}{t:>15.3f}{0.8 / t:>19.2f}     7\n" for r, t in sides.items()))
+    assert read_ttft(str(table)) == pytest.approx({float(r): t / 0.8 for r, t in sides.items()})
+    table.write_text(head + "mix@0.05            0.200               4.00     7\n")
+    with pytest.raises(ValueError, match="a side at each rho"):
+        read_ttft(str(table))

@@ -17,7 +17,8 @@ measured KL exceeds it (Wilson interval), the mean rho chosen, needle accuracy a
     OMP_NUM_THREADS=1 .venv/bin/python -m chunkbench.quality.fidelity_fit collect --family multikey --seed 1000 \
         --requests 150 --out results/fidelity/multikey.jsonl --resume
     .venv/bin/python -m chunkbench.quality.fidelity_fit fit results/fidelity/*.jsonl      # writes configs/fidelity.json
-    .venv/bin/python -m chunkbench.quality.fidelity_fit judge results/fidelity/*.jsonl
+    .venv/bin/python -m chunkbench.quality.fidelity_fit judge results/fidelity/*.jsonl \
+        --ttft multikey=results/cal_ttft/multikey.txt     # TTFT column: ttft_shuffled at the family's size
 """
 
 from __future__ import annotations
@@ -331,11 +332,23 @@ def _ids(numbers: list[int]) -> str:
         ", ".join(map(str, numbers))
 
 
+def read_ttft(path: str) -> dict[float, float]:
+    """rho -> median TTFT over stock's, from the table `chunkbench.serving.ttft_shuffled --selectors mix --ratio
+    R1,R2,..` prints (its sides SELECTOR@RHO; the side at rho 1 is what a request computed in full costs there)."""
+    text = Path(path).read_text()
+    stock = re.search(r"^stock\s+([\d.]+)\s", text, re.M)
+    sides = {float(rho): float(t) for rho, t in re.findall(r"^\S+@([\d.]+)\s+([\d.]+)\s", text, re.M)}
+    if stock is None or not set(RATIOS) | {1.0} <= set(sides):
+        raise ValueError(f"{path}: expected stock's TTFT and a side at each rho of {RATIOS} and at 1")
+    return {rho: t / float(stock.group(1)) for rho, t in sides.items()}
+
+
 def judge(args) -> None:
     model = fidelity.load(args.coefficients)
     cases = {k: v for k, v in cases_of(load_points(args.paths)).items() if role(k[1]) == "judge"}
-    lines = ["| family | bound | n | KL > bound [95 % Wilson] | mean rho | in full | best fixed rho | oracle mean rho | "
-             "needle / full's | first token = full's | same answer as full |", "|---" * 11 + "|"]
+    ttft = {family: read_ttft(path) for family, path in (t.split("=", 1) for t in args.ttft)}
+    lines = ["| family | bound | n | KL > bound [95 % Wilson] | mean rho | in full | TTFT / stock's | best fixed rho | "
+             "oracle mean rho | needle / full's | first token = full's | same answer as full |", "|---" * 12 + "|"]
     for family in FAMILIES:
         mine = [c for k, c in cases.items() if k[0] == family]
         if not mine:
@@ -349,13 +362,15 @@ def judge(args) -> None:
             over = sum(r is not None and r["kl"] > bound for r in rows)
             low, high = intervals.wilson(over, n)
             rho = [1.0 if r is None else r for _, r in picked]
+            cost = f"{_mean(ttft[family][r] for r in rho):.2f}" if family in ttft else "-"
             oracle = [next((r for r in RATIOS if c[r].row["kl"] <= bound), 1.0) for c in mine]
             fixed = next((r for r in RATIOS if sum(c[r].row["kl"] > bound for c in mine) <= 0.1 * n), None)
             needle = (f"{_mean(r['contains'] if r else f['full_contains'] for r, f in zip(rows, full)):.2f} / "
                       f"{_mean(f['full_contains'] for f in full):.2f}" if family != "musique" else "")
             lines.append(
                 f"| {family} | {bound} | {n} | {over / n:.3f} [{low:.3f}, {high:.3f}] | {_mean(rho):.3f} | "
-                f"{sum(r is None for _, r in picked)} | {fixed if fixed is not None else '> 0.4'} | {_mean(oracle):.3f} | "
+                f"{sum(r is None for _, r in picked)} | {cost} | {fixed if fixed is not None else '> 0.4'} | "
+                f"{_mean(oracle):.3f} | "
                 f"{needle} | {_mean(r['agree'] if r else 1.0 for r in rows):.2f} | "
                 f"{_mean(r['same'] if r else 1.0 for r in rows):.2f} |")
     print("\n".join(lines))
@@ -388,6 +403,8 @@ def main() -> None:
     j = sub.add_parser("judge", help="choose rho by the estimate for the held-out cases, per family and bound")
     j.add_argument("paths", nargs="+")
     j.add_argument("--coefficients", default=str(fidelity.PACKAGED))
+    j.add_argument("--ttft", action="append", default=[], metavar="FAMILY=PATH",
+                   help="the TTFT column: ttft_shuffled's table at the family's prompt size (read_ttft)")
     m = sub.add_parser("compare", help="cross-validated pinball loss of term sets on the fit cases")
     m.add_argument("paths", nargs="+")
     m.add_argument("--sets", required=True, help="term sets: 'a,b;a,c'")

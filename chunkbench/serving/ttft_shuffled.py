@@ -44,7 +44,8 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=8)
     ap.add_argument("--docs", type=int, default=12, help="document pool the requests draw from")
     ap.add_argument("--words", type=int, default=380)
-    ap.add_argument("--ratio", type=float, default=0.15)
+    ap.add_argument("--ratio", default="0.15", help="rho, or a comma-separated list: each selector at each rho is a side "
+                    "(SELECTOR@RHO), in its own namespace")
     ap.add_argument("--selectors", default="none,epic,prophet")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", help="model dtype on both sides (default: the server's, see chunkcache.config)")
@@ -82,7 +83,11 @@ def main() -> None:
     prefix = tok.encode("<|im_start|>system\nAnswer using the documents.<|im_end|>\n<|im_start|>user\n",
                         add_special_tokens=False)
     rng = random.Random(args.seed)
-    selectors = args.selectors.split(",")
+    ratios = [float(r) for r in args.ratio.split(",")]
+    # side label -> (selector, rho)
+    sides = {(name if len(ratios) == 1 else f"{name}@{ratio:g}"): (name, ratio)
+             for name in args.selectors.split(",") for ratio in ratios}
+    selectors = list(sides)
 
     def request(order):
         ids, spans = list(prefix), []
@@ -112,7 +117,7 @@ def main() -> None:
             for start in range(0, args.docs, args.chunks):
                 order = [(start + j) % args.docs for j in range(args.chunks)]
                 ids, spans = request(order[rotate:] + order[:rotate])
-                timed(ids, hints(spans, name, args.ratio))
+                timed(ids, hints(spans, *sides[name], name))
     wait_measured(engine.get_server_info)
     rows = {name: [] for name in ["stock", *selectors]}
     stages = {name: [] for name in selectors}
@@ -123,10 +128,11 @@ def main() -> None:
         n_tokens.append(len(ids))
         rows["stock"].append(timed(ids)[0])
         for name in selectors:
-            seconds, info = timed(ids, hints(spans, name, args.ratio))
+            seconds, info = timed(ids, hints(spans, *sides[name], name))
             rows[name].append(seconds)
             stages[name].append(info)
-    first_reuse = measure_first_reuse(args, timed, request, rng, engine) if args.first_reuse else None
+    first_reuse = measure_first_reuse(args, sides[selectors[0]], timed, request, rng, engine) \
+        if args.first_reuse else None
     if args.profile:
         from chunkbench.serving.pyspy import print_top, sampled
 
@@ -134,7 +140,7 @@ def main() -> None:
         with sampled(pid, args.profile):
             for _ in range(args.requests):
                 ids, spans = request(rng.sample(range(args.docs), args.chunks))
-                timed(ids, hints(spans, selectors[0], args.ratio))
+                timed(ids, hints(spans, *sides[selectors[0]], selectors[0]))
     shutdown_engine(engine)  # sparing this process's resource tracker (sglang_patch.serve.shutdown)
 
     stock = statistics.median(rows["stock"])
@@ -171,20 +177,20 @@ def main() -> None:
         print_top(args.profile)
 
 
-def measure_first_reuse(args, timed, request, rng, engine) -> tuple[list[float], list[float]]:
+def measure_first_reuse(args, side: tuple[str, float], timed, request, rng, engine) -> tuple[list[float], list[float]]:
     from chunkbench.serving.http_client import wait_measured
 
-    name, first, later = args.selectors.split(",")[0], [], []
+    (name, ratio), first, later = side, [], []
     for i in range(args.first_reuse):
         namespace = f"first-reuse-{i}"
         order = rng.sample(range(args.docs), args.chunks)
         ids, spans = request(order)
-        timed(ids, hints(spans, name, args.ratio, namespace))  # computes and stores every chunk
+        timed(ids, hints(spans, name, ratio, namespace))  # computes and stores every chunk
         ids, spans = request(order[len(order) // 2:] + order[: len(order) // 2])  # every chunk elsewhere
-        first.append(timed(ids, hints(spans, name, args.ratio, namespace))[0])
+        first.append(timed(ids, hints(spans, name, ratio, namespace))[0])
         wait_measured(engine.get_server_info)
         ids, spans = request(rng.sample(order, len(order)))
-        later.append(timed(ids, hints(spans, name, args.ratio, namespace))[0])
+        later.append(timed(ids, hints(spans, name, ratio, namespace))[0])
     return first, later
 
 
