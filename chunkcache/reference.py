@@ -24,7 +24,7 @@ import torch
 
 from . import architectures
 from . import select as selectors
-from .blend import pipeline
+from .blend import fidelity, pipeline
 from .blend.auto import AutoChunks
 from .blend.attention import attend_blocks, plan_blocks
 from .blend.features import Models, recorded_from
@@ -84,6 +84,7 @@ class ReferenceBlender:
         self._sandwich = hasattr(model.model.layers[0], "pre_feedforward_layernorm")
         self.models = Models(model_dir, lambda name, layers: load_draft(name, layers, "float32", self.device,
                                                                          target=self.model))
+        self.fidelity = fidelity.load().model(model_dir)  # this model's fidelity estimator, or the default's
 
     @classmethod
     def from_pretrained(
@@ -158,7 +159,7 @@ class ReferenceBlender:
         engine = _Engine(self, plan)
         prefetched = request.prefetched()
         run = pipeline.run(engine, self.store, [plan], lambda _: selector,
-                           prefetched=[] if prefetched is None else [prefetched])
+                           prefetched=[] if prefetched is None else [prefetched], estimator=self.fidelity)
         done = run.requests[0]
         total = time.perf_counter() - t_start
         report = pipeline.record(request, done, stages=run.seconds, blend_s=total, select_s=done.select_s)

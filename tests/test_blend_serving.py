@@ -174,6 +174,7 @@ def test_mix_measures_each_chunks_deviation_off_the_requests_path(engine, rag, s
 def test_a_quality_floor_picks_rho_by_the_estimate_and_every_blend_reports_one(engine, rag):
     """A loose bound takes the fidelity grid's smallest rho, one no rho up to the cap meets recomputes every context
     token and says so; a request without a bound keeps its ratio and still gets an estimate."""
+    from chunkcache.blend import fidelity
     from chunkcache.blend.fidelity import RATIOS
 
     ids, spans = rag.build([0, 3, 5], "What is the code of document 3?")
@@ -188,6 +189,8 @@ def test_a_quality_floor_picks_rho_by_the_estimate_and_every_blend_reports_one(e
         assert reports[name]["chunk_hits"] >= 2, reports[name]
     plain, loose, tight = reports["plain"], reports["loose"], reports["tight"]
     assert plain["ratio"] == 0.15 and "max_kl" not in plain and plain["fidelity"]["kl"] > 0, plain
+    # a tiny random model has no estimator of its own: the default model's serves it, and the report says so
+    assert plain["fidelity"]["fitted_for"] == fidelity.load().default, plain
     assert loose["ratio"] == min(RATIOS) and loose["max_kl"] == 1e6 and "fallback" not in loose, loose
     assert tight["ratio"] == 1.0 and tight["fallback"] == "quality_floor" and tight["reused_tokens"] == 0, tight
     assert loose["recomputed_tokens"] < plain["recomputed_tokens"] < tight["recomputed_tokens"]

@@ -79,7 +79,7 @@ def test_at_ratios_is_the_selectors_pick():
 
 # the estimate is the share of score mass left itself: log KL = log(mass_left)
 IDENTITY = Model(quantile=0.9, kl=Linear(0.0, {"mass_left": 1.0}), margin=0.0, agree=Linear(0.0, {}),
-                 fitted_on="by hand")
+                 fitted_on="by hand", name="by-hand")
 BASE = Signals(ratio=0, mass_left=1, attention_left=0, deviation=1, deviation_left=0)
 # not monotone in rho (0.15 estimates more than 0.1): the choice must be monotone in the bound anyway
 LEFT = {0.05: 0.5, 0.1: 0.3, 0.15: 0.35, 0.25: 0.1, 0.4: 0.05}
@@ -120,12 +120,26 @@ def test_smallest_ratio_refuses_a_negative_bound():
 
 def test_the_shipped_coefficients_load_with_a_doc_line_per_field():
     data = json.loads(fidelity.PACKAGED.read_text())
-    assert set(data["doc"]) == {f.name for f in fields(Model)} and all(data["doc"].values())
-    model = fidelity.load()
-    assert 0.5 < model.quantile < 1 and model.fitted_on == data["fitted_on"]
-    assert set(model.kl.weights) <= {f.name for f in fields(Signals)}
-    est = fidelity.estimate(at(0.15), model)
-    assert est.kl > 0 and 0 < est.agree < 1
+    assert set(data["doc"]) == set(fidelity.FILE_FIELDS) | set(fidelity.MODEL_FIELDS) and all(data["doc"].values())
+    assert set(fidelity.MODEL_FIELDS) == {f.name for f in fields(Model)} - {"name"}
+    coefficients = fidelity.load()
+    assert coefficients.default in data["models"]
+    for name, model in coefficients.models.items():
+        assert model.name == name and 0.5 < model.quantile < 1 and model.fitted_on == data["models"][name]["fitted_on"]
+        assert name in model.fitted_on  # the doc line names the model the cases ran on
+        assert set(model.kl.weights) <= {f.name for f in fields(Signals)}
+        est = fidelity.estimate(at(0.15), model)
+        assert est.kl > 0 and 0 < est.agree < 1 and est.fitted_for == name
+
+
+def test_a_served_model_gets_its_own_estimator_else_the_defaults():
+    own = replace(IDENTITY, name="own")
+    other = replace(IDENTITY, kl=Linear(1.0, {"mass_left": 1.0}), name="other")
+    coefficients = fidelity.Coefficients({"own": own, "other": other}, default="other")
+    assert coefficients.model("/home/x/.chunkcache/models/own") is own  # a served directory, named after its model
+    assert coefficients.model("own") is own and coefficients.model(None) is other
+    assert coefficients.model("/models/unknown") is other
+    assert fidelity.estimate(at(0.1), coefficients.model("/models/unknown")).fitted_for == "other"
 
 
 def test_a_coefficients_file_without_a_doc_line_is_refused():
@@ -134,8 +148,12 @@ def test_a_coefficients_file_without_a_doc_line_is_refused():
     with pytest.raises(ValueError, match="doc line"):
         fidelity.parse(data)
     data = json.loads(fidelity.PACKAGED.read_text())
-    data["kl"]["weights"]["nonsense"] = 1.0
+    data["models"][data["default"]]["kl"]["weights"]["nonsense"] = 1.0
     with pytest.raises(ValueError, match="nonsense"):
+        fidelity.parse(data)
+    data = json.loads(fidelity.PACKAGED.read_text())
+    data["default"] = "unfitted"
+    with pytest.raises(ValueError, match="unfitted"):
         fidelity.parse(data)
 
 

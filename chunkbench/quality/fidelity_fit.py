@@ -185,6 +185,15 @@ def load_points(paths: list[str]) -> list[Point]:
     return points
 
 
+def model_of(paths: list[str]) -> str:
+    """The one model the row files were collected on (their identity lines)."""
+    names = {json.loads(Path(path).read_text().split("\n", 1)[0])["identity"]["model"] for path in paths}
+    if len(names) != 1:
+        raise ValueError(f"the row files hold cases of {len(names)} models ({sorted(names)}): fit and judge one at a "
+                         "time")
+    return names.pop()
+
+
 def role(item: str) -> str:
     """"fit" for every third case (seed or MuSiQue record index divisible by 3), "judge" for the others: a rule fixed
     before any case was measured, so the two sets are disjoint however far a collection gets."""
@@ -290,6 +299,8 @@ def _exceeded(cases: dict, estimates: dict, margin: float) -> float:
 
 def fit(args) -> None:
     cases = {k: v for k, v in cases_of(load_points(args.paths)).items() if role(k[1]) == "fit"}
+    if not cases:
+        raise SystemExit(f"no fit case (seed or record divisible by 3) measured at every rho in {args.paths}")
     points = [p for case in cases.values() for p in case.values()]
     terms = tuple(args.terms.split(","))
     kl = quantile_regression(design(points, terms), log_kl(points), args.quantile)
@@ -298,11 +309,26 @@ def fit(args) -> None:
     counts = {f: sum(k[0] == f for k in cases) for f in FAMILIES}
     where = "; ".join(f"{f} {n} cases ({_ids(sorted(_number(k[1]) for k in cases if k[0] == f))})"
                       for f, n in counts.items() if n)
-    fitted_on = (f"SmolLM2-135M-Instruct, reference engine, float32; mix with the server defaults (stored deviations, "
-                 f"overlap 0.15) at rho {', '.join(map(str, RATIOS))}; {where}: every third seed / record, "
+    name = model_of(args.paths)
+    fitted_on = (f"{name}, reference engine, float32; mix with the server defaults (stored deviations, overlap 0.15) "
+                 f"at rho {', '.join(map(str, RATIOS))}; {where}: every third seed / record, "
                  "chunkbench/quality/fidelity_fit.py role(); docs/bench/fidelity.md")
+    path = Path(args.out)
+    known = json.loads(path.read_text()) if path.is_file() else {"default": name, "models": {}}
+    entry = {
+        "quantile": args.quantile,
+        "kl": {"intercept": round(float(kl[0]), 4), "weights": {t: round(float(w), 4) for t, w in zip(terms, kl[1:])}},
+        "margin": round(margin, 2),
+        "agree": {"intercept": round(float(agree[0]), 4),
+                  "weights": {t: round(float(w), 4) for t, w in zip(terms, agree[1:])}},
+        "fitted_on": fitted_on,
+    }
     out = {
         "doc": {
+            "default": "the model whose estimator serves a model with none of its own (the estimate names it: "
+                       "fitted_for)",
+            "models": "an estimator per model, by the name chunkcache knows it by (`chunkcache model`; a served "
+                      "model's directory is named after it)",
             "quantile": "the share of blends whose first-token KL the kl estimate is meant to be at least (pinball "
                         "loss at this quantile, fitted on the cases of fitted_on, all rho pooled)",
             "kl": "log KL estimate = intercept + sum of weight * log(max(signal, 1e-6)) over the named Signals fields "
@@ -315,15 +341,12 @@ def fit(args) -> None:
                      "1e-6)) (logistic regression on the same cases and rho)",
             "fitted_on": "the cases, selector, model and engine the coefficients come from",
         },
-        "quantile": args.quantile,
-        "kl": {"intercept": round(float(kl[0]), 4), "weights": {t: round(float(w), 4) for t, w in zip(terms, kl[1:])}},
-        "margin": round(margin, 2),
-        "agree": {"intercept": round(float(agree[0]), 4),
-                  "weights": {t: round(float(w), 4) for t, w in zip(terms, agree[1:])}},
-        "fitted_on": fitted_on,
+        "default": known["default"],
+        "models": {**known["models"], name: entry},
     }
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(json.dumps(out, indent=1))
+    fidelity.parse(out)  # what the server will read
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps({name: entry}, indent=1))
 
 
 def _ids(numbers: list[int]) -> str:
@@ -344,7 +367,11 @@ def read_ttft(path: str) -> dict[float, float]:
 
 
 def judge(args) -> None:
-    model = fidelity.load(args.coefficients)
+    name = model_of(args.paths)
+    coefficients = fidelity.load(args.coefficients)
+    model = coefficients.model(name)
+    print(f"{name}'s cases, judged with {model.name}'s estimator" + (" (it has none of its own)"
+                                                                       if model.name != name else "") + "\n")
     cases = {k: v for k, v in cases_of(load_points(args.paths)).items() if role(k[1]) == "judge"}
     ttft = {family: read_ttft(path) for family, path in (t.split("=", 1) for t in args.ttft)}
     lines = ["| family | bound | n | KL > bound [95 % Wilson] | mean rho | in full | TTFT / stock's | best fixed rho | "
@@ -399,7 +426,8 @@ def main() -> None:
     f.add_argument("--quantile", type=float, default=0.9)
     f.add_argument("--target", type=float, default=0.1, help="share of fit cases allowed over each bound")
     f.add_argument("--folds", type=int, default=5)
-    f.add_argument("--out", default=str(fidelity.PACKAGED))
+    f.add_argument("--out", default=str(fidelity.PACKAGED), help="the coefficients file: the rows' model's entry is "
+                   "written, the others kept")
     j = sub.add_parser("judge", help="choose rho by the estimate for the held-out cases, per family and bound")
     j.add_argument("paths", nargs="+")
     j.add_argument("--coefficients", default=str(fidelity.PACKAGED))

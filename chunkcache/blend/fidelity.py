@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from functools import cache
@@ -110,31 +111,47 @@ class Linear:
 
 @dataclass(frozen=True)
 class Model:
-    """The estimator (configs/fidelity.json's `doc` has a line for each field and what it was fitted on)."""
+    """One model's estimator (configs/fidelity.json's `doc` has a line for each field and what it was fitted on)."""
 
     quantile: float  # the share of blends whose KL the kl estimate is meant to be at least
     kl: Linear  # log of the KL estimate, `margin` excluded
     margin: float  # added to the log KL: calibrated so choosing rho by the estimate keeps exceedance at `quantile`
     agree: Linear  # logit of the probability that the greedy first token is full recompute's
     fitted_on: str  # cases, selector and model the coefficients come from
+    name: str = ""  # the model whose cases it was fitted on (its key in the file)
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """The coefficients file: an estimator per model it was fitted on, and the model whose estimator serves a model
+    without one (the estimate then names the model it was fitted for: `Estimate.fitted_for`)."""
+
+    models: Mapping[str, Model]
+    default: str
+
+    def model(self, served: str | os.PathLike | None = None) -> Model:
+        """The estimator of `served` (a known model's name or its directory, which is named after it; None: the
+        default's), or the default model's when it has none."""
+        name = Path(str(served)).name if served is not None else self.default
+        return self.models.get(name, self.models[self.default])
 
 
 @dataclass(frozen=True)
 class Estimate:
     kl: float  # upper quantile (Model.quantile) of the first-token KL against full recompute, nats
     agree: float  # probability that the greedy first token is full recompute's
+    fitted_for: str  # the model whose cases the estimator was fitted on (Model.name)
 
 
-def estimate(s: Signals, model: Model | None = None) -> Estimate | None:
+def estimate(s: Signals, model: Model) -> Estimate | None:
     """None when the blend lacks a signal the model reads (a selector other than mix: no attention or deviation)."""
-    model = model or load()
     kl, agree = model.kl(s), model.agree(s)
     if kl is None or agree is None:
         return None
-    return Estimate(kl=math.exp(kl + model.margin), agree=1.0 / (1.0 + math.exp(-agree)))
+    return Estimate(kl=math.exp(kl + model.margin), agree=1.0 / (1.0 + math.exp(-agree)), fitted_for=model.name)
 
 
-def smallest_ratio(signals_at: Callable[[float], Signals], max_kl: float, model: Model | None = None,
+def smallest_ratio(signals_at: Callable[[float], Signals], max_kl: float, model: Model,
                    ratios: Sequence[float] = RATIOS, cap: float = 1.0) -> float | None:
     """The smallest rho of `ratios`, at most `cap`, whose estimated KL is at most `max_kl`; None when none is, or the
     blend has no estimate (the request is then computed in full). `signals_at(rho)`: the blend's signals at rho
@@ -149,30 +166,43 @@ def smallest_ratio(signals_at: Callable[[float], Signals], max_kl: float, model:
 
 
 PACKAGED = Path(__file__).parents[1] / "configs" / "fidelity.json"  # package data, beside the server configs
+FILE_FIELDS = ("default", "models")  # the file's own fields, beside `doc`; each model's are Model's but `name`
+MODEL_FIELDS = tuple(f.name for f in fields(Model) if f.name != "name")
 
 
 @cache
-def load(path: str | Path = PACKAGED) -> Model:
+def load(path: str | Path = PACKAGED) -> Coefficients:
     """The coefficients file, read once per path."""
     return parse(json.loads(Path(path).read_text()))
 
 
-def parse(data: Mapping) -> Model:
-    """A Model from the coefficients file's mapping (its fields, and `doc`: a line for each); ValueError naming what
-    is missing or unknown."""
-    names = {f.name for f in fields(Model)}
+def parse(data: Mapping) -> Coefficients:
+    """Coefficients from the file's mapping (`default`, `models`: name -> Model's fields, and `doc`: a line for each
+    field); ValueError naming what is missing or unknown."""
     documented = set(data.get("doc", {}))
-    if set(data) - {"doc"} != names or documented != names:
-        raise ValueError(f"fidelity coefficients: expected fields {sorted(names)}, each with a doc line; got "
-                         f"{sorted(set(data) - {'doc'})}, documented {sorted(documented)}")
+    if set(data) - {"doc"} != set(FILE_FIELDS) or documented != set(FILE_FIELDS) | set(MODEL_FIELDS):
+        raise ValueError(f"fidelity coefficients: expected fields {sorted(FILE_FIELDS)} and, per model, "
+                         f"{sorted(MODEL_FIELDS)}, each with a doc line; got {sorted(set(data) - {'doc'})}, "
+                         f"documented {sorted(documented)}")
+    models = {name: _model(name, part) for name, part in data["models"].items()}
+    if data["default"] not in models:
+        raise ValueError(f"fidelity coefficients: default {data['default']!r} is not one of the models "
+                         f"{sorted(models)}")
+    return Coefficients(models, data["default"])
+
+
+def _model(name: str, data: Mapping) -> Model:
+    if set(data) != set(MODEL_FIELDS):
+        raise ValueError(f"fidelity coefficients of {name}: expected fields {sorted(MODEL_FIELDS)}, got "
+                         f"{sorted(data)}")
     known = {f.name for f in fields(Signals)}
     linear = {}
     for key in ("kl", "agree"):
         part = data[key]
         unknown = set(part.get("weights", {})) - known
         if unknown or "intercept" not in part:
-            raise ValueError(f"fidelity coefficients: {key} needs an intercept and weights on Signals fields; "
-                             f"unknown {sorted(unknown)}")
+            raise ValueError(f"fidelity coefficients of {name}: {key} needs an intercept and weights on Signals "
+                             f"fields; unknown {sorted(unknown)}")
         linear[key] = Linear(float(part["intercept"]), {k: float(v) for k, v in part["weights"].items()})
     return Model(quantile=float(data["quantile"]), kl=linear["kl"], margin=float(data["margin"]),
-                 agree=linear["agree"], fitted_on=str(data["fitted_on"]))
+                 agree=linear["agree"], fitted_on=str(data["fitted_on"]), name=name)

@@ -141,11 +141,13 @@ class BatchBlend:
 
 def run(engine: Engine, store: ChunkStore, plans: Sequence[RequestPlan], selector: Callable[[str], Selector],
         floor_cap: float = 1.0, compute: ComputeCost | None = None,
-        prefetched: Iterable[Lookup] = ()) -> BatchBlend:
+        prefetched: Iterable[Lookup] = (), estimator: fidelity.Model | None = None) -> BatchBlend:
     """lookup, fill, learn, copy, features, select and recompute for one batch. `floor_cap`: the largest rho a
     request's quality floor may choose. `compute`: what computing a chunk costs this server (priced against a remote
     fetch, and measured on the fill); None: every remote entry is fetched. `prefetched`: entries detection already
-    fetched (not asked of the store again)."""
+    fetched (not asked of the store again). `estimator`: the served model's fidelity estimator (None: the packaged
+    file's default model's)."""
+    estimator = estimator or fidelity.load().model()
     seconds = dict.fromkeys(STAGES, 0.0)
     step = _stopwatch(seconds)
     with step("lookup"):
@@ -167,7 +169,7 @@ def run(engine: Engine, store: ChunkStore, plans: Sequence[RequestPlan], selecto
     with step("features"):
         prefetch(engine, features, selectors)
     with step("select"):
-        blended = [_select(p, f, sel, floor_cap, looked) for p, f, sel in zip(plans, features, selectors)]
+        blended = [_select(p, f, sel, floor_cap, looked, estimator) for p, f, sel in zip(plans, features, selectors)]
         _keep_features(store, features)
     with step("recompute"):
         output = engine.recompute([b.recomputed for b in blended])
@@ -175,14 +177,15 @@ def run(engine: Engine, store: ChunkStore, plans: Sequence[RequestPlan], selecto
                                                  if f.unmeasured is not None])
 
 
-def _select(plan: RequestPlan, f: RequestFeatures, sel: Selector, floor_cap: float, looked: Lookup) -> Blended:
+def _select(plan: RequestPlan, f: RequestFeatures, sel: Selector, floor_cap: float, looked: Lookup,
+            estimator: fidelity.Model) -> Blended:
     """One request's selection at its ratio (or its quality floor's), and its fidelity estimate at that rho."""
     t = time.perf_counter()
-    ratio, met = _budget(plan, sel, f, floor_cap)
+    ratio, met = _budget(plan, sel, f, floor_cap, estimator)
     selection = sel.select(f.layout, ratio, f)
     recomputed = recompute_set(f.layout, selection.indices)
     estimate = None if selection.scores is None else fidelity.estimate(
-        fidelity.signals(fidelity.evidence(f.layout, selection.scores, f.values), recomputed))
+        fidelity.signals(fidelity.evidence(f.layout, selection.scores, f.values), recomputed), estimator)
     return Blended(plan, sum(c.key in looked.entries for c in plan.chunks), recomputed, selection.scores,
                    time.perf_counter() - t, tuple(sorted({name for name, _ in f.values if name in PASSES})),
                    ratio, estimate, met, sum(c.key in looked.fetched for c in plan.chunks),
@@ -199,12 +202,14 @@ def _keep_features(store: ChunkStore, features: list[RequestFeatures]) -> None:
         store.add_features(key, feats)
 
 
-def _budget(plan: RequestPlan, sel: Selector, features: RequestFeatures, cap: float) -> tuple[float, bool | None]:
+def _budget(plan: RequestPlan, sel: Selector, features: RequestFeatures, cap: float,
+            estimator: fidelity.Model) -> tuple[float, bool | None]:
     """(rho, whether the quality floor was met): the plan's ratio without a floor; with one, the smallest rho of the
     fidelity grid up to `cap` whose estimate meets it, else 1 (every context token recomputed)."""
     if plan.max_kl is None:
         return plan.ratio, None
-    chosen = fidelity.smallest_ratio(fidelity.at_ratios(sel, features.layout, features), plan.max_kl, cap=cap)
+    chosen = fidelity.smallest_ratio(fidelity.at_ratios(sel, features.layout, features), plan.max_kl, estimator,
+                                     cap=cap)
     return (1.0, False) if chosen is None else (chosen, True)
 
 
@@ -324,7 +329,8 @@ def record(request: ChunkRequest, b: Blended, *, stages: dict[str, float] | None
         "admitted_compute": request.charged, "feature_passes": list(b.passes),
         **(prediction.report() if prediction is not None else {}),
         **({} if b.estimate is None else {"fidelity": {"kl": round(b.estimate.kl, 6),
-                                                        "agree": round(b.estimate.agree, 4)}}),
+                                                        "agree": round(b.estimate.agree, 4),
+                                                        "fitted_for": b.estimate.fitted_for}}),
         **_floor(b), "fetched": b.fetched, "computed_instead": b.computed_instead,
     }
 

@@ -22,6 +22,7 @@ from ..select import REGISTRY, Selector
 from ..store import ChunkStore, EntryLayout
 from .auto import AutoChunks, Segments
 from .cost import Calibration, ComputeCost, Rates
+from . import fidelity
 from .features import DeviationJob, Models
 from .pipeline import Defaults
 from .request import RequestHint
@@ -50,6 +51,7 @@ class ChunkReuse:
         self.calibration = Calibration()  # this server's forwards against the rates' predictions
         self.compute = ComputeCost(lambda: self.rates, self.calibration)  # a chunk's cost here, against fetching it
         self.auto = AutoChunks(config.auto, self._break_ids(), self.fingerprint) if config.auto.enabled else None
+        self.fidelity = fidelity.load().model(model_path)  # this model's fidelity estimator, or the default's
 
     def measure_deferred(self) -> None:
         """Measure the oldest deferred deviation, if any, and write what its chunks remember through every tier. A

@@ -77,7 +77,8 @@ def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
     try:
         done = pipeline.run(engine, reuse.store, plans, reuse.selector, floor_cap=reuse.config.select.max_kl_cap,
                             compute=reuse.compute, prefetched=[p for request, _ in blending.values()
-                                                               if (p := request.prefetched()) is not None])
+                                                               if (p := request.prefetched()) is not None],
+                            estimator=reuse.fidelity)
     finally:  # whatever runs next on these slots (the next batch, a fallback's prefill) follows the whole copy
         if engine.runner.copied is not None:
             engine.runner.copied.wait_all()
