@@ -46,7 +46,7 @@ from .reference_path import greedy_ids, kl_logits, remember_deviations, split
 from .rowlog import RowLog
 
 RATIOS = fidelity.RATIOS
-BOUNDS = (0.02, 0.05, 0.1, 0.2)  # max_kl bounds the estimate is judged at
+BOUNDS = (0.01, 0.02, 0.03, 0.05, 0.1, 0.2)  # max_kl bounds the estimate is calibrated and judged at
 TERMS = ("deviation_left", "deviation")  # the estimate's signals (docs/bench/fidelity.md: why these)
 STORE_BYTES = 512 << 20  # the chunk store of a collecting process (three run side by side in 24 GiB)
 # the server's default selector (chunkcache/configs/default.yaml)
