@@ -73,11 +73,16 @@ def test_bucketed_kl_is_exact_on_a_full_support_and_a_lower_bound_otherwise():
 # ---- teacher forcing on the reference blender ------------------------------------------------------------------
 
 
+def random_case(seed: int, chunk_sizes: tuple[int, int]) -> tuple[list[int], list[list[int]], list[int]]:
+    """A prefix of 7 random tokens, two chunks of `chunk_sizes`, a query of 9."""
+    g = torch.Generator().manual_seed(seed)
+    prefix, chunks, query = (torch.randint(3, 1000, (n,), generator=g).tolist() for n in (7, sum(chunk_sizes), 9))
+    return prefix, [chunks[:chunk_sizes[0]], chunks[chunk_sizes[0]:]], query
+
+
 def test_teacher_forced_logits_are_the_hf_forward_over_prompt_and_continuation(model_dir):
     blender = ReferenceBlender.from_pretrained(model_dir)
-    g = torch.Generator().manual_seed(1)
-    prefix, chunks, query = (torch.randint(3, 1000, (n,), generator=g).tolist() for n in (7, 40, 9))
-    chunks = [chunks[:25], chunks[25:]]
+    prefix, chunks, query = random_case(1, (25, 15))
     full = blender.full_prefill(prefix, chunks, query)
     continuation = blender.generate(full, 10)
     forced = blender.teacher_forced_logits(full, continuation)
@@ -95,9 +100,7 @@ def test_greedy_ids_are_step_by_step_greedy_decoding(model_dir):
     """One teacher-forced pass stands in for decoding only when it agrees with the reference at every position:
     full recompute against its own answer (the shortcut) and naive reuse that answers otherwise (decoded)."""
     blender = ReferenceBlender.from_pretrained(model_dir)
-    g = torch.Generator().manual_seed(2)
-    prefix, chunks, query = (torch.randint(3, 1000, (n,), generator=g).tolist() for n in (7, 60, 9))
-    chunks = [chunks[:30], chunks[30:]]
+    prefix, chunks, query = random_case(2, (30, 30))
     full = blender.full_prefill(prefix, chunks, query)
     reference = blender.generate(full, 12)
     naive = blender.blend(prefix, chunks[::-1], query, selector="none")
