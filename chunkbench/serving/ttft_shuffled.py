@@ -48,6 +48,7 @@ def main() -> None:
                     "(SELECTOR@RHO), in its own namespace")
     ap.add_argument("--selectors", default="none,epic,prophet")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="a model name (`chunkcache model`) or HF directory")
     ap.add_argument("--dtype", help="model dtype on both sides (default: the server's, see chunkcache.config)")
     ap.add_argument("--profile", metavar="FILE", help="after the measured requests, run --requests more of the first "
                     "selector's with py-spy sampling the scheduler into FILE (collapsed stacks) and print the costliest "
@@ -73,7 +74,7 @@ def main() -> None:
     import sglang as sgl
     from tqdm import tqdm
 
-    path = resolve_model("smollm2-135m-instruct")
+    path = resolve_model(args.model)
     tok = AutoTokenizer.from_pretrained(path)
     settings = server_settings(path, Config.load(args.config))
     del settings["host"], settings["port"]
