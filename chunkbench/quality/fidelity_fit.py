@@ -264,15 +264,15 @@ def held_out(cases: dict, terms: tuple[str, ...], quantile: float, folds: int) -
 
 def calibrate(cases: dict, terms: tuple[str, ...], quantile: float, target: float, folds: int) -> float:
     """The smallest margin (log KL, steps of 0.05) at which choosing rho by the estimate lets at most `target` of each
-    family's choices (its fit cases at every bound of BOUNDS) exceed the bound, every case estimated by a fit on the
-    other folds. Choosing the smallest rho that meets a bound favours a rho the estimate underrates, so a quantile
+    family's fit cases exceed the bound, at every bound of BOUNDS (the goal holds per bound, not pooled over them),
+    every case estimated by a fit on the other folds. Choosing the smallest rho that meets a bound favours a rho the estimate underrates, so a quantile
     fitted over all rho alone exceeds the bound more often than 1 - quantile, and a fit pooled over families is
     looser on some than on others: the margin pays for both."""
     held = held_out(cases, terms, quantile, folds)
     families = {k[0] for k in cases}
     for margin in np.arange(0, 5, 0.05):
-        worst = max(_exceeded({k: c for k, c in cases.items() if k[0] == family}, held, margin)
-                    for family in families)
+        worst = max(_exceeded({k: c for k, c in cases.items() if k[0] == family}, held, margin, bound)
+                    for family in families for bound in BOUNDS)
         if worst <= target:
             return float(margin)
     raise RuntimeError("no margin below 5 keeps the fit cases' exceedance at the target")
@@ -291,10 +291,10 @@ def compare(args) -> None:
         print(f"| {', '.join(terms)} | {loss:.4f} | {np.mean(residual > 0):.3f} |")
 
 
-def _exceeded(cases: dict, estimates: dict, margin: float) -> float:
-    """Share of the (case, bound) choices whose measured KL exceeds the bound."""
-    chosen = [(k, bound, choose(estimates[k], bound, margin)) for k in cases for bound in BOUNDS]
-    return sum(r is not None and cases[k][r].row["kl"] > bound for k, bound, r in chosen) / len(chosen)
+def _exceeded(cases: dict, estimates: dict, margin: float, bound: float) -> float:
+    """Share of the cases whose rho chosen under `bound` has a measured KL over it."""
+    chosen = [(k, choose(estimates[k], bound, margin)) for k in cases]
+    return sum(r is not None and cases[k][r].row["kl"] > bound for k, r in chosen) / len(chosen)
 
 
 def fit(args) -> None:
@@ -334,8 +334,8 @@ def fit(args) -> None:
             "kl": "log KL estimate = intercept + sum of weight * log(max(signal, 1e-6)) over the named Signals fields "
                   "(quantile regression of the measured log first-token KL against full recompute)",
             "margin": f"added to the log KL estimate: the smallest (steps of 0.05) at which choosing rho by "
-                      f"smallest_ratio let at most {args.target:g} of each family's choices (its fit cases at the "
-                      f"bounds {', '.join(map(str, BOUNDS))}) exceed the bound, each case estimated by a fit on the "
+                      f"smallest_ratio let at most {args.target:g} of each family's fit cases exceed the bound, at "
+                      f"each of the bounds {', '.join(map(str, BOUNDS))}, each case estimated by a fit on the "
                       f"other {args.folds - 1} of {args.folds} folds",
             "agree": "logit of P(greedy first token = full recompute's) = intercept + sum of weight * log(max(signal, "
                      "1e-6)) (logistic regression on the same cases and rho)",
