@@ -20,9 +20,9 @@ from ..rope import RopeSpec
 from ..segment import break_ids
 from ..select import REGISTRY, Selector
 from ..store import ChunkStore, EntryLayout
+from . import fidelity
 from .auto import AutoChunks, Segments
 from .cost import Calibration, ComputeCost, Rates
-from . import fidelity
 from .features import DeviationJob, Models
 from .pipeline import Defaults
 from .request import RequestHint
