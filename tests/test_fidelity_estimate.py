@@ -184,3 +184,26 @@ def test_the_calibration_tables_ttft_column_reads_ttft_shuffleds_table(tmp_path)
     table.write_text(head + "mix@0.05            0.200               4.00     7\n")
     with pytest.raises(ValueError, match="a side at each rho"):
         read_ttft(str(table))
+
+
+def test_the_margin_is_calibrated_per_bound_not_pooled_over_bounds(monkeypatch):
+    """Two cases with the same measured KL; case 1's log-KL estimate underrates rho 0.05 by 0.5, case 2's is right. At
+    bound 0.02 case 1 chooses 0.05 and exceeds: half the family at that bound, 1/12 pooled over the six bounds, which
+    a 10 % target pooled would pass at margin 0. Per bound, the smallest margin is 0.5 - log(0.03 / 0.02)."""
+    from types import SimpleNamespace
+
+    from chunkbench.quality import fidelity_fit
+    from chunkbench.quality.fidelity_fit import BOUNDS, _exceeded, calibrate, choose
+
+    kl = {0.05: 0.03, 0.1: 0.015, 0.15: 0.012, 0.25: 0.006, 0.4: 0.001}
+    right = {r: math.log(v) for r, v in kl.items()}
+    under = {**right, 0.05: right[0.05] - 0.5}
+    cases = {("multikey", f"multikey{i}"): {r: SimpleNamespace(row={"kl": v}) for r, v in kl.items()} for i in (1, 2)}
+    estimates = {("multikey", "multikey1"): under, ("multikey", "multikey2"): right}
+    assert choose(under, 0.02, 0.0) == 0.05 and _exceeded(cases, estimates, 0.0, 0.02) == 0.5
+    assert sum(_exceeded(cases, estimates, 0.0, b) for b in BOUNDS) / len(BOUNDS) <= 0.1  # pooled: would pass
+    needed = 0.5 - math.log(0.03 / 0.02)  # case 1's estimate at 0.05 then just above log(0.02): it chooses 0.1
+    assert _exceeded(cases, estimates, needed + 1e-9, 0.02) == 0.0
+    monkeypatch.setattr(fidelity_fit, "held_out", lambda *args: estimates)  # given, not fitted
+    margin = calibrate(cases, ("ratio",), 0.9, 0.1, 5)
+    assert needed <= margin < needed + 0.05

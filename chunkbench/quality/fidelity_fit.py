@@ -265,9 +265,9 @@ def held_out(cases: dict, terms: tuple[str, ...], quantile: float, folds: int) -
 def calibrate(cases: dict, terms: tuple[str, ...], quantile: float, target: float, folds: int) -> float:
     """The smallest margin (log KL, steps of 0.05) at which choosing rho by the estimate lets at most `target` of each
     family's fit cases exceed the bound, at every bound of BOUNDS (the goal holds per bound, not pooled over them),
-    every case estimated by a fit on the other folds. Choosing the smallest rho that meets a bound favours a rho the estimate underrates, so a quantile
-    fitted over all rho alone exceeds the bound more often than 1 - quantile, and a fit pooled over families is
-    looser on some than on others: the margin pays for both."""
+    every case estimated by a fit on the other folds. Choosing the smallest rho that meets a bound favours a rho the
+    estimate underrates, so a quantile fitted over all rho alone exceeds the bound more often than 1 - quantile, and
+    a fit pooled over families is looser on some than on others: the margin pays for both."""
     held = held_out(cases, terms, quantile, folds)
     families = {k[0] for k in cases}
     for margin in np.arange(0, 5, 0.05):
