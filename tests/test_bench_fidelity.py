@@ -161,6 +161,18 @@ def test_resume_runs_only_missing_rows_and_gives_the_same_table(model_dir, tmp_p
     assert json.loads(cut.read_text().splitlines()[0])["identity"]["max_new_tokens"] == 8  # refused, not rewritten
 
 
+def test_compression_study_resumed_with_another_codec_adds_only_that_codecs_rows(model_dir, tmp_path):
+    from chunkbench.studies import compression
+    out = tmp_path / "compression.jsonl"
+    compression.quality(["multikey"], 2, ["none"], out, model=str(model_dir))
+    first = out.read_text().splitlines()
+    compression.quality(["multikey"], 2, ["none", "int8"], out, model=str(model_dir))
+    rows = compression.read_rows([out])
+    assert out.read_text().splitlines()[:len(first)] == first  # rows written before are kept as they were
+    assert sorted((r["item"], r["codec"]) for r in rows) == sorted(
+        (f"multikey{i}", c) for i in range(2) for c in ("full", "none", "int8"))  # each once
+
+
 # ---- case counts ------------------------------------------------------------------------------------------------
 
 

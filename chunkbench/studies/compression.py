@@ -7,7 +7,7 @@ costs, per model.
   the fastest of 5 calls: on a busy host a floor, not what one call costs.
 * Why K is quantised per channel: K's and V's relative error (Frobenius) on that chunk, K per channel over 32-token
   groups (the codec) against per token over 32-channel groups (as V is).
-* Quality on the reference engine (`--cases N`; SmolLM2 only: the reference path has no Gemma 3): per case, full
+* Quality on the reference engine (`--cases N`, SmolLM2): per case, full
   recompute, then the default selector (`mix`, stored deviations, overlap 0.15) at rho 0.15 once per codec, each in a
   store of its own whose entries are kept as the disk and remote tiers hand them back (K and V through the codec;
   `none`: as computed), the harness's warm-up included (reference_path.blend). First-token KL(full || blend) paired
@@ -129,22 +129,23 @@ class DecodedStore(ChunkStore):
         return super().put(replace(entry, k=k, v=v))
 
 
-def quality(families: list[str], cases: int, codecs: list[str], out: Path) -> None:
+def quality(families: list[str], cases: int, codecs: list[str], out: Path,
+            model: str = "smollm2-135m-instruct") -> None:
     from chunkcache.reference import ReferenceBlender
     from ..quality.reference_path import ReferenceMeasure
 
     done = {(r["family"], r["item"], r["codec"]) for r in read_rows([out])} if out.is_file() else set()
     options = SelectConfig().options["mix"]  # the server's default: stored deviations, overlap 0.15
-    measure = ReferenceMeasure(ReferenceBlender.from_pretrained("smollm2-135m-instruct"), max_new_tokens=24)
+    measure = ReferenceMeasure(ReferenceBlender.from_pretrained(model), max_new_tokens=24)
     out.parent.mkdir(parents=True, exist_ok=True)
     for family in families:
         pool = items(replace(FAMILIES[family], requests=cases))
         todo = [it for it in pool if any((family, it.id, c) not in done for c in ["full", *codecs])]
         for item in tqdm(todo, desc=f"compression quality {family}", unit="case", initial=len(pool) - len(todo),
                          total=len(pool)):
-            ref, full = measure.full(item)
-            rows = [_row(family, item, "full", full)]
-            for name in codecs:
+            ref, full = measure.full(item)  # the reference every blend is measured against, kept or not
+            rows = [_row(family, item, "full", full)] if (family, item.id, "full") not in done else []
+            for name in (c for c in codecs if (family, item.id, c) not in done):  # a resumed file gains only what it lacks
                 codec = CODECS[name]
                 measure.blender.store = ChunkStore() if codec is None else DecodedStore(codec)
                 rows.append(_row(family, item, name, measure.blended(ref, "mix", RATIO, options)))
