@@ -33,7 +33,7 @@ class WorkloadConfig:
     docs: int = 6  # documents per prompt
     words: int = 150  # words per document (musique: truncation; synthetic: ~1.3 tokens per word)
     pool: int = 12  # shuffled: documents the requests draw from
-    seed: int = 0
+    seed: int = 0  # synthetic: first seed; shuffled: the draws'; musique: 0 = each record's first docs, else drawn
 
 
 @dataclass(frozen=True)
@@ -148,8 +148,12 @@ def _musique(path: Path, config: WorkloadConfig) -> list[Item]:
         raise ValueError(f"{path} holds {len(records)} records; {config.requests} requests asked")
     out = []
     for i, r in enumerate(records[: config.requests]):
-        docs = [_paragraph(c, config.words) for c in r["ctxs"][: config.docs]]
-        out.append(Item(f"musique{i}", tuple(docs), f"Question: {r['question']}\nAnswer:", tuple(r["answers"])))
+        ctxs = r["ctxs"][: config.docs]
+        if config.seed:  # other cases of the same records: docs of the record's passages drawn, in a drawn order
+            ctxs = random.Random(f"{config.seed}:{i}").sample(r["ctxs"], min(config.docs, len(r["ctxs"])))
+        docs = [_paragraph(c, config.words) for c in ctxs]
+        case = f"musique{i}" if not config.seed else f"musique.draw{config.seed}.{i}"
+        out.append(Item(case, tuple(docs), f"Question: {r['question']}\nAnswer:", tuple(r["answers"])))
     return out
 
 

@@ -182,3 +182,16 @@ def test_every_family_has_100_distinct_cases(spec):
     cases = workloads.items(WorkloadConfig(spec, requests=100, docs=3, words=120))
     assert len({c.id for c in cases}) == len({(c.documents, c.question) for c in cases}) == 100
     assert all(c.answers for c in cases)
+
+
+def test_musique_draws_are_other_cases_of_the_same_records():
+    first = workloads.items(WorkloadConfig("musique", requests=100, docs=5, words=120))
+    drawn = workloads.items(WorkloadConfig("musique", requests=100, docs=5, words=120, seed=1))
+    assert [c.question for c in drawn] == [c.question for c in first]  # the same records, in order
+    assert not {c.id for c in drawn} & {c.id for c in first}  # never confused with the first cases
+    assert sum(c.documents != f.documents for c, f in zip(drawn, first)) == 100
+    records = json.loads(workloads.DEFAULT_MUSIQUE.read_text())
+    for case, record in zip(drawn, records):  # 5 distinct passages of the record's own, each cut to 120 words
+        assert len(set(case.documents)) == 5
+        assert set(case.documents) <= {workloads._paragraph(c, 120) for c in record["ctxs"]}
+    assert workloads.items(WorkloadConfig("musique", requests=100, docs=5, words=120, seed=1)) == drawn

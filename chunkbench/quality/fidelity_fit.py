@@ -19,6 +19,8 @@ measured KL exceeds it (Wilson interval), the mean rho chosen, needle accuracy a
     .venv/bin/python -m chunkbench.quality.fidelity_fit fit results/fidelity/*.jsonl      # writes configs/fidelity.json
     .venv/bin/python -m chunkbench.quality.fidelity_fit judge results/fidelity/*.jsonl \
         --ttft multikey=results/cal_ttft/multikey.txt     # TTFT column: ttft_shuffled at the family's size
+    .venv/bin/python -m chunkbench.quality.fidelity_fit judge --unseen results/fidelity/unseen/*.jsonl
+                                                          # cases collected after the fit, every one judged
 """
 
 from __future__ import annotations
@@ -88,10 +90,11 @@ class Recorded:
         return selection
 
 
-def case_items(family: Family, seed: int, requests: int) -> list[Item]:
-    """`requests` cases from `seed` (synthetic: seeds; MuSiQue: records from index `seed`)."""
+def case_items(family: Family, seed: int, requests: int, draw: int = 0) -> list[Item]:
+    """`requests` cases from `seed` (synthetic: seeds; MuSiQue: records from index `seed`, their documents drawn
+    with seed `draw` when it is not 0)."""
     if family.spec == "musique":
-        return items(WorkloadConfig(family.spec, seed + requests, family.docs, family.words))[seed:]
+        return items(WorkloadConfig(family.spec, seed + requests, family.docs, family.words, seed=draw))[seed:]
     return items(WorkloadConfig(family.spec, requests, family.docs, family.words, seed=seed))
 
 
@@ -104,9 +107,9 @@ def collect(args) -> None:
     evidence_dir = out.with_suffix(".evidence")
     evidence_dir.mkdir(parents=True, exist_ok=True)
     identity = {"family": args.family, "model": args.model, "ratios": list(RATIOS), "options": DEFAULT,
-                "max_new_tokens": args.max_new_tokens}
+                "max_new_tokens": args.max_new_tokens, **({"draw": args.draw} if args.draw else {})}
     log = RowLog(out, identity, args.resume)
-    cases = case_items(family, args.seed, args.requests)
+    cases = case_items(family, args.seed, args.requests, args.draw)
     # a case's chunks are all the store must hold (and what a realkey or MuSiQue case shares with earlier ones)
     blender = ReferenceBlender.from_pretrained(args.model, store=ChunkStore(host_bytes=STORE_BYTES))
     for item in tqdm(cases, desc=f"{args.family} seed {args.seed}", unit="case"):
@@ -372,7 +375,8 @@ def judge(args) -> None:
     model = coefficients.model(name)
     print(f"{name}'s cases, judged with {model.name}'s estimator" + (" (it has none of its own)"
                                                                        if model.name != name else "") + "\n")
-    cases = {k: v for k, v in cases_of(load_points(args.paths)).items() if role(k[1]) == "judge"}
+    cases = {k: v for k, v in cases_of(load_points(args.paths)).items() if args.unseen or role(k[1]) == "judge"}
+    print(f"cases judged: {'every case (collected after the fit)' if args.unseen else 'the held-out ones (role)'}\n")
     ttft = {family: read_ttft(path) for family, path in (t.split("=", 1) for t in args.ttft)}
     lines = ["| family | bound | n | KL > bound [95 % Wilson] | mean rho | in full | TTFT / stock's | best fixed rho | "
              "oracle mean rho | needle / full's | first token = full's | same answer as full |", "|---" * 12 + "|"]
@@ -416,6 +420,8 @@ def main() -> None:
     c.add_argument("--family", choices=FAMILIES, required=True)
     c.add_argument("--seed", type=int, default=1000, help="first seed (MuSiQue: first record index)")
     c.add_argument("--requests", type=int, default=20)
+    c.add_argument("--draw", type=int, default=0, help="MuSiQue: each record's documents drawn at random from its "
+                   "passages with this seed (other cases of the same records); 0: its first ones, in file order")
     c.add_argument("--model", default="smollm2-135m-instruct")
     c.add_argument("--max-new-tokens", type=int, default=24)
     c.add_argument("--out", required=True)
@@ -431,6 +437,8 @@ def main() -> None:
     j = sub.add_parser("judge", help="choose rho by the estimate for the held-out cases, per family and bound")
     j.add_argument("paths", nargs="+")
     j.add_argument("--coefficients", default=str(fidelity.PACKAGED))
+    j.add_argument("--unseen", action="store_true", help="the files' cases were all collected after the estimator "
+                   "was fitted (a blind judgement): judge every case, not only the held-out ones")
     j.add_argument("--ttft", action="append", default=[], metavar="FAMILY=PATH",
                    help="the TTFT column: ttft_shuffled's table at the family's prompt size (read_ttft)")
     m = sub.add_parser("compare", help="cross-validated pinball loss of term sets on the fit cases")
