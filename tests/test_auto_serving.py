@@ -30,8 +30,10 @@ def prompt(docs: list[str], question: str) -> str:
             + f"\n\nQuestion: {question}")
 
 
-def plain(server, text: str, n: int = 16, **extra) -> dict:
-    body = {"text": text, "sampling_params": {"max_new_tokens": n, "temperature": 0}, **extra}
+def plain(server, text: str | None, n: int = 16, **extra) -> dict:
+    """`text` None: the prompt is `input_ids` in `extra`."""
+    body = {**({} if text is None else {"text": text}), "sampling_params": {"max_new_tokens": n, "temperature": 0},
+            **extra}
     r = requests.post(server.url + "/generate", json=body, timeout=600)
     assert r.status_code == 200, r.text
     return r.json()
@@ -122,3 +124,26 @@ def test_blended_kv_never_answers_a_plain_requests_prefix(auto_server, server):
     assert "chunkcache" not in exact["meta_info"] or exact["meta_info"]["chunkcache"]["chunk_hits"] == 0
     assert exact["meta_info"]["cached_tokens"] < exact["meta_info"]["prompt_tokens"] // 2
     assert exact["output_ids"] == plain(server, text)["output_ids"]
+
+
+def test_a_blended_request_starts_from_the_exact_prefix_a_plain_request_left(auto_server, default_model):
+    """A plain request leaves its prompt's exact KV in the plain radix partition. A later prompt that shares its
+    first document and reorders the rest is blended, in the auto partition: the shared prefix is carried there
+    (`exact_carried`), so SGLang's match reaches the whole shared prefix (`radix_tokens`) and only the text after it
+    is computed. The plain partition keeps its own copy: the first prompt again, with logprobs (never detected), is
+    an exact prefix hit of all but its last token and gives the same tokens as the first time."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model)
+    docs = documents(46, 5)
+    first_ids = tok(prompt(docs, "Which is first?"))["input_ids"]
+    ids = tok(prompt(docs[:1] + docs[1:][::-1], "Which is last?"))["input_ids"]
+    shared = next(i for i, (a, b) in enumerate(zip(first_ids, ids)) if a != b)
+    first = plain(auto_server, None, input_ids=first_ids)  # learns the documents, served as stock
+    blended = plain(auto_server, None, n=1, input_ids=ids)["meta_info"]["chunkcache"]
+    assert blended["reused_tokens"] > 0 and "fallback" not in blended
+    assert blended["radix_tokens"] == shared > 200  # the template head and the whole first document
+    assert 0 < blended["exact_carried"] <= shared  # the template head may already be in the auto partition
+    again = plain(auto_server, None, input_ids=first_ids, return_logprob=True, logprob_start_len=-1)
+    assert again["meta_info"]["cached_tokens"] == len(first_ids) - 1
+    assert again["output_ids"] == first["output_ids"]

@@ -363,9 +363,11 @@ def _stages(request: ChunkRequest, stages: dict[str, float] | None) -> dict[str,
 
 
 def detection_fields(request: ChunkRequest) -> dict:
-    """What automatic detection did for the request (segments looked up, seconds), when it ran."""
+    """What automatic detection did for the request (segments looked up, seconds, exact prefix tokens carried), when
+    it ran."""
     d = request.detection
-    return {} if d is None else {"auto": True, "segments": d.looked_up, "detect_s": round(d.seconds, 6)}
+    return {} if d is None else {"auto": True, "segments": d.looked_up, "detect_s": round(d.seconds, 6),
+                                 **({"exact_carried": d.carried} if d.carried else {})}
 
 
 def _stopwatch(seconds: dict[str, float]):

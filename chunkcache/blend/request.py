@@ -9,7 +9,7 @@ round (`rounds`), each a dict the engine's glue serialises from the pipeline's r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -46,6 +46,7 @@ class Detection:
     found: Lookup  # the store's answer for the hint's chunks, reused by the blend's lookup
     looked_up: int  # segments looked up past the radix match
     seconds: float
+    carried: int = 0  # exact prefix tokens the engine copied into the partition blended requests match in
 
 
 @dataclass
@@ -77,7 +78,7 @@ class ChunkRequest:
         d = self.detection
         if d is None or not d.found.entries:
             return None
-        self.detection = Detection(d.hint, Lookup({}, frozenset(), frozenset()), d.looked_up, d.seconds)
+        self.detection = replace(d, found=Lookup({}, frozenset(), frozenset()))
         return d.found
 
     def add_round(self, info: dict) -> None:

@@ -3,8 +3,8 @@
   * `detect`, when a request without a chunk hint becomes a `Req` (request_hint.attach): its content-defined
     segments are cut and kept on its record; the radix tree's exact match is found in the request's own partition;
     chunkcache.blend.pipeline.detect turns the stored segments past it into an auto hint, and the request moves to
-    the auto radix partition (its KV will be approximate). Too few stored tokens: the request stays a plain one,
-    served exactly as stock.
+    the auto radix partition (its KV will be approximate), taking the exact match along (`carry_exact_prefix`).
+    Too few stored tokens: the request stays a plain one, served exactly as stock.
   * `learn`, after every extend forward: for each request whose prompt prefill finished in it, the KV of its
     segments that this prefill computed and no tier holds is read once out of the pool and stored
     (chunkcache.blend.pipeline.learn_segments; their K at the positions they had here: the entry's start_pos). A
@@ -22,7 +22,7 @@ import time
 from array import array
 
 import torch
-from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from chunkcache.blend import pipeline
@@ -52,9 +52,50 @@ def detect(reuse: ChunkReuse, tree_cache, req, request: ChunkRequest) -> None:
 
 def exact_prefix(tree_cache, req) -> int:
     """Tokens of the prompt the radix tree holds exactly in the request's (plain) partition."""
-    key = RadixKey(token_ids=array("q", req.origin_input_ids), extra_key=req.extra_key,
-                   cache_salt=getattr(req, "cache_salt", None))
-    return int(tree_cache.match_prefix(MatchPrefixParams(key=key)).device_prefix_len)
+    return int(tree_cache.match_prefix(MatchPrefixParams(key=_key(req, req.extra_key))).device_prefix_len)
+
+
+def carry_exact_prefix(tree_cache, req, plain_extra_key: str | None) -> int:
+    """Give the auto partition (the request's extra_key now) the exact prefix the plain partition holds beyond its
+    own match: those tokens' KV copied into new slots and inserted under the auto key, so SGLang's own match finds
+    them instead of the blend's fill computing them again. Exact KV is right in every partition. The inserted node is
+    unlocked, SGLang's to evict like any other. Returns the tokens carried: 0 when the auto partition matches as far,
+    the pool has no free room for them (nothing is evicted for this), or the tree keeps more than full-attention KV
+    (sliding-window or state components, whose slots this copy does not carry)."""
+    if tree_cache.supports_swa() or tree_cache.supports_mamba():
+        return 0
+    plain = tree_cache.match_prefix(MatchPrefixParams(key=_key(req, plain_extra_key)))
+    auto = tree_cache.match_prefix(MatchPrefixParams(key=_key(req, req.extra_key)))
+    held, have = int(plain.device_prefix_len), int(auto.device_prefix_len)
+    if held <= have:
+        return 0
+    allocator = tree_cache.token_to_kv_pool_allocator
+    slots = allocator.alloc(held - have) if allocator.available_size() >= held - have else None
+    if slots is None:
+        return 0
+    try:
+        source = tree_cache.path_device_indices(plain.last_device_node)[have:held]
+        _copy_kv(allocator.get_kvcache(), slots, source)  # the plain partition keeps its own
+        own = tree_cache.path_device_indices(auto.last_device_node)[:have]
+        value = torch.cat([own.to(torch.int64), slots.to(torch.int64)])
+    except BaseException:
+        allocator.free(slots)
+        raise
+    # the tree's own slots below `have` are not duplicates (prev_prefix_len); from there on it owns the new ones
+    tree_cache.insert(InsertParams(key=_key(req, req.extra_key, held), value=value, prev_prefix_len=have))
+    return held - have
+
+
+def _copy_kv(pool, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """K and V of slots `src` written to slots `dst`, every layer."""
+    for layer in range(pool.layer_num):
+        for buffer in (pool.get_key_buffer(layer), pool.get_value_buffer(layer)):
+            buffer[dst] = buffer[src]
+
+
+def _key(req, extra_key: str | None, n: int | None = None) -> RadixKey:
+    ids = req.origin_input_ids if n is None else req.origin_input_ids[:n]
+    return RadixKey(token_ids=array("q", ids), extra_key=extra_key, cache_salt=getattr(req, "cache_salt", None))
 
 
 def learn(reuse: ChunkReuse, model_runner, forward_batch, reqs, record_of) -> None:

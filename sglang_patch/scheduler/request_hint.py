@@ -18,6 +18,7 @@ on, a request without a hint whose stored segments are enough to blend gets an a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from chunkcache.blend.request import ChunkRequest, RequestHint
@@ -58,7 +59,14 @@ def attach(reuse: ChunkReuse | None, tree_cache, req) -> None:
                 request.hint = request.detection = None
                 report.fallback(request, "auto_error", f"{type(exc).__name__}: {exc}")
             if request.hint is not None:
-                req.extra_key = auto_partition(req.extra_key)
+                plain, req.extra_key = req.extra_key, auto_partition(req.extra_key)
+                try:
+                    carried = auto_chunks.carry_exact_prefix(tree_cache, req, plain)
+                except Exception:  # noqa: BLE001 - the blend's fill computes the prefix instead
+                    log.exception("chunkcache: carrying request %s's exact prefix into the auto partition failed; "
+                                  "its fill computes it", request.rid)
+                    carried = 0
+                request.detection = dataclasses.replace(request.detection, carried=carried)
     except HintError as exc:  # validated at the HTTP layer; an Engine-side bypass still must not fail the request
         if reuse is not None:
             report.fallback(request, "bad_hint", str(exc))
