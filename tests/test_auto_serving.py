@@ -135,7 +135,7 @@ def test_a_blended_request_starts_from_the_exact_prefix_a_plain_request_left(aut
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(default_model)
-    docs = documents(46, 5)
+    docs = documents(47, 5)  # record 46 shares passages with 44 and 45
     first_ids = tok(prompt(docs, "Which is first?"))["input_ids"]
     ids = tok(prompt(docs[:1] + docs[1:][::-1], "Which is last?"))["input_ids"]
     shared = next(i for i, (a, b) in enumerate(zip(first_ids, ids)) if a != b)
