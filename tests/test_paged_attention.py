@@ -11,6 +11,7 @@ import torch
 
 from chunkcache.blend.attention import attend
 from sglang_patch.forward.sparse_attention import Segment
+from test_sparse_attention import dense
 
 
 class FakeWrapper:
@@ -228,3 +229,43 @@ def test_a_logits_pass_attends_only_each_segments_last_row_at_the_final_layer(wi
     assert SparseAttention(SimpleNamespace(token_to_kv_pool=base[0], req_to_token_pool=None), recording,
                            torch.cat([out_cache_loc, torch.arange(1, 6)]), torch.device("cpu"),
                            final_layer=1).final_layer is None
+
+
+def test_a_segment_with_context_positions_never_reads_the_slots_it_leaves_out():
+    """A query pass over a prompt with holes (tokens between chunks, whose slots hold no KV of the prompt yet)
+    attends only the positions it is given: the output and the recorded attention equal dense attention over those
+    keys alone, and do not change when the holes' slots hold something else."""
+    from types import SimpleNamespace
+
+    from sglang_patch.forward.sparse_attention import SparseAttention
+
+    torch.manual_seed(4)
+    hq, hk, d, n = 6, 2, 16, 120
+    row_slots = torch.randperm(300)[:n]  # one request's slots, not one range
+    holes = torch.zeros(n, dtype=torch.bool)
+    holes[40:55] = holes[80:90] = True
+    visible = (~holes).nonzero().flatten()
+    q_pos = torch.arange(100, n)  # the query, after the last chunk
+    layer = SimpleNamespace(layer_id=0, logit_cap=0, sliding_window_size=-1, tp_q_head_num=hq, tp_k_head_num=hk,
+                            qk_head_dim=d, v_head_dim=d, scaling=d ** -0.5)
+    q, k, v = (torch.randn(len(q_pos), h * d) for h in (hq, hk, hk))
+    outs, sums = [], []
+    for trial in range(2):
+        pool = _Pool(1, 300, hk, d, torch.float32, torch.device("cpu"))
+        pool.k[0].normal_(generator=torch.Generator().manual_seed(10)), pool.v[0].normal_(
+            generator=torch.Generator().manual_seed(11))
+        if trial:  # what another request left in the holes' slots
+            pool.k[0][row_slots[holes]] *= 50
+            pool.v[0][row_slots[holes]] = 7.0
+        seg = Segment(slice(0, len(q_pos)), q_pos, row_slots[visible], attention_sum=torch.zeros(len(visible)),
+                      ctx_pos=visible)
+        attn = SparseAttention(SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=None), [seg],
+                               row_slots[q_pos], torch.device("cpu"))
+        outs.append(attn.forward(q, k, v, layer, None))
+        sums.append(seg.attention_sum.clone())
+        keys, values = pool.k[0][row_slots[visible]], pool.v[0][row_slots[visible]]  # the query's own K/V written
+        want = dense(q.view(-1, hq, d), keys, values, q_pos, visible, d ** -0.5).reshape(len(q_pos), -1)
+        torch.testing.assert_close(outs[-1], want)
+    torch.testing.assert_close(outs[0], outs[1])
+    torch.testing.assert_close(sums[0], sums[1])
+    assert abs(sums[0].sum().item() - 1) < 1e-4  # the query's whole attention falls on the visible keys

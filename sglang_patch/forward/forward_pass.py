@@ -65,9 +65,11 @@ class Pass:
     def n(self) -> int:
         return sum(self.counts)
 
-    def add(self, row: Row, sel: torch.Tensor, ctx: int) -> Segment:
-        """Tokens `sel` of `row`, written to its slots, attending to its slots [0, ctx)."""
-        seg = Segment(slice(self.n, self.n + len(sel)), sel.to(row.slots.device), row.slots[:ctx])
+    def add(self, row: Row, sel: torch.Tensor, ctx: int, visible: torch.Tensor | None = None) -> Segment:
+        """Tokens `sel` of `row`, written to its slots, attending to its slots [0, ctx), or only to those at the
+        sorted positions `visible` (which hold `sel`)."""
+        slots = row.slots[:ctx] if visible is None else row.slots[visible.to(row.slots.device)]
+        seg = Segment(slice(self.n, self.n + len(sel)), sel.to(row.slots.device), slots, ctx_pos=visible)
         return self._append(seg, row.token_ids[sel], sel, row.slots[sel])
 
     def add_aside(self, ids: torch.Tensor, q_pos: torch.Tensor, ctx_slots: torch.Tensor) -> Segment:

@@ -29,6 +29,9 @@ class Segment:
     to_pool: bool = True  # fresh K/V go to the pool at out_cache_loc; else they are kept aside in `kept_kv`
     kept_kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer, when not to_pool
     attention_sum: torch.Tensor | None = None  # [c] if set: += mean attention of the queries to each context key
+    # [c] the positions of ctx_slots when they are not 0..c-1: a pass that must not read positions whose slots hold
+    # no KV of this prompt yet leaves them out of its context (sorted; the segment's own positions included)
+    ctx_pos: torch.Tensor | None = None
 
 
 def pool_index(slots: torch.Tensor) -> slice | torch.Tensor:
@@ -42,7 +45,7 @@ def pool_index(slots: torch.Tensor) -> slice | torch.Tensor:
 
 def _last_row(s: Segment) -> Segment:
     """The segment's last query only (its output is the one a logits pass reads)."""
-    return Segment(slice(s.rows.stop - 1, s.rows.stop), s.q_pos[-1:], s.ctx_slots)
+    return Segment(slice(s.rows.stop - 1, s.rows.stop), s.q_pos[-1:], s.ctx_slots, ctx_pos=s.ctx_pos)
 
 
 class _SegmentPlan:
@@ -53,7 +56,7 @@ class _SegmentPlan:
         slots = s.ctx_slots
         c = len(slots)
         self.context = pool_index(slots)
-        k_pos = torch.arange(c, device=device)
+        k_pos = torch.arange(c, device=device) if s.ctx_pos is None else s.ctx_pos.to(device)
         if not s.to_pool:  # the segment's own fresh keys come after its context
             k_pos = torch.cat([k_pos, s.q_pos.to(device)])
         self.blocks = plan_blocks(s.q_pos.to(device), k_pos, s.attention_sum is not None, window)
@@ -83,8 +86,8 @@ class SparseAttention:
             self.write_rows = self.write_loc = None
         self.paged = None
         if paged_attention.available(device):
-            paged = [s for s in segments if s.to_pool and s.attention_sum is None]
-            segments = [s for s in segments if not (s.to_pool and s.attention_sum is None)]
+            paged = [s for s in segments if s.to_pool and s.attention_sum is None and s.ctx_pos is None]
+            segments = [s for s in segments if not (s.to_pool and s.attention_sum is None and s.ctx_pos is None)]
             self.paged = paged or None  # the FlashInfer plan is made at the first layer (head counts, dtypes)
         self.plans = [_SegmentPlan(s, device) for s in segments]
         self.device = device

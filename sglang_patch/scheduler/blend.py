@@ -183,20 +183,31 @@ class BatchEngine:
         """ProphetKV's score for each request: its query tokens through all layers against its reused KV, the
         attention of the query's last tokens (recorded_from) to each token recorded, the query's other tokens
         attending at flash attention's rate in the same pass before them. Tokens between chunks are left to the
-        recompute: computing them here too would compute an automatic hint's uncovered passages twice. Their K/V
-        written here are rewritten by the recompute (the query is always recomputed)."""
+        recompute: computing them here too would compute an automatic hint's uncovered passages twice. Their slots
+        hold no KV of this prompt yet (whatever an earlier request left there), so the query does not attend them
+        (the reference engine computes them in this pass instead). The query's K/V written here are rewritten by
+        the recompute (the query is always recomputed)."""
         p, segments = Pass(), []
         for i in requests:
             plan, row = self.plans[i], self.plan_rows[i]
             query = torch.arange(plan.query, plan.n)
+            visible = torch.cat([plan.held(), query])
+            visible = None if len(visible) == plan.n else visible  # no holes: the whole row, one range of slots
             first = recorded_from(query, plan.query, plan.n)
             if first:
-                p.add(row, query[:first], ctx=plan.n)
-            seg = p.add(row, query[first:], ctx=plan.n)
-            seg.attention_sum = torch.zeros(plan.n, dtype=torch.float32, device=row.slots.device)
-            segments.append(seg)
+                p.add(row, query[:first], ctx=plan.n, visible=visible)
+            seg = p.add(row, query[first:], ctx=plan.n, visible=visible)
+            seg.attention_sum = torch.zeros(plan.n if visible is None else len(visible), dtype=torch.float32,
+                                            device=row.slots.device)
+            segments.append((seg, visible, plan.n))
         self.runner.run(p)
-        return [seg.attention_sum.cpu() for seg in segments]
+        out = []
+        for seg, visible, n in segments:
+            scores = seg.attention_sum.cpu()
+            if visible is not None:  # back to prompt positions: a hole has no attention
+                scores = torch.zeros(n, dtype=scores.dtype).index_copy_(0, visible, scores)
+            out.append(scores)
+        return out
 
     def kv_deviation(self, requests: Sequence[int], layer: int, which: str) -> list[torch.Tensor]:
         """Each request's tokens after its exact prefix computed exactly through layers 0..`layer` only, their K/V
