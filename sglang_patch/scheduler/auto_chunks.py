@@ -69,14 +69,16 @@ def carry_exact_prefix(tree_cache, req, plain_extra_key: str | None) -> int:
     held, have = int(plain.device_prefix_len), int(auto.device_prefix_len)
     if held <= have:
         return 0
+    source = tree_cache.path_device_indices(plain.last_device_node)[have:held]
+    own = tree_cache.path_device_indices(auto.last_device_node)[:have]
+    if len(source) != held - have or len(own) != have:  # a match not all on its tree path (e.g. loaded, unpublished)
+        return 0
     allocator = tree_cache.token_to_kv_pool_allocator
     slots = allocator.alloc(held - have) if allocator.available_size() >= held - have else None
     if slots is None:
         return 0
     try:
-        source = tree_cache.path_device_indices(plain.last_device_node)[have:held]
         _copy_kv(allocator.get_kvcache(), slots, source)  # the plain partition keeps its own
-        own = tree_cache.path_device_indices(auto.last_device_node)[:have]
         value = torch.cat([own.to(torch.int64), slots.to(torch.int64)])
     except BaseException:
         allocator.free(slots)
