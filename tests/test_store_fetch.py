@@ -2,6 +2,7 @@
 server computes them (chunkcache/store/link.py, remote.py's `choose`), against a real Valkey behind a loopback proxy
 that makes the link slow or fast (tests/slow_link.py)."""
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +12,7 @@ from test_store import FP, key, make_entry
 from test_store_remote import drain, remote_store
 
 from chunkbench.serving.slow_link import SlowLink
-from chunkcache.store import link
+from chunkcache.store import link, remote
 from chunkcache.store.link import LinkCost, worth_fetching
 
 TOKENS, LAYERS = 500, 4  # an entry of 128 KiB of KV (float32, 2 KV heads of 4 dims)
@@ -127,6 +128,32 @@ def test_a_slow_link_makes_the_server_compute_and_a_fast_one_fetch(valkey, store
     finally:
         slow.close()
         fast.close()
+
+
+@pytest.mark.parametrize("decode_s, fetched", [(4 * COMPUTE_S, False), (COMPUTE_S / 10, True)])
+def test_what_a_fetch_costs_includes_decoding_what_it_brings(valkey, stored, monkeypatch, decode_s, fetched):
+    """A link that delivers at once still loses to computing when decoding the entry takes longer than computing
+    it (a compressed entry's dequantisation on a fast accelerator): the rule charges the decode seconds per byte it
+    measured on the fetches so far. The tier's clock is the test's: only decoding moves it."""
+    clock = SimpleNamespace(now=0.0)
+    clock.perf_counter = lambda: clock.now
+    real = remote.decode
+
+    def decode(data):
+        clock.now += decode_s
+        return real(data)
+
+    monkeypatch.setattr(remote, "time", clock)
+    monkeypatch.setattr(remote, "decode", decode)
+    store = reader(valkey.url)
+    for _ in range(2):  # unmeasured: fetched, which measures
+        assert store.lookup(stored, costs(stored)).fetched == set(stored)
+    looked = store.lookup(stored, costs(stored))
+    assert looked.fetched == (set(stored) if fetched else set())
+    assert looked.computed_instead == (set() if fetched else set(stored))
+    size = valkey.client().strlen(f"cc:v1:{FP}:{stored[0]}")
+    assert store.stats().remote.decode_s_per_mb == pytest.approx(decode_s / size * 1e6)
+    assert store.stats().remote.link.bytes_per_s == math.inf  # the link itself took no time
 
 
 def test_a_link_that_got_faster_is_probed_and_then_fetched_from(valkey, stored, clock):

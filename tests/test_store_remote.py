@@ -41,9 +41,11 @@ def valkey(tmp_path):
     srv.kill()
 
 
-def remote_store(url: str, fp: str = FP, retry_s: float = 60.0, **config) -> ChunkStore:
+def remote_store(url: str, fp: str = FP, retry_s: float = 60.0, compress: str = "none", **config) -> ChunkStore:
+    """Uncompressed unless asked (the default is int8): the tier's own tests compare values byte for byte with the
+    entry's plain encoding; the codecs on the wire are test_store_compress's."""
     return ChunkStore.from_config(StoreConfig(remote_url=url, remote_timeout_s=TIMEOUT, remote_retry_s=retry_s,
-                                              **config), fp)
+                                              compress=compress, **config), fp)
 
 
 def drain(store: ChunkStore, timeout: float = 10) -> None:

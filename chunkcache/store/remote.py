@@ -32,9 +32,10 @@ Contract:
   rate.
 - Fetch or compute (`fetch`, `store.remote_fetch`): "always" asks the servers for every key the local tiers lack;
   "never" asks for none (the tier is written, not read); "auto" asks `choose` first, which keeps per server only the
-  keys whose fetch is predicted faster than computing them here (link.py's rule, from each server's measured round
-  trips and the bytes per token of the entries fetched so far; a key without a compute cost, or before anything was
-  measured, is fetched). Keys not asked count in `computed_instead`, probes of a link judged slow in `probes`.
+  keys whose fetch and decode are predicted faster than computing them here (link.py's rule, from each server's
+  measured round trips, the bytes per token of the entries fetched so far, and the seconds per byte their decoding
+  took: a compressed entry's dequantisation can cost more than its transfer; a key without a compute cost, or before
+  anything was measured, is fetched). Keys not asked count in `computed_instead`, probes of a link judged slow in `probes`.
 - Thread-safe (redis-py's client keeps a connection pool; the counters are locked): the scheduler reads while the
   writer thread writes.
 - How keys reach servers is the subclass's: this class speaks to one endpoint (one MGET per get_many); cluster.py's
@@ -86,6 +87,7 @@ class RemoteStats:
     computed_instead: int = 0  # keys not fetched: computing them was predicted faster (fetch "auto") or "never"
     probes: int = 0  # fetches from a link judged too slow, to measure it again
     bytes_per_token: float | None = None  # of the entries fetched so far (what a fetch is predicted to carry)
+    decode_s_per_mb: float | None = None  # decoding them (verify, dequantise) per MB fetched, moving average
     link: LinkEstimate | None = None  # one endpoint's measured gets (cluster mode: per node, in `nodes`)
     nodes: tuple[NodeStats, ...] = ()  # cluster mode: each primary seen since the start; empty for one endpoint
 
@@ -107,6 +109,7 @@ class RemoteTier:
             raise ValueError(f"fetch must be one of {FETCH}, got {fetch!r}")
         self.fetch, self.probe_s = fetch, probe_s
         self._bytes_per_token: float | None = None
+        self._decode_s_per_byte: float | None = None
         self.prefix = prefix
         self.layout = layout
         self.codec = codec
@@ -193,10 +196,12 @@ class RemoteTier:
                 key = names[name]
                 if data is None:
                     endpoint.count("misses")
-                elif (entry := self._verified(key, name, data)) is not None:
+                    continue
+                t = time.perf_counter()
+                if (entry := self._verified(key, name, data)) is not None:
                     endpoint.count("hits")
                     found[key] = entry
-                    self._measured(len(data), entry.num_tokens)
+                    self._measured(len(data), entry.num_tokens, time.perf_counter() - t)
         return found
 
     def choose(self, costs: dict[str, tuple[int, float | None]]) -> list[str]:
@@ -207,13 +212,16 @@ class RemoteTier:
             return [] if self.fetch == "never" else list(costs)
         asked: list[str] = []
         per_node: dict[Endpoint, list[tuple[str, int, float]]] = {}
-        per_token = self._bytes_per_token
+        with self._lock:
+            per_token, decode_per_byte = self._bytes_per_token, self._decode_s_per_byte
         for key, (tokens, compute_s) in costs.items():
             endpoint = self._route(self._name(key))
             if endpoint is None or compute_s is None or per_token is None:
                 asked.append(key)
             else:
-                per_node.setdefault(endpoint, []).append((key, int(tokens * per_token), compute_s))
+                nbytes = int(tokens * per_token)
+                # the link must deliver the chunk in what computing it would take, less decoding it here
+                per_node.setdefault(endpoint, []).append((key, nbytes, compute_s - nbytes * decode_per_byte))
         for endpoint, chunks in per_node.items():
             keys, probe = worth_fetching(endpoint.link, chunks, self.probe_s)
             asked += keys
@@ -221,12 +229,15 @@ class RemoteTier:
         self._count("computed_instead", len(costs) - len(asked))
         return asked
 
-    def _measured(self, nbytes: int, tokens: int) -> None:
-        """One fetched entry's size: the bytes per token a fetch is predicted to carry follow it (moving average)."""
-        per_token = nbytes / max(tokens, 1)
+    def _measured(self, nbytes: int, tokens: int, decode_s: float) -> None:
+        """One fetched entry's size and decoding time: the bytes per token a fetch is predicted to carry and the
+        seconds per byte its decoding costs follow them (moving averages)."""
+        per_token, per_byte = nbytes / max(tokens, 1), decode_s / max(nbytes, 1)
         with self._lock:
             old = self._bytes_per_token
             self._bytes_per_token = per_token if old is None else 0.8 * old + 0.2 * per_token
+            old = self._decode_s_per_byte
+            self._decode_s_per_byte = per_byte if old is None else 0.8 * old + 0.2 * per_byte
 
     def _verified(self, key: str, name: str, data: bytes) -> ChunkEntry | None:
         try:
@@ -268,8 +279,9 @@ class RemoteTier:
                 totals[field] += n
         nodes, up, link = self._node_stats(), self._up(), self._link()
         with self._lock:
+            decode = None if self._decode_s_per_byte is None else self._decode_s_per_byte * 1e6
             return RemoteStats(server=self.server, up=up, **totals, **self._n, bytes_per_token=self._bytes_per_token,
-                               link=link, nodes=nodes)
+                               decode_s_per_mb=decode, link=link, nodes=nodes)
 
     def _write_loop(self) -> None:
         while True:

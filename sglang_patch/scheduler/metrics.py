@@ -82,6 +82,9 @@ class _Metrics:
                                   "(round trip), per server", ["node"], multiprocess_mode="livemax", registry=r)
         self.link_rate = Gauge("chunkcache_remote_fetch_bytes_per_second", "A remote get's measured bandwidth, per "
                                "server", ["node"], multiprocess_mode="livemin", registry=r)
+        self.decode_cost = Gauge("chunkcache_remote_decode_seconds_per_mb", "Decoding a fetched entry (verify, "
+                                 "dequantise) per MB fetched, the third input of the rule", multiprocess_mode="livemax",
+                                 registry=r)
         self.auto_requests = Counter("chunkcache_auto_requests", "Requests without a hint seen by automatic chunk "
                                      "detection, by outcome (blended: stored segments became its chunks; stock: too "
                                      "few, served as stock)", ["outcome"], registry=r)
@@ -193,6 +196,8 @@ def set_store_stats(stats) -> None:
         for field, reason in REMOTE_SKIPS.items():
             _count_new(m, f"remote.{field}", getattr(remote, field), m.remote_skipped.labels(reason))
         _count_nodes(m, remote.nodes)
+        if remote.decode_s_per_mb is not None:
+            m.decode_cost.set(remote.decode_s_per_mb)
         links = [(remote.server, remote.link)] + [(node.node, node.link) for node in remote.nodes]
         for node, link in links:
             if link is not None:
