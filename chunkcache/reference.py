@@ -27,7 +27,7 @@ from . import select as selectors
 from .blend import fidelity, pipeline
 from .blend.auto import AutoChunks
 from .blend.attention import attend_blocks, plan_blocks
-from .blend.features import Models, recorded_from
+from .blend.features import Models
 from .blend.plan import Placement, RequestPlan
 from .blend.request import ChunkRequest, Detection, RequestHint
 from .draft import Draft
@@ -320,18 +320,19 @@ class ReferenceBlender:
     # ---- the layer loop ---------------------------------------------------------------------------------------
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                 n_layers: int | None = None, record_from: int | None = None):
+                 n_layers: int | None = None, record_from: int | None = None, visible: torch.Tensor | None = None):
         """Run tokens `ids` [B, M] at positions `pos` [M] (ascending) through the first `n_layers` layers.
 
         Their K/V are written into slot `pos` of `k_buf`/`v_buf` [L, B, N, H_kv, D] before each layer's attention;
-        each attends to slots <= its own position. Returns the hidden states [B, M, hidden]; with `record_from`
-        (batch of 1) also the softmax attention of rows [record_from, M) to every slot, averaged over those rows
-        and heads, per layer ([n_layers, N] float32).
+        each attends to slots <= its own position, of `visible` only when given (sorted, `pos` among them). Returns
+        the hidden states [B, M, hidden]; with `record_from` (batch of 1) also the softmax attention of rows
+        [record_from, M) to every slot, averaged over those rows and heads, per layer ([n_layers, N] float32; zero
+        on a slot not visible).
         """
         inner = self.model.model
         B, M = ids.shape
         h = inner.embed_tokens(ids)  # Gemma 3's scales itself by sqrt(hidden)
-        slots = torch.arange(k_buf.shape[2], device=self.device)
+        slots = torch.arange(k_buf.shape[2], device=self.device) if visible is None else visible.to(self.device)
         split = M if record_from is None else record_from
         rotations, plans = {}, {}  # per layer type (Gemma 3: local and global RoPE bases) and per window
 
@@ -348,7 +349,7 @@ class ReferenceBlender:
             return plans[window]
 
         layers = inner.layers[: n_layers or self.n_layers]
-        record = torch.zeros(len(layers), k_buf.shape[2], dtype=torch.float32, device=self.device)
+        record = torch.zeros(len(layers), len(slots), dtype=torch.float32, device=self.device)
         for l, layer in enumerate(layers):
             attn = layer.self_attn
             cos, sin = rotation(self.layer_types[l] if self._typed_rope else None)
@@ -366,10 +367,12 @@ class ReferenceBlender:
             v_buf[l][:, pos] = v
             o = torch.empty_like(q)
             for b in range(B):
-                o[b, :split] = attend_blocks(q[b, :split], k_buf[l, b], v_buf[l, b], blocks, attn.scaling)
+                keys, values = k_buf[l, b], v_buf[l, b]
+                if visible is not None:
+                    keys, values = keys[slots], values[slots]
+                o[b, :split] = attend_blocks(q[b, :split], keys, values, blocks, attn.scaling)
                 if split < M:
-                    o[b, split:] = attend_blocks(q[b, split:], k_buf[l, b], v_buf[l, b], recorded, attn.scaling,
-                                                 record[l])
+                    o[b, split:] = attend_blocks(q[b, split:], keys, values, recorded, attn.scaling, record[l])
             o = attn.o_proj(o.reshape(B, M, -1))
             if self._sandwich:  # Gemma 3: each sublayer's output normed before the residual, the MLP's input too
                 h = h + layer.post_attention_layernorm(o)
@@ -377,7 +380,11 @@ class ReferenceBlender:
             else:
                 h = h + o
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return h if record_from is None else (h, record)
+        if record_from is None:
+            return h
+        if visible is not None:
+            record = torch.zeros(len(layers), k_buf.shape[2], device=self.device).index_copy_(1, slots, record)
+        return h, record
 
     def _logits(self, h_last: torch.Tensor) -> torch.Tensor:
         logits = self.model.lm_head(self.model.model.norm(h_last))[0].float()
@@ -455,16 +462,18 @@ class _Engine:
         return [fused for _ in requests]
 
     def query_attention_per_layer(self) -> torch.Tensor:
-        """[layers, N] float32: ProphetKV's per-layer attention from the query's last tokens (recorded_from) over the
-        reused KV, every forced token computed in the same pass, before
-        Features.query_attention sums it over layers (chunkbench.studies.select_fidelity weighs layers apart)."""
+        """[layers, N] float32: ProphetKV's per-layer attention from the query's last tokens (Layout.query_pass) over
+        the reused KV, those tokens alone computed in the pass (the tokens between chunks and the query's others
+        are not attended, as on the server), before Features.query_attention sums it over layers
+        (chunkbench.studies.select_fidelity weighs layers apart)."""
         # The query tokens' K/V written into the buffers here are rewritten by the final recompute before any
         # token reads them (the query is always recomputed), so the pass leaves no trace in the result.
         b, layout = self.blender, self.plan.layout()
-        forced = layout.forced_mask().nonzero().flatten()
-        sel = forced.to(b.device)
-        _, attn = b._forward(self.ids[None, sel], sel, self.k_buf, self.v_buf,
-                             record_from=recorded_from(forced, layout.query_span[0], layout.n))
+        rows = layout.query_pass()
+        visible = torch.cat([layout.held(), rows])
+        sel = rows.to(b.device)
+        _, attn = b._forward(self.ids[None, sel], sel, self.k_buf, self.v_buf, record_from=0,
+                             visible=None if len(visible) == layout.n else visible)
         return attn.cpu()
 
     def recompute(self, tokens: list[torch.Tensor]) -> torch.Tensor:

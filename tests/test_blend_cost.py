@@ -4,6 +4,7 @@ import torch
 
 from chunkcache.blend.cost import Calibration, ComputeCost, ModelShape, Rates, host_rates, predict
 from chunkcache.blend.plan import plan_request
+from chunkcache.select.base import QUERY_PASS_TOKENS
 
 # 10 prefix tokens, two chunks of 100, a 5-token query: n = 215
 PLAN = plan_request(torch.arange(215), [(10, 110), (110, 210)], ["a", "b"], matched=0, selector="prophet", ratio=0.1)
@@ -17,6 +18,12 @@ def test_tokens_the_blend_computes_against_the_whole_extend():
                          ratio=0.1)  # 180 tokens between the chunks: recomputed whatever the selector picks
     assert predict(holes, query_pass=False, rates=Rates(1.0, 0.0, 0.0)).blend_s == 10 + 2 + 180 + 5
     assert predict(holes, query_pass=True, rates=Rates(1.0, 0.0, 0.0)).blend_s == 10 + 2 + 180 + 5 + 5
+    # an unstored passage after the last chunk is query: the recompute computes its 105 tokens, the query pass only
+    # the last QUERY_PASS_TOKENS, attending the 110 held tokens and each other
+    tail = plan_request(torch.arange(215), [(10, 60), (60, 110)], ["a", "b"], matched=0, selector="prophet", ratio=0.1)
+    assert predict(tail, query_pass=True, rates=Rates(1.0, 0.0, 0.0)).blend_s == 10 + 10 + 105 + QUERY_PASS_TOKENS
+    assert predict(tail, query_pass=True, rates=Rates(0.0, 1.0, 0.0)).blend_s == (
+        10 * 10 / 2 + 10 * (10 + 110) / 2 + 105 * 215 + QUERY_PASS_TOKENS * (110 + QUERY_PASS_TOKENS))
 
 
 def test_pairs_each_side_attends():

@@ -33,7 +33,7 @@ def test_exact_prefix_into_a_chunk_keeps_its_head():
     assert layout.prefix_len == 9 and layout.chunk_spans == ((9, 12), (14, 17)) and layout.query_span == (17, 20)
     assert p.chunks[0].chunk == (8, 12) and p.chunk_ids(p.chunks[0]).tolist() == [8, 9, 10, 11]
     # what holds KV before anything is computed: the exact prefix and the chunks, not the hole 12-13 or the query
-    assert p.held().tolist() == [*range(12), 14, 15, 16]
+    assert layout.held().tolist() == [*range(12), 14, 15, 16]
 
 
 def test_exact_prefix_past_every_chunk_blends_nothing():

@@ -15,7 +15,7 @@ from chunkcache.reference import ReferenceBlender
 from chunkcache.architectures import UnsupportedModel
 from chunkcache.rope import rerotate
 from chunkcache.select import REGISTRY
-from chunkcache.select.base import Layout, Selection, finish
+from chunkcache.select.base import QUERY_PASS_TOKENS, Layout, Selection, finish
 from chunkcache.select.budget import rank
 from chunkcache.store import ChunkEntry, ChunkStore, FingerprintMismatch
 
@@ -298,6 +298,37 @@ def test_query_attention_matches_hf_eager_attention(blender):
     expected = sum(a[0, :, q0:q1].float().mean(dim=(0, 1)) for a in out.attentions)
     torch.testing.assert_close(qa, expected, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(res.logits, blender.blend(p, c, q, selector="none").logits, atol=0, rtol=0)
+
+
+def test_the_query_pass_runs_only_the_querys_last_tokens_and_never_reads_the_rest(blender):
+    """An automatic hint's query can hold a whole unstored passage: the query pass runs only its last
+    QUERY_PASS_TOKENS tokens, attending the prefix, the chunks and each other, so what comes before them in the query
+    neither costs the pass nor moves the scores (the recompute computes it)."""
+    long = QUERY_PASS_TOKENS + 30
+    seen = {}
+
+    @dataclass
+    class Probe:
+        name: ClassVar[str] = "probe"
+
+        def select(self, layout, ratio, features):
+            seen["qa"], seen["layout"] = features.query_attention(), layout
+            return finish(layout, torch.empty(0, dtype=torch.long), None)
+
+    scores = []
+    for seed in (3, 4):  # the query's first 30 tokens differ, its last QUERY_PASS_TOKENS do not
+        p, c, q = prompt(seed=7, query=long)
+        q[:30] = prompt(seed=seed, query=30)[2]
+        blender.blend(p, c, q, selector="none")  # stores the chunks
+        blender.blend(p, c, q, selector=Probe())
+        scores.append(seen["qa"])
+    layout = seen["layout"]
+    q0, n = layout.query_span
+    assert torch.equal(layout.query_pass(), torch.arange(n - QUERY_PASS_TOKENS, n))
+    torch.testing.assert_close(scores[0], scores[1], atol=0, rtol=0)
+    assert not scores[0][q0: n - QUERY_PASS_TOKENS].any()
+    # each layer's rows are still distributions over what they see
+    torch.testing.assert_close(scores[0].sum(), torch.tensor(float(blender.n_layers)), atol=1e-4, rtol=0)
 
 
 def test_prompt_text_offsets(blender):

@@ -5,8 +5,9 @@ Per case (a workload item, as `chunkcache eval` builds it), with an empty store:
   hinted  the prompt's documents marked as chunks, each computed standalone after the prefix (`chunkcache eval`'s
           blend);
   auto    what a server with `auto.enabled` does for the prompt sent unmarked after the same documents came in
-          another prompt (another order, another question): that prompt's full prefill teaches the store its
-          segments, then the prompt's stored segments become its chunks.
+          another prompt (another order, another question; `--warm drop-last`: without the prompt's last document):
+          that prompt's full prefill teaches the store its segments, then the prompt's stored segments become its
+          chunks.
 Both blends use the same selector and rho; rows hold the first-token KL against full, teacher-forced agreement with
 full's greedy answer and `contains` (every gold answer in the reply: needle accuracy).
 
@@ -66,6 +67,8 @@ def run(args) -> None:
                 rng.shuffle(order)
                 if args.warm == "keep-first":  # the first document first in both prompts, the others reordered
                     order = [0] + [i for i in order if i]
+            if args.warm == "drop-last":  # the last document never stored: it and the question are the auto query
+                order = [i for i in order if i != len(order) - 1]
             warm = replace(item, documents=tuple(item.documents[i] for i in order), question=WARM_QUESTION)
             learned = blender.learn_segments(blender.full_prefill(*split(to_request(tok, warm).prompt)), auto)
             ids = ref.result.layout.token_ids
@@ -119,9 +122,10 @@ def main() -> None:
     ap.add_argument("--selector", default="prophet")
     ap.add_argument("--ratio", type=float, default=0.15)
     ap.add_argument("--max-new-tokens", type=int, default=24)
-    ap.add_argument("--warm", choices=("shuffle", "keep-first"), default="shuffle",
-                    help="the earlier prompt's document order: any other order, or the same first document (isolates "
-                    "what the first document's context costs)")
+    ap.add_argument("--warm", choices=("shuffle", "keep-first", "drop-last"), default="shuffle",
+                    help="the earlier prompt's document order: any other order, the same first document (isolates "
+                    "what the first document's context costs), or any order without the last document (a passage "
+                    "the store lacks at the prompt's end, as under churn)")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--out", required=True, help="JSON Lines of rows; an existing file is resumed")
     ap.add_argument("--report", action="store_true", help="only summarize --out")

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from ..config import home
 from ..cpu_dtype import best_seconds, host_signature, kept_per_host
+from ..select.base import QUERY_PASS_TOKENS
 from .plan import RequestPlan
 
 
@@ -135,7 +136,8 @@ def measure(shape: ModelShape, tokens: int = 512, keys: int = 1024) -> Rates:
 
 def predict(plan: RequestPlan, query_pass: bool, rates: Rates) -> Prediction:
     """A request whose chunks are all stored (one with a missing chunk blends to store it); `query_pass`: the
-    selector runs the query through every layer (prophet, mix)."""
+    selector runs the query's last tokens through every layer (prophet, mix: Layout.query_pass), attending the
+    prefix, the chunks and each other."""
     n, start = plan.n, plan.matched
     extend = n - start
     reused = sum(e - s for s, e in (c.span for c in plan.chunks))
@@ -147,8 +149,9 @@ def predict(plan: RequestPlan, query_pass: bool, rates: Rates) -> Prediction:
     recomputed = picks + between + query
     pairs = (picks + between) * (plan.start + plan.query) / 2 + query * n
     fill_pairs = exact_prefix * (start + plan.start) / 2
-    tokens = exact_prefix + recomputed + (query if query_pass else 0)
-    pairs = pairs + fill_pairs + (query * n if query_pass else 0)
+    rows = min(query, QUERY_PASS_TOKENS) if query_pass else 0
+    tokens = exact_prefix + recomputed + rows
+    pairs = pairs + fill_pairs + rows * (plan.start + reused + rows)
     blend = tokens * rates.token_s + pairs * rates.pair_s + reused * rates.copy_s
     return Prediction(blend, full_s(extend, start, rates), tokens, int(pairs), reused)
 

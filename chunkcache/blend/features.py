@@ -73,18 +73,6 @@ def check_deviation_args(layer: int, which: str, n_layers: int) -> None:
         raise ValueError(f"layer {layer} outside [0, {n_layers})")
 
 
-# ProphetKV's relevance is the attention the query's last QUERY_RECORD_TOKENS tokens pay each context token (every
-# forced token runs in the pass, so the KV they attend is computed). A hinted query is shorter; an automatic hint's
-# "query" is everything after the last stored segment, uncovered passages included, and recording a row is an explicit
-# softmax over the whole context where the rest runs at flash attention's rate.
-QUERY_RECORD_TOKENS = 64
-
-
-def recorded_from(forced: torch.Tensor, query: int, n: int) -> int:
-    """The first of the sorted `forced` positions whose attention the query pass records."""
-    return int((forced < max(query, n - QUERY_RECORD_TOKENS)).sum())
-
-
 # A chunk's K/V deviation grows with how far it sits from where its KV was computed: its mean K deviation at layer
 # 3, measured at depths d1 and d2 (positions between its home and its place), follows (d2 / d1) ** 0.32 on MuSiQue
 # passages (r 0.94, 239 pairs of the same chunk in three orders) and ** 0.35 on synthetic multikey documents (r 0.97,

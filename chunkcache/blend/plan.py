@@ -66,11 +66,6 @@ class RequestPlan:
         return Layout(token_ids=self.token_ids, prefix_len=self.start,
                       chunk_spans=tuple(c.span for c in self.chunks), query_span=(self.query, self.n))
 
-    def held(self) -> torch.Tensor:
-        """[M] sorted positions holding this prompt's KV once the fill and the copy are done and before anything
-        else is computed: the exact prefix and the chunks. The rest (tokens between chunks, the query) has none."""
-        return torch.cat([torch.arange(self.start), *(torch.arange(*c.span) for c in self.chunks)])
-
     def chunk_ids(self, c: Placement) -> torch.Tensor:
         s, e = c.chunk
         return self.token_ids[s:e]

@@ -20,6 +20,13 @@ from ..config import ConfigError, SelectConfig
 if TYPE_CHECKING:
     from ..draft import Draft
 
+# ProphetKV's relevance is the attention the query's last QUERY_PASS_TOKENS tokens pay each context token. Only those
+# tokens run in the query pass, attending the prefix, the chunks and each other: an automatic hint's "query" is
+# everything after the last stored segment, uncovered passages included, and running it all here would compute it
+# twice (the recompute computes it again), and recording a row is an explicit softmax over the whole context. What
+# the query's earlier tokens and the tokens between chunks say reaches these rows only in the recompute.
+QUERY_PASS_TOKENS = 64
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -47,6 +54,16 @@ class Layout:
         m[: self.prefix_len] = False
         m[self.n - 1] = True
         return m
+
+    def held(self) -> torch.Tensor:
+        """[M] sorted positions holding the prompt's KV before anything is recomputed: the prefix and the chunks.
+        The rest (tokens between chunks, the query) has none until the recompute."""
+        return torch.cat([torch.arange(self.prefix_len), *(torch.arange(s, e) for s, e in self.chunk_spans)])
+
+    def query_pass(self) -> torch.Tensor:
+        """The positions the query pass runs (and whose attention it records): the query's last QUERY_PASS_TOKENS
+        tokens, attending the held positions and each other (QUERY_PASS_TOKENS above)."""
+        return torch.arange(max(self.query_span[0], self.n - QUERY_PASS_TOKENS), self.n)
 
     def budget(self, ratio: float) -> int:
         """K = ceil(rho * n_context), the number of context tokens a selector may pick."""

@@ -22,7 +22,6 @@ import torch
 
 from chunkcache.blend import pipeline
 from chunkcache.blend.cost import Prediction, predict
-from chunkcache.blend.features import recorded_from
 from chunkcache.blend.layer_copy import LayerCopy
 from chunkcache.blend.plan import Placement, RequestPlan
 from chunkcache.blend.request import ChunkRequest
@@ -180,23 +179,19 @@ class BatchEngine:
         self.runner.copied = LayerCopy(self.n_layers, device, write)
 
     def query_attention(self, requests: Sequence[int]) -> list[torch.Tensor]:
-        """ProphetKV's score for each request: its query tokens through all layers against its reused KV, the
-        attention of the query's last tokens (recorded_from) to each token recorded, the query's other tokens
-        attending at flash attention's rate in the same pass before them. Tokens between chunks are left to the
-        recompute: computing them here too would compute an automatic hint's uncovered passages twice. Their slots
-        hold no KV of this prompt yet (whatever an earlier request left there), so the query does not attend them
-        (the reference engine computes them in this pass instead). The query's K/V written here are rewritten by
-        the recompute (the query is always recomputed)."""
+        """ProphetKV's score for each request: the query's last tokens (Layout.query_pass) through all layers
+        against its reused KV, their attention to each token recorded. The query's other tokens and the tokens
+        between chunks are left to the recompute, and their slots hold no KV of this prompt yet (whatever an
+        earlier request left there), so the pass does not attend them. The K/V written here are rewritten by the
+        recompute (the query is always recomputed)."""
         p, segments = Pass(), []
         for i in requests:
             plan, row = self.plans[i], self.plan_rows[i]
-            query = torch.arange(plan.query, plan.n)
-            visible = torch.cat([plan.held(), query])
+            layout = plan.layout()
+            rows = layout.query_pass()
+            visible = torch.cat([layout.held(), rows])
             visible = None if len(visible) == plan.n else visible  # no holes: the whole row, one range of slots
-            first = recorded_from(query, plan.query, plan.n)
-            if first:
-                p.add(row, query[:first], ctx=plan.n, visible=visible)
-            seg = p.add(row, query[first:], ctx=plan.n, visible=visible)
+            seg = p.add(row, rows, ctx=plan.n, visible=visible)
             seg.attention_sum = torch.zeros(plan.n if visible is None else len(visible), dtype=torch.float32,
                                             device=row.slots.device)
             segments.append((seg, visible, plan.n))
