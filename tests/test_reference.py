@@ -259,8 +259,8 @@ def test_kv_deviation(blender):
     assert seen["k0"].max() < 1e-4
 
 
-def test_query_attention_matches_hf_eager_attention(blender):
-    p, c, q = prompt(seed=7)
+def query_attention_of(blender, p, c, q):
+    """(query attention, layout, result) of a blend of chunks stored first, the selector recomputing nothing."""
     blender.blend(p, c, q, selector="none")
     seen = {}
 
@@ -273,7 +273,12 @@ def test_query_attention_matches_hf_eager_attention(blender):
             return finish(layout, torch.empty(0, dtype=torch.long), None)
 
     res = blender.blend(p, c, q, selector=Probe())
-    qa, layout = seen["qa"], seen["layout"]
+    return seen["qa"], seen["layout"], res
+
+
+def test_query_attention_matches_hf_eager_attention(blender):
+    p, c, q = prompt(seed=7)
+    qa, layout, res = query_attention_of(blender, p, c, q)
     assert qa.shape == (layout.n,) and (qa >= 0).all()
     # each layer's rows are distributions: averaged over rows and heads they still sum to one
     torch.testing.assert_close(qa.sum(), torch.tensor(float(blender.n_layers)), atol=1e-4, rtol=0)
@@ -304,25 +309,12 @@ def test_the_query_pass_runs_only_the_querys_last_tokens_and_never_reads_the_res
     """An automatic hint's query can hold a whole unstored passage: the query pass runs only its last
     QUERY_PASS_TOKENS tokens, attending the prefix, the chunks and each other, so what comes before them in the query
     neither costs the pass nor moves the scores (the recompute computes it)."""
-    long = QUERY_PASS_TOKENS + 30
-    seen = {}
-
-    @dataclass
-    class Probe:
-        name: ClassVar[str] = "probe"
-
-        def select(self, layout, ratio, features):
-            seen["qa"], seen["layout"] = features.query_attention(), layout
-            return finish(layout, torch.empty(0, dtype=torch.long), None)
-
     scores = []
     for seed in (3, 4):  # the query's first 30 tokens differ, its last QUERY_PASS_TOKENS do not
-        p, c, q = prompt(seed=7, query=long)
+        p, c, q = prompt(seed=7, query=QUERY_PASS_TOKENS + 30)
         q[:30] = prompt(seed=seed, query=30)[2]
-        blender.blend(p, c, q, selector="none")  # stores the chunks
-        blender.blend(p, c, q, selector=Probe())
-        scores.append(seen["qa"])
-    layout = seen["layout"]
+        qa, layout, _ = query_attention_of(blender, p, c, q)
+        scores.append(qa)
     q0, n = layout.query_span
     assert torch.equal(layout.query_pass(), torch.arange(n - QUERY_PASS_TOKENS, n))
     torch.testing.assert_close(scores[0], scores[1], atol=0, rtol=0)
