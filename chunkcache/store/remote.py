@@ -35,7 +35,8 @@ Contract:
   keys whose fetch and decode are predicted faster than computing them here (link.py's rule, from each server's
   measured round trips, the bytes per token of the entries fetched so far, and the seconds per byte their decoding
   took: a compressed entry's dequantisation can cost more than its transfer; a key without a compute cost, or before
-  anything was measured, is fetched). Keys not asked count in `computed_instead`, probes of a link judged slow in `probes`.
+  anything was measured, is fetched). Keys not asked count in `computed_instead`, probes of a link judged slow in
+  `probes`.
 - Thread-safe (redis-py's client keeps a connection pool; the counters are locked): the scheduler reads while the
   writer thread writes.
 - How keys reach servers is the subclass's: this class speaks to one endpoint (one MGET per get_many); cluster.py's
