@@ -133,8 +133,8 @@ def test_a_slow_link_makes_the_server_compute_and_a_fast_one_fetch(valkey, store
 @pytest.mark.parametrize("decode_s, fetched", [(4 * COMPUTE_S, False), (COMPUTE_S / 10, True)])
 def test_what_a_fetch_costs_includes_decoding_what_it_brings(valkey, stored, monkeypatch, decode_s, fetched):
     """A link that delivers at once still loses to computing when decoding the entry takes longer than computing
-    it (a compressed entry's dequantisation on a fast accelerator): the rule charges the decode seconds per byte it
-    measured on the fetches so far. The tier's clock is the test's: only decoding moves it."""
+    it (a compressed entry dequantised on the host, next to an accelerator computing): the rule charges the decode
+    seconds per byte it measured on the fetches so far. The tier's clock is the test's: only decoding moves it."""
     clock = SimpleNamespace(now=0.0)
     clock.perf_counter = lambda: clock.now
     real = remote.decode
