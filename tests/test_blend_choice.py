@@ -21,15 +21,19 @@ def rag(default_model):
     return Rag(AutoTokenizer.from_pretrained(default_model), n_docs=4, words=300)
 
 
-def test_a_blend_predicted_slower_is_computed_in_full_and_says_so(engine, rag):
-    """Short chunks before a long question: prophet would run the question through every layer twice (its query
-    pass, then the recompute), more work than one full prefill of the prompt, so the server computes it in full once
-    its chunks are stored (a request with a missing chunk blends: it stores the chunk), with stock's output."""
-    question = "Read this note first: " + " ".join(WORDS[i % len(WORDS)] for i in range(400)) + ". Code of doc 1?"
-    ids, spans = rag.build([1, 2], question)
+def test_a_blend_predicted_slower_is_computed_in_full_and_says_so(engine, default_model):
+    """Chunks of a few tokens before a question: prophet's query pass (the question's last tokens through every layer,
+    chunkcache.select.base.QUERY_PASS_TOKENS) costs more than the chunk tokens the blend would not compute, so the
+    server computes the prompt in full once its chunks are stored (a request with a missing chunk blends: it stores
+    the chunk), with stock's output."""
+    from transformers import AutoTokenizer
+
+    rag = Rag(AutoTokenizer.from_pretrained(default_model), n_docs=2, words=4, seed=1)
+    question = "Read this note first: " + " ".join(WORDS[i % len(WORDS)] for i in range(70)) + ". Code of doc 1?"
+    ids, spans = rag.build([0, 1], question)
     first = gen(engine, ids, hints(spans, selector="prophet", namespace="slower"), n=4)["meta_info"]["chunkcache"]
     assert first["chunk_misses"] == 2 and "choice" not in first  # it stores the chunks: blended, no choice made
-    ids, spans = rag.build([2, 1], question)  # no radix match past the system prefix
+    ids, spans = rag.build([1, 0], question)  # no radix match past the system prefix
     out = gen(engine, ids, hints(spans, selector="prophet", namespace="slower"), n=4)
     info = out["meta_info"]["chunkcache"]
     assert info["fallback"] == "predicted_slower" and info["choice"] == "full", info
