@@ -45,6 +45,32 @@ def test_a_blend_recomputing_every_token_matches_stock_sglang(engine, rag):
         assert blended["output_ids"] == stock["output_ids"], (order, blended["text"], stock["text"])
 
 
+@pytest.mark.parametrize("selector,forwards", [("epic", 1), ("prophet", 2)])
+def test_a_prefix_the_radix_tree_lost_is_computed_inside_the_blends_passes(engine, default_model, selector, forwards):
+    """Every chunk stored, the shared prefix gone from the radix tree and its slots since written by another prompt:
+    the prefix is computed exactly inside the blend's first pass (prophet's query pass, else the recompute), not in
+    a forward of its own. At ratio 1 every other token is recomputed too, so the output is stock's; the answer is in
+    the prefix, so a prefix left uncomputed would show."""
+    from transformers import AutoTokenizer
+
+    rag = Rag(AutoTokenizer.from_pretrained(default_model), n_docs=3, words=60, seed=2)
+    rag.prefix = rag.tok.encode("<|im_start|>system\nAnswer from the documents. The code of document 9 is 4711."
+                                "<|im_end|>\n<|im_start|>user\n", add_special_tokens=False)
+    ids, spans = rag.build([2, 0, 1], "What is the code of document 9?")
+    namespace = f"lead-{selector}"
+    gen(engine, ids, hints(spans, selector=selector, ratio=1.0, namespace=namespace))  # stores the chunks
+    stock = gen(engine, ids)
+    assert "4711" in stock["text"], stock["text"]
+    flush(engine)
+    gen(engine, rag.tok.encode(" ".join(["An unrelated prompt that takes the pool's first slots."] * 8)))
+    flush(engine)
+    out = gen(engine, ids, hints(spans, selector=selector, ratio=1.0, namespace=namespace))
+    info = out["meta_info"]["chunkcache"]
+    assert info["radix_tokens"] == 0 and info["chunk_hits"] == 3, info
+    assert info["batch"]["forwards"] == forwards, info
+    assert out["output_ids"] == stock["output_ids"], (out["text"], stock["text"])
+
+
 def test_one_batch_of_blended_and_plain_requests_matches_stock(engine, rag):
     """Several hinted requests and a plain one submitted together (one extend batch for the scheduler)."""
     prompts = [rag.build(order, f"What is the code of document {order[1]}?")

@@ -122,11 +122,16 @@ class BatchEngine:
         self.plan_rows = [rows[index] for index in plan_rows]
         self.request_of_row = {index: i for i, index in enumerate(plan_rows)}
         self.pool = runner.model_runner.token_to_kv_pool
+        # request -> its unmatched shared-prefix positions, when no chunk of it is computed by the fill (nothing
+        # attends them before the blend's next pass): computed exactly inside that pass (`_lead`), not in a forward
+        # of their own
+        self.leads: dict[int, torch.Tensor] = {}
 
     def fill(self, chunks: list[tuple[int, Placement]]) -> list[ChunkEntry]:
         """Unmatched shared-prefix tokens (exact, in place) and missing chunks (standalone, kept aside), packed into
         forwards of at most the prefill budget. A request's prefix is added before its chunks, so it runs in the
-        same or an earlier forward than the chunks that attend to it."""
+        same or an earlier forward than the chunks that attend to it. A request with no missing chunk leaves its
+        prefix to the next pass it takes part in (`leads`): a forward costs more per token the fewer it has."""
         budget, passes = self.reuse.prefill_budget, [Pass()]
 
         def room(n: int) -> Pass:
@@ -134,9 +139,14 @@ class BatchEngine:
                 passes.append(Pass())
             return passes[-1]
 
-        for plan, row in zip(self.plans, self.plan_rows):
+        computing = {i for i, _ in chunks}
+        for i, (plan, row) in enumerate(zip(self.plans, self.plan_rows)):
             if plan.matched < plan.start:
-                room(plan.start - plan.matched).add(row, torch.arange(plan.matched, plan.start), ctx=plan.start)
+                lead = torch.arange(plan.matched, plan.start)
+                if i in computing:
+                    room(len(lead)).add(row, lead, ctx=plan.start)
+                else:
+                    self.leads[i] = lead
         aside = []
         for i, c in chunks:
             plan, shared = self.plans[i], self.plans[i].shared_prefix_len
@@ -187,6 +197,7 @@ class BatchEngine:
         p, segments = Pass(), []
         for i in requests:
             plan, row = self.plans[i], self.plan_rows[i]
+            self._lead(p, i)
             layout = plan.layout()
             rows = layout.query_pass()
             visible = torch.cat([layout.held(), rows])
@@ -207,6 +218,11 @@ class BatchEngine:
     def kv_deviation(self, requests: Sequence[int], layer: int, which: str) -> list[torch.Tensor]:
         """Each request's tokens after its exact prefix computed exactly through layers 0..`layer` only, their K/V
         kept aside (the pool keeps the reused KV) and compared with the reused K/V at `layer`."""
+        leads = Pass()  # this pass stops early: the prefixes it attends are computed through every layer first
+        for i in requests:
+            self._lead(leads, i)
+        if leads.n:
+            self.runner.run(leads)
         p, segments = Pass(), []
         for i in requests:
             plan, row = self.plans[i], self.plan_rows[i]
@@ -239,5 +255,17 @@ class BatchEngine:
         p = Pass()
         for row in self.rows:
             i = self.request_of_row.get(row.index)
-            p.add(row, tokens[i] if i is not None else torch.arange(row.matched, row.seq_len), ctx=row.seq_len)
+            if i is None:
+                p.add(row, torch.arange(row.matched, row.seq_len), ctx=row.seq_len)
+                continue
+            lead = self.leads.pop(i, None)  # before every recomputed token: one segment per row, still sorted
+            p.add(row, tokens[i] if lead is None else torch.cat([lead, tokens[i]]), ctx=row.seq_len)
+        assert not self.leads, f"requests {sorted(self.leads)} left their prefix uncomputed"
         return self.runner.run(p, logits=True)
+
+    def _lead(self, p: Pass, i: int) -> None:
+        """Request i's prefix left by the fill, into `p` ahead of its tokens that attend it: a pass writes every
+        token's K/V at a layer before any of its tokens attends at that layer, so they see it exact."""
+        lead = self.leads.pop(i, None)
+        if lead is not None:
+            p.add(self.plan_rows[i], lead, ctx=self.plans[i].start)
