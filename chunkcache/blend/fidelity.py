@@ -11,6 +11,7 @@ configs/fidelity.json (fitted by chunkbench/quality/fidelity_fit.py; the file's 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -21,6 +22,8 @@ from pathlib import Path
 import torch
 
 from ..select.base import Layout, Selector
+
+log = logging.getLogger(__name__)
 from .plan import recompute_set
 
 # the features a deviation-reading selector (mix, cacheblend) may have read, in the order they are preferred
@@ -133,6 +136,10 @@ class Coefficients:
         """The estimator of `served` (a known model's name or its directory, which is named after it; None: the
         default's), or the default model's when it has none."""
         name = Path(str(served)).name if served is not None else self.default
+        if name not in self.models:
+            log.warning("chunkcache: no fidelity estimator was fitted for %s; its blends are estimated, and max_kl "
+                        "bounds kept, with %s's, which is not calibrated for it (docs/bench/fidelity.md)", name,
+                        self.default)
         return self.models.get(name, self.models[self.default])
 
 
