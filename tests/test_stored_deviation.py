@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from chunkcache import reference
-from chunkcache.blend.features import DEPTH_EXPONENT, DEPTH_REF, DEVIATION_MEASUREMENTS, deviation_feature
+from chunkcache.blend.features import (DEPTH_EXPONENT, DEPTH_REF, DEVIATION_MEASUREMENTS, OFFSET_EXPONENT,
+                                       deviation_feature)
 from chunkcache.hashing import chunk_key, prefix_key
 from chunkcache.models import tiny_model
 from chunkcache.reference import ReferenceBlender
@@ -110,6 +111,12 @@ def measured(blender, parts, names):
 def at_ref(depth):
     """The factor from a deviation measured `depth` positions from home to the one an entry keeps, by hand."""
     return (DEPTH_REF / depth) ** DEPTH_EXPONENT
+
+
+def shaped(tokens):
+    """An estimated deviation over a chunk's tokens, by hand: (offset + 1) ** -OFFSET_EXPONENT, mean 1."""
+    w = [(j + 1) ** -OFFSET_EXPONENT for j in range(tokens)]
+    return torch.tensor([x * tokens / sum(w) for x in w], dtype=torch.float64)
 
 
 def product(qa, dev, layout):
@@ -244,19 +251,19 @@ def test_the_eval_harness_warms_in_other_orders(blender, parts, passes):
 
 def test_a_first_reuse_estimates_and_the_deviation_is_measured_after_it(blender, parts, passes):
     """No deviation pass in any request: the first blend reads an estimate (no chunk remembers one: 1 at DEPTH_REF,
-    uniform over each chunk at its depth), and its deviation is measured after it, equal to what the request's own
-    pass measures in that order."""
+    at each chunk's depth, falling with each token's offset in its chunk), and its deviation is measured after it,
+    equal to what the request's own pass measures in that order."""
     first = blender.blend(*order(parts, "ABC"), selector="mix", ratio=RHO, **ESTIMATED)
     assert passes == [] and first.passes == ("query_attention",)
     seen = measured(blender, parts, "ABC")
     ctx = first.layout.context_mask().double()
     home = slice(*spans(parts, "ABC")["A"])
-    uniform = ctx.clone()
-    uniform[home] = 0  # A at home: exact, no deviation
+    estimate = ctx.clone()
+    estimate[home] = 0  # A at home: exact, no deviation
     for n in "BC":
         s, e = spans(parts, "ABC")[n]
-        uniform[s:e] /= at_ref(s - len(parts[0]))
-    torch.testing.assert_close(first.scores, product(seen["qa"], uniform, first.layout).float(), rtol=1e-5,
+        estimate[s:e] = shaped(e - s) / at_ref(s - len(parts[0]))
+    torch.testing.assert_close(first.scores, product(seen["qa"], estimate, first.layout).float(), rtol=1e-5,
                                atol=1e-7)
     at, got = spans(parts, "ABC"), stored(blender, parts)
     assert got["A"] is None
@@ -268,7 +275,7 @@ def test_a_first_reuse_estimates_and_the_deviation_is_measured_after_it(blender,
 
 def test_a_chunk_without_one_reads_the_remembered_chunks_level(blender, parts, passes):
     """B, C remember theirs; in BCA, A is away and has none: it reads C's mean level at A's depth (B is at home),
-    uniformly, and is measured after the request."""
+    shaped by offset, and is measured after the request."""
     blender.blend(*order(parts, "ABC"), selector="mix", ratio=RHO, **ESTIMATED)
     kept = stored(blender, parts)
     res = blender.blend(*order(parts, "BCA"), selector="mix", ratio=RHO, **ESTIMATED)
@@ -277,7 +284,7 @@ def test_a_chunk_without_one_reads_the_remembered_chunks_level(blender, parts, p
     dev = torch.zeros(res.layout.n)
     depth = {n: at[n][0] - len(parts[0]) for n in "CA"}
     dev[slice(*at["C"])] = kept["C"] / at_ref(depth["C"])
-    dev[slice(*at["A"])] = float(kept["C"].mean()) / at_ref(depth["A"])
+    dev[slice(*at["A"])] = float(kept["C"].mean()) / at_ref(depth["A"]) * shaped(at["A"][1] - at["A"][0])
     qa = measured(blender, parts, "BCA")["qa"]
     torch.testing.assert_close(res.scores, product(qa, dev, res.layout).float(), rtol=1e-5, atol=1e-7)
     assert counts(blender, parts) == {"A": 1, "B": 1, "C": 2}  # measured after it: A's first, C's second

@@ -104,8 +104,8 @@ class Features(Protocol):
 
     def remembered_deviation(self, layer: int, which: str) -> torch.Tensor:
         """known_deviation without a pass in the request: a chunk away from home that remembers none yet reads an
-        estimate (the mean level of the request's remembered chunks at its depth, uniform over its tokens), and the
-        engine measures it after the request."""
+        estimate (the mean level of the request's remembered chunks at its depth, falling with each token's offset
+        in the chunk), and the engine measures it after the request."""
         ...
 
     def query_attention(self) -> torch.Tensor:
