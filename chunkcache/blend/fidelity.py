@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from ..select.base import Layout, Selector
+from .plan import recompute_set
 
 log = logging.getLogger(__name__)
-from .plan import recompute_set
 
 # the features a deviation-reading selector (mix, cacheblend) may have read, in the order they are preferred
 DEVIATIONS = ("remembered_deviation", "known_deviation", "kv_deviation")

@@ -131,7 +131,7 @@ class BatchEngine:
         """Unmatched shared-prefix tokens (exact, in place) and missing chunks (standalone, kept aside), packed into
         forwards of at most the prefill budget. A request's prefix is added before its chunks, so it runs in the
         same or an earlier forward than the chunks that attend to it. A request with no missing chunk leaves its
-        prefix to the next pass it takes part in (`leads`): a forward costs more per token the fewer it has."""
+        prefix to the next pass it takes part in (`leads`): one forward fewer, a fixed cost on a GPU."""
         budget, passes = self.reuse.prefill_budget, [Pass()]
 
         def room(n: int) -> Pass:
