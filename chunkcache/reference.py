@@ -145,7 +145,7 @@ class ReferenceBlender:
                     **selector_options) -> BlendResult:
         """Chunks already keyed (sorted, disjoint spans before the last token): the exact prefix is everything before
         the first, the query everything after the last (automatic detection's segments, with its `detection`, or a
-        hint's chunks)."""
+        hint's chunks); detection's lead (`RequestHint.exact_until`) is computed exactly."""
         t_start = time.perf_counter()
         if isinstance(selector, str):
             selector = selectors.create(selector, **selector_options)
@@ -153,7 +153,8 @@ class ReferenceBlender:
             raise ValueError("selector options go to the selector's constructor; pass a name, not an instance")
         ids = _as_ids(token_ids, "prompt")
         hint = RequestHint(ids, tuple((int(s), int(e)) for s, e in spans), tuple(keys), selector.name, ratio,
-                           self.namespace, auto=detection is not None)
+                           self.namespace, auto=detection is not None,
+                           exact_until=0 if detection is None or detection.hint is None else detection.hint.exact_until)
         request = ChunkRequest(rid="reference", hint=hint, detection=detection)
         plan = request.plan(0)
         engine = _Engine(self, plan)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from chunkcache.blend.auto import AUTO_PREFIX, AutoChunks
+from chunkcache.blend.request import RequestHint
 from chunkcache.config import AutoConfig, Config, ConfigError
 from chunkcache.hashing import chunk_key, prefix_key
 from chunkcache.segment import Segmenter, break_ids
@@ -123,12 +124,19 @@ def test_detect_leaves_the_first_tokens_after_the_exact_prefix_to_be_computed():
     segs = seg.segments(ids, "ns", None)
     assert segs.spans == ((4, 25), (25, 56), (56, 77))
     found = seg.detect(segs, len(ids), matched=0, stored=set(segs.keys))
-    assert found.spans == ((25, 56), (56, 77))  # (4, 25) starts within 21 tokens of the first stored segment
+    assert found.spans == ((25, 56), (56, 77)) and found.exact_until == 25  # (4, 25) is the lead: 21 tokens
+    assert found.tokens == 52
     found = seg.detect(segs, len(ids), matched=0, stored=set(segs.keys[1:]))
-    assert found.spans == ((56, 77),)  # counted from the first stored segment past the exact prefix
+    # counted from the first stored segment past the exact prefix; the lead ends inside it, which is reused after
+    assert found.spans == ((25, 56), (56, 77)) and found.exact_until == 46 and found.tokens == 10 + 21
     found = seg.detect(segs, len(ids), matched=5, stored=set(segs.keys))
-    assert found.spans == ((56, 77),)  # a segment the exact prefix reaches into is not reused; the next is the lead
-    assert seg.detect(segs, len(ids), matched=26, stored=set(segs.keys)) is None  # only the lead is left
+    assert found.exact_until == 46  # a segment the exact prefix reaches into is not reused; the next starts the lead
+    assert seg.detect(segs, len(ids), matched=26, stored=set(segs.keys)) is None  # 21 tokens past the lead: too few
+    plan = RequestHint(torch.tensor(ids), found.spans, found.keys, "mix", 0.15, "ns", auto=True,
+                                    exact_until=found.exact_until).plan(matched=5)
+    assert plan.start == 46 and [(c.span, c.head) for c in plan.chunks] == [((46, 56), 21), ((56, 77), 0)]
+    assert RequestHint(torch.tensor(ids), found.spans, found.keys, "mix", 0.15, "ns", auto=True,
+                       exact_until=46).plan(matched=60).chunks[0].span == (60, 77)  # a longer exact prefix wins
 
 
 def test_learning_takes_computed_segments_the_store_lacks_and_when_crowded_only_those_seen_twice():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from chunkcache.blend import pipeline, plan
-from chunkcache.blend.auto import Segments
+from chunkcache.blend.auto import Detected, Segments
 from chunkcache.blend.features import Models
 from chunkcache.blend.plan import Placement, plan_request, recompute_set, to_compute
 from chunkcache.blend.request import STAGES, ChunkRequest, RequestHint
@@ -167,7 +167,8 @@ class ThreeSegments:
                   if key in stored and span[0] >= matched]
         if len(picked) < 2:
             return None
-        return type("Detected", (), {"spans": tuple(s for s, _ in picked), "keys": tuple(k for _, k in picked)})
+        spans = tuple(s for s, _ in picked)
+        return Detected(spans, tuple(k for _, k in picked), sum(e - s for s, e in spans), matched)
 
     def to_learn(self, segments, computed, stored, crowded=False):
         return [(span, key) for span, key in zip(segments.spans, segments.keys)

@@ -8,7 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from chunkcache.blend.auto import AutoChunks
 from chunkcache.blend.request import STAGES
+from chunkcache.config import AutoConfig
 from chunkcache.hashing import chunk_key, prefix_key
 from chunkcache.models import resolve_model, tiny_model
 from chunkcache.reference import ReferenceBlender
@@ -228,6 +230,38 @@ def test_every_token_sits_at_its_full_prompt_position(blender):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0, equal_nan=True)
     assert res.past_key_values.get_seq_length() == full.past_key_values.get_seq_length() == res.layout.n
 
+
+
+def test_an_automatic_lead_ending_inside_a_segment_is_exact_and_the_segments_rest_is_reused(blender):
+    """Automatic detection computes the first exact_lead_tokens after the exact prefix; a stored segment the lead
+    ends inside is reused from there on. The lead's KV (that segment's head included) must be full prefill's; the
+    segment's tail must be its stored KV moved to where it sits now."""
+    brk = 2  # the segmenter's line break: each segment ends after one (no content-defined cuts at this mean)
+    auto = AutoChunks(AutoConfig(enabled=True, min_reuse_tokens=16, segment_min_tokens=8, segment_mean_tokens=1 << 20,
+                                 exact_lead_tokens=12), frozenset({brk}), blender.fingerprint)
+    p, docs, q = prompt(seed=6, prefix=4, chunks=(19, 23, 29), query=7)  # a 5-token prefix run is no segment
+    p, docs = p + [brk], [d + [brk] for d in docs]
+    learned_from = blender.full_prefill(p, docs, q)
+    if any(layer.keys.shape[2] < learned_from.layout.n for layer in learned_from.past_key_values.layers):
+        pytest.skip("a sliding window's cache keeps too few tokens to learn segments from")
+    blender.learn_segments(learned_from, auto)
+    moved = [docs[2], docs[0], docs[1]]
+    ids = p + sum(moved, []) + q
+    res = blender.auto_blend(ids, auto, "none")
+    first, cut = len(p), len(p) + 12  # the lead: 12 tokens from the first stored segment's start
+    assert res.layout.prefix_len == cut and res.layout.chunk_spans[0] == (cut, first + len(moved[0]))
+    full = blender.full_prefill(p, moved, q)
+    entry = blender.store.get(auto.segments(ids, blender.namespace, None).keys[0])
+    assert entry.num_tokens == len(moved[0])
+    tail = torch.arange(entry.start_pos + 12, entry.start_pos + entry.num_tokens)
+    k_tail = rerotate(entry.k[:, 12:], first - entry.start_pos, blender.rope, tail)
+    for layer in range(blender.n_layers):
+        (k, v), (fk, fv) = cache_kv(res.past_key_values, layer), cache_kv(full.past_key_values, layer)
+        torch.testing.assert_close(k[:cut], fk[:cut], equal_nan=True, **FP32)
+        torch.testing.assert_close(v[:cut], fv[:cut], equal_nan=True, **FP32)
+        held = ~k[cut:first + entry.num_tokens, 0, 0].isnan()  # all but the tokens a sliding window dropped
+        assert torch.equal(k[cut:first + entry.num_tokens][held], k_tail[layer][held])
+        assert torch.equal(v[cut:first + entry.num_tokens][held], entry.v[layer, 12:][held])
 
 # ---- features selectors may ask for ------------------------------------------------------------------------------
 

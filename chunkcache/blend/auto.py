@@ -10,8 +10,9 @@ Contract:
   which the selector repairs.
 - `detect` is pure given the store's answer: the segments the store holds past the exact prefix, and before the
   prompt's last token, become the hint's chunks when they add up to `min_reuse_tokens`; otherwise None and the
-  request is served as stock. Those starting within `exact_lead_tokens` of the first such segment are left out (the
-  engine computes them after the exact prefix): the first text after a prompt's prefix is where a segment's KV,
+  request is served as stock. The first `exact_lead_tokens` from the first such segment's start are the lead
+  (`Detected.exact_until`): the engine computes them after the exact prefix, and a segment the lead ends inside is
+  reused from there on (its head is computed). The first text after a prompt's prefix is where a segment's KV,
   learned after other text, deviates most from what this prompt gives it.
 - `to_learn` names the segments a finished prefill computed in this prompt's own context that no tier holds; when the
   store is `crowded` (learning would evict), only those seen in `admit_after` prefills (sightings are counted always,
@@ -43,9 +44,10 @@ class Segments:
 
 @dataclass(frozen=True)
 class Detected:
-    spans: tuple[tuple[int, int], ...]  # stored segments past the exact prefix (a hint's chunks)
+    spans: tuple[tuple[int, int], ...]  # stored segments past the exact prefix (a hint's chunks), whole
     keys: tuple[str, ...]
-    tokens: int  # tokens they cover
+    tokens: int  # tokens they cover from exact_until on (what the blend reuses)
+    exact_until: int  # the lead's end: tokens before it are computed, the first span's head included
 
 
 class AutoChunks:
@@ -64,16 +66,15 @@ class AutoChunks:
 
     def detect(self, segments: Segments, n: int, matched: int, stored: set[str] | frozenset[str]) -> Detected | None:
         """The stored segments of a prompt of `n` tokens past its first `matched` (held exactly), ending before its
-        last token; None when they cover fewer than min_reuse_tokens."""
+        last token, less the lead; None when they cover fewer than min_reuse_tokens past it."""
         picked = [(span, key) for span, key in zip(segments.spans, segments.keys)
                   if key in stored and span[0] >= matched and span[1] < n]
-        if picked:
-            lead_end = picked[0][0][0] + self.config.exact_lead_tokens
-            picked = [(span, key) for span, key in picked if span[0] >= lead_end]
-        tokens = sum(e - s for (s, e), _ in picked)
+        lead_end = picked[0][0][0] + self.config.exact_lead_tokens if picked else matched
+        picked = [(span, key) for span, key in picked if span[1] > lead_end]
+        tokens = sum(e - max(s, lead_end) for (s, e), _ in picked)
         if tokens < self.config.min_reuse_tokens:
             return None
-        return Detected(tuple(span for span, _ in picked), tuple(key for _, key in picked), tokens)
+        return Detected(tuple(span for span, _ in picked), tuple(key for _, key in picked), tokens, lead_end)
 
     def to_learn(self, segments: Segments, computed: torch.Tensor, stored,
                  crowded: bool = False) -> list[tuple[tuple[int, int], str]]:

@@ -72,7 +72,7 @@ def detect(store: ChunkStore, auto: AutoChunks, token_ids: Sequence[int] | torch
     hint = None if found is None else RequestHint(
         token_ids=torch.as_tensor(list(token_ids), dtype=torch.long), spans=found.spans, keys=found.keys,
         selector=defaults.selector, ratio=defaults.ratio, namespace=defaults.namespace, auto=True,
-        max_kl=defaults.max_kl)
+        max_kl=defaults.max_kl, exact_until=found.exact_until)
     keys = frozenset(() if found is None else found.keys)
     kept = Lookup({k: looked.entries[k] for k in keys}, looked.fetched & keys, frozenset())
     return Detection(hint, kept, len(wanted), time.perf_counter() - t0)

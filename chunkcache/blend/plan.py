@@ -28,8 +28,8 @@ class Placement:
     """One chunk of a request: the prompt tokens whose KV comes from its stored entry."""
 
     key: str  # chunk-store key of the whole chunk
-    span: tuple[int, int]  # prompt tokens [s, e) blended (the chunk's tail when an exact prefix covers its head)
-    head: int = 0  # tokens of the stored chunk before `span` (the exact prefix holds their KV)
+    span: tuple[int, int]  # prompt tokens [s, e) blended (the chunk's tail when its head is exact)
+    head: int = 0  # tokens of the stored chunk before `span`: held by the exact prefix, or computed before the blend
 
     @property
     def chunk(self) -> tuple[int, int]:
@@ -73,18 +73,19 @@ class RequestPlan:
 
 def plan_request(token_ids: torch.Tensor, spans: Sequence[tuple[int, int]], keys: Sequence[str], matched: int,
                  selector: str, ratio: float, shared_prefix_len: int | None = None,
-                 max_kl: float | None = None) -> RequestPlan:
+                 max_kl: float | None = None, exact_until: int = 0) -> RequestPlan:
     """`spans`: the chunks (sorted, disjoint, before the last token) with their store `keys`; `matched`: the exact
     prefix the engine holds; `shared_prefix_len`: by default where the first chunk starts (a prompt without chunks
-    must give it). A chunk the exact prefix reaches into keeps the exact KV of its head."""
+    must give it); `exact_until`: tokens before it are computed exactly, chunk tokens too. A chunk the exact prefix
+    or `exact_until` reaches into keeps the exact KV of its head."""
     if len(spans) != len(keys):
         raise ValueError(f"a plan needs one key per span; got {len(spans)} spans and {len(keys)} keys")
     if shared_prefix_len is None:
         if not spans:
             raise ValueError("a plan without chunks needs the shared prefix's length")
         shared_prefix_len = spans[0][0]
-    chunks = tuple(Placement(key, (max(s, matched), e), max(s, matched) - s)
-                   for (s, e), key in zip(spans, keys) if e > matched)
+    exact = max(matched, exact_until)
+    chunks = tuple(Placement(key, (max(s, exact), e), max(s, exact) - s) for (s, e), key in zip(spans, keys) if e > exact)
     return RequestPlan(token_ids=token_ids, matched=matched, shared_prefix_len=shared_prefix_len,
                        query=spans[-1][1] if spans else shared_prefix_len,
                        chunks=chunks, selector=selector, ratio=ratio, max_kl=max_kl)

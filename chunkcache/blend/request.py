@@ -31,11 +31,12 @@ class RequestHint:
     namespace: str
     auto: bool = False  # found by automatic chunk detection (chunkcache.blend.auto), not marked by the client
     max_kl: float | None = None  # the quality floor (RequestPlan.max_kl)
+    exact_until: int = 0  # tokens before it are computed exactly even where a span covers them (auto's lead)
 
     def plan(self, matched: int) -> RequestPlan:
         """The blend plan of a prefill round that finds the prompt's first `matched` tokens already exact."""
         return plan_request(self.token_ids, self.spans, self.keys, matched, self.selector, self.ratio,
-                            max_kl=self.max_kl)
+                            max_kl=self.max_kl, exact_until=self.exact_until)
 
 
 @dataclass(frozen=True)
