@@ -2,10 +2,11 @@
 
 Contract: a segment's boundaries depend only on the tokens around it, never on its absolute position, so a passage
 yields the same segments (the same token ids, hence the same store keys) at any offset and after any text.
-  * A **hard break** follows every token whose text holds a line break. RAG templates join retrieved documents with
-    "\n\n" or "\n" (LlamaIndex's text QA template, LangChain's stuff-documents prompt), and a BPE tokenizer keeps a
-    passage's ids unchanged after a line break (../shared/notes/auto-chunks.md: 550 of 550 passages), so every
-    document starts a segment exactly.
+  * A token whose text holds a line break is a **hard break**, a segment of its own. RAG templates join retrieved
+    documents with "\n\n" or "\n" (LlamaIndex's text QA template, LangChain's stuff-documents prompt), and a BPE
+    tokenizer keeps a passage's ids unchanged after a line break (../shared/notes/auto-chunks.md: 550 of 550
+    passages), so every document starts a segment exactly; and it ends one exactly whichever break follows it ("\n\n"
+    before the next document, "\n" before the template's tail: different tokens), since the break is not part of it.
   * Inside a longer run, a **content-defined cut** follows token i when a hash of the `window` tokens ending at i
     hits 1 in `mean` (`mean` a power of two), at least `min_tokens` after the run's last cut; a run reaching
     `max_tokens` is cut there. `min_tokens >= window`, so a cut's window never reaches back past its run's start
@@ -34,7 +35,7 @@ _MIX = np.uint64(0xBF58476D1CE4E5B9)
 
 @dataclass(frozen=True)
 class Segmenter:
-    break_ids: frozenset[int]  # token ids whose text holds a line break: a segment ends after each
+    break_ids: frozenset[int]  # token ids whose text holds a line break: each is a segment alone
     mean: int = 64  # 1 in `mean` window hashes cuts (a power of two): mean distance between content-defined cuts
     min_tokens: int = 16  # a content-defined cut comes at least this many tokens after the run's previous cut
     max_tokens: int = 256  # a run this long without a cut is cut here
@@ -59,8 +60,10 @@ class Segmenter:
         ends = np.flatnonzero(hard | cut_here) + 1  # candidate segment ends, exclusive
         out, start, last_cut = [], 0, 0
         for end in ends.tolist():
-            if hard[end - 1]:
-                out.extend(self._split(start, end))
+            if hard[end - 1]:  # the text before the line break, then the break alone
+                if start < end - 1:
+                    out.extend(self._split(start, end - 1))
+                out.append((end - 1, end))
                 start = last_cut = end
             elif end - last_cut >= self.min_tokens:
                 out.extend(self._split(start, end))

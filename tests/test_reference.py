@@ -249,10 +249,11 @@ def test_an_automatic_lead_ending_inside_a_segment_is_exact_and_the_segments_res
     ids = p + sum(moved, []) + q
     res = blender.auto_blend(ids, auto, "none")
     first, cut = len(p), len(p) + 12  # the lead: 12 tokens from the first stored segment's start
-    assert res.layout.prefix_len == cut and res.layout.chunk_spans[0] == (cut, first + len(moved[0]))
+    # the segment ends before its line break, a segment of its own
+    assert res.layout.prefix_len == cut and res.layout.chunk_spans[0] == (cut, first + len(moved[0]) - 1)
     full = blender.full_prefill(p, moved, q)
     entry = blender.store.get(auto.segments(ids, blender.namespace, None).keys[0])
-    assert entry.num_tokens == len(moved[0])
+    assert entry.num_tokens == len(moved[0]) - 1
     tail = torch.arange(entry.start_pos + 12, entry.start_pos + entry.num_tokens)
     k_tail = rerotate(entry.k[:, 12:], first - entry.start_pos, blender.rope, tail)
     for layer in range(blender.n_layers):
