@@ -193,7 +193,8 @@ class AutoConfig:
     # the first tokens of the run after the exact prefix are computed, not reused: their stored KV saw other text
     # before them (another prompt's documents) where this prompt has only its prefix, and later tokens attend to
     # them heavily (MuSiQue, 100 cases: first-token KL +30 % against hinted blending with 0, see docs/bench/auto.md);
-    # stored segments starting within this many tokens of the first one are left out of the blend
+    # this many tokens from the first stored segment's start are computed, and a segment they end inside is reused
+    # from there on
     exact_lead_tokens: int = 64
     learn: bool = True  # keep the KV of segments this server prefills (hinted or not) for later requests
     # once the host tier is full, a segment is learned only when seen in this many prefills (1: always; 2: seen twice,
