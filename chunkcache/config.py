@@ -194,8 +194,8 @@ class AutoConfig:
     # before them (another prompt's documents) where this prompt has only its prefix, and later tokens attend to
     # them heavily (MuSiQue, 100 cases: first-token KL +30 % against hinted blending with 0, see docs/bench/auto.md);
     # this many tokens from the first stored segment's start are computed, and a segment they end inside is reused
-    # from there on
-    exact_lead_tokens: int = 64
+    # from there on (128 against 64: MuSiQue first-token KL -12 % and +28 %, 40 cases, docs/bench/speed.md)
+    exact_lead_tokens: int = 128
     learn: bool = True  # keep the KV of segments this server prefills (hinted or not) for later requests
     # once the host tier is full, a segment is learned only when seen in this many prefills (1: always; 2: seen twice,
     # which keeps one-off segments from evicting popular ones); while it has room every new segment is learned

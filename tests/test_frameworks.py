@@ -63,8 +63,8 @@ def test_a_second_query_in_another_order_gets_chunk_hits(auto_server, default_mo
     _, second = ask(auto_server.url, [docs[i] for i in (2, 0, 3, 1)], "Which year is mentioned?", max_tokens=4)
     report = second["metadata"]["chunkcache"]
     assert report["auto"] is True and "fallback" not in report and report["chunk_hits"] > 0
-    # all of the documents' KV is stored but the first 64 tokens after the radix match (auto.exact_lead_tokens) and
-    # the selector's 15 %: ~0.75 of their ~600 tokens at most
+    # all of the documents' KV is stored but the first 128 tokens after the radix match (auto.exact_lead_tokens) and
+    # the selector's 15 %: ~0.7 of their ~600 tokens at most
     tokenizer = AutoTokenizer.from_pretrained(default_model)
     assert report["reused_tokens"] >= 0.6 * sum(len(tokenizer.encode(d, add_special_tokens=False)) for d in docs)
 
