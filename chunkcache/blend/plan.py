@@ -85,7 +85,8 @@ def plan_request(token_ids: torch.Tensor, spans: Sequence[tuple[int, int]], keys
             raise ValueError("a plan without chunks needs the shared prefix's length")
         shared_prefix_len = spans[0][0]
     exact = max(matched, exact_until)
-    chunks = tuple(Placement(key, (max(s, exact), e), max(s, exact) - s) for (s, e), key in zip(spans, keys) if e > exact)
+    chunks = tuple(Placement(key, (max(s, exact), e), max(s, exact) - s)
+                   for (s, e), key in zip(spans, keys) if e > exact)
     return RequestPlan(token_ids=token_ids, matched=matched, shared_prefix_len=shared_prefix_len,
                        query=spans[-1][1] if spans else shared_prefix_len,
                        chunks=chunks, selector=selector, ratio=ratio, max_kl=max_kl)
