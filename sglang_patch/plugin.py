@@ -66,12 +66,15 @@ def hooks() -> list[tuple[str, object, HookType]]:
         # blended forward, then the prefill's new segments learned (sglang_patch.scheduler.auto_chunks)
         (f"{_SCHEDULER}._create_generation_req", _resolve_hint, AFTER),
         (f"{_SCHEDULER}.init_chunked_prefill", admission.adopt_budget, AFTER),
+        (f"{_SCHEDULER}.init_chunked_prefill", auto_chunks.defer_learning, AFTER),
         (f"{_SCHEDULER}.get_prefill_adder_class", admission.adder_class, AFTER),
         ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", _attach_batch, AFTER),
         ("sglang.srt.model_executor.runner.eager_runner.EagerRunner._execute_extend", _blend_extend, AROUND),
         # a batch with chunks never replays the prefill CUDA graph, which would bypass the blend
         ("sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner.can_run_graph",
          _eager_for_blends, AFTER),
+        # the prompts' learned segments stored once the batch's outputs are sent (sglang_patch.scheduler.auto_chunks)
+        (f"{_SCHEDULER}.process_batch_result", auto_chunks.store_learned, AFTER),
         # an idle scheduler measures the chunk deviations requests estimated (one per idle turn)
         (f"{_SCHEDULER}.on_idle", _measure_deferred, BEFORE),
         # the chunk report: scheduler -> detokenizer -> main process meta_info["chunkcache"]

@@ -355,10 +355,76 @@ def test_metrics_off_is_a_no_op():
     metrics.start(False)
     metrics.record_request(INFO)
     metrics.record_auto_lookup(2, 1, 0.01)
-    metrics.record_auto_learned(3, 1024)
+    metrics.record_auto_learned(3, 1024, 0.05)
     metrics.record_fallback("x")
     metrics.set_store_bytes("device", 64)
     remote = SimpleNamespace(up=False, **dict.fromkeys([*metrics.REMOTE_COUNTERS, *metrics.REMOTE_SKIPS], 5))
     metrics.set_store_stats(stats(memory_bytes=1, disk_bytes=1, evictions=1, corrupt=1, disk_full=1, remote=remote))
     assert samples(earlier) == before
     assert samples(REGISTRY) == exported
+
+
+# --- auto_chunks: learning after the outputs are sent -----------------------------------------------------------------
+
+
+class LearnAll:
+    """AutoChunks' learning contract as a stand-in: every segment computed here and not stored is learned."""
+
+    def to_learn(self, segments, computed, stored, crowded=False):
+        return [(span, key) for span, key in zip(segments.spans, segments.keys)
+                if key not in stored and bool(computed[span[0]: span[1]].all())]
+
+
+def _learning_forward(after_outputs):
+    """One finished 12-token prompt prefill (no radix match) in slots 20..31 of a 2-layer pool, its segments
+    (2, 4), (4, 6), (6, 8) new to the store: (reuse, scheduler whose tree cache holds it, request, pool, slots)."""
+    from chunkcache.blend.auto import Segments
+    from sglang_patch.scheduler import auto_chunks
+    from sglang_patch.scheduler.cache import ChunkRadixCache
+
+    keys, values = [torch.randn(40, 1, 4) for _ in range(2)], [torch.randn(40, 1, 4) for _ in range(2)]
+    pool = SimpleNamespace(layer_num=2, get_key_buffer=keys.__getitem__, get_value_buffer=values.__getitem__)
+    slots = torch.arange(20, 32)
+    runner = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=SimpleNamespace(req_to_token=slots[None]))
+    batch = SimpleNamespace(seq_lens_cpu=torch.tensor([12]), req_pool_indices=torch.tensor([0]),
+                            extend_prefix_lens_cpu=torch.tensor([0]))
+    req = SimpleNamespace(origin_input_ids=list(range(3, 15)), output_ids=[])
+    request = ChunkRequest("r", segments=Segments(((2, 4), (4, 6), (6, 8)), ("a", "b", "c")))
+    reuse = SimpleNamespace(store=ChunkStore(model_fingerprint="f" * 32), auto=LearnAll(), fingerprint="f" * 32,
+                            after_outputs=after_outputs)
+    tree_cache = ChunkRadixCache.__new__(ChunkRadixCache)  # only its `reuse`: the hook finds the scheduler's by it
+    tree_cache.reuse = reuse
+    auto_chunks.learn(reuse, runner, batch, [req], lambda r: request)
+    return reuse, SimpleNamespace(tree_cache=tree_cache), request, pool, slots
+
+
+def test_a_prompts_segments_are_stored_once_its_output_is_sent_from_the_slots_it_was_computed_in():
+    """Invariant: the forward only says what will be learned; the store gets it when the scheduler has processed
+    the batch's result (its outputs sent), read from the request's own slots."""
+    from sglang_patch.scheduler import auto_chunks
+
+    registry = CollectorRegistry()
+    metrics.start(True, registry=registry)
+    reuse, scheduler, request, pool, slots = _learning_forward(after_outputs=[])
+    token_bytes = 2 * 2 * 1 * 4 * 4  # K and V, 2 layers, 1 head of 4 float32
+    assert request.rounds[-1]["learned"] == {"segments": 3, "tokens": 6, "bytes": 6 * token_bytes}
+    assert "a" not in reuse.store and len(reuse.after_outputs) == 1  # nothing stored before the output
+    assert samples(registry).get(("chunkcache_auto_learn_seconds_count", ()), 0) == 0
+    auto_chunks.store_learned(None, scheduler)
+    assert reuse.after_outputs == []
+    counted = samples(registry)
+    assert counted[("chunkcache_auto_learned_segments_total", ())] == 3
+    assert counted[("chunkcache_auto_learn_seconds_count", ())] == 1
+    metrics.start(False)
+    for key, (s, e) in (("a", (2, 4)), ("b", (4, 6)), ("c", (6, 8))):
+        entry = reuse.store.get(key)
+        assert entry.start_pos == s and entry.token_ids.tolist() == list(range(3 + s, 3 + e))
+        torch.testing.assert_close(entry.k, torch.stack([pool.get_key_buffer(i)[slots[s:e]] for i in range(2)]))
+        torch.testing.assert_close(entry.v, torch.stack([pool.get_value_buffer(i)[slots[s:e]] for i in range(2)]))
+
+
+def test_an_overlapping_scheduler_learns_in_the_forward():
+    """With no after-output queue (the scheduler launches its next forward before sending this one's outputs),
+    the segments are stored before the forward returns."""
+    reuse, _, _, _, _ = _learning_forward(after_outputs=None)
+    assert all(key in reuse.store for key in ("a", "b", "c"))

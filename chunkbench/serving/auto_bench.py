@@ -8,10 +8,14 @@ works at any moment.
 
   --phase shuffled  warm documents: each prompt's documents first sent once in another order, then the prompt
                     without hints (auto), with hints (the same documents marked, its own namespace) and to stock,
-                    the three sides alternating per prompt. Reused tokens auto vs hinted, TTFT ratios to stock.
+                    the three sides alternating per prompt. Reused tokens auto vs hinted, TTFT ratios to stock,
+                    the share of hinted's speed-up auto keeps. `--profile FILE`: the auto server's scheduler sampled
+                    with py-spy during the auto and the hinted requests (FILE.auto, FILE.hinted), the costliest
+                    functions of each printed; the sampler shares the cores: a profiled run's timings are not reported.
   --phase cold      never-seen documents (each passage tagged with the request's number, so no segment is stored):
                     the same prompt to auto and to stock, alternating which goes first. Greedy output equal to
-                    stock's, detection and learning seconds, TTFT ratio (the cost of looking and learning).
+                    stock's, detection seconds, TTFT ratio (the cost of looking), learning's seconds (after the
+                    first token: the server's /metrics).
   --phase churn     `--requests` prompts (batches of 15) of `--docs` whole passages drawn with Zipf popularity from a
                     pool of `--pool` (the store's host budget a fraction of their KV: set it with --config), a
                     fresh question each, every prompt to both servers (which goes first alternating). Per batch:
@@ -32,11 +36,14 @@ import time
 from pathlib import Path
 
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from .http_client import drain, fell_back, generate
+from .pyspy import print_top, sampled
 from .servers import start_server
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "musique_dev.json"
+PY_SPY_ATTACH_S = 0.5  # a profiled request is sent this long after py-spy starts, so its first samples are kept
 TEMPLATES = {
     # LlamaIndex's DEFAULT_TEXT_QA_PROMPT; nodes joined by "\n\n"
     "llamaindex": ("Context information is below.\n---------------------\n{context}\n---------------------\nGiven the "
@@ -83,9 +90,14 @@ def hints(spans, namespace: str) -> dict:
         "payload": {"token_spans": spans, "namespace": namespace}}]}
 
 
+def chunkcache_state(url: str) -> dict:
+    """The auto server's chunkcache state from /server_info (the scheduler's pid, the store's bytes, ...)."""
+    return requests.get(url + "/server_info", timeout=30).json()["internal_states"][0]["chunkcache"]
+
+
 def scheduler_rss(url: str) -> tuple[int, int]:
     """(RSS bytes of the server's scheduler, chunk-store host bytes), from /server_info."""
-    state = requests.get(url + "/server_info", timeout=30).json()["internal_states"][0]["chunkcache"]
+    state = chunkcache_state(url)
     for line in Path(f"/proc/{state['scheduler_pid']}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024, state["store"]["memory_bytes"]
@@ -94,6 +106,7 @@ def scheduler_rss(url: str) -> tuple[int, int]:
 
 def shuffled(args, prompts: Prompts, auto_url: str, stock_url: str, out) -> None:
     pool = passages()
+    profiled = {"auto": [], "hinted": []} if args.profile else {}
     rng = random.Random(args.seed)
     for i in range(args.requests):
         question, docs = pool[i % len(pool)]
@@ -113,12 +126,25 @@ def shuffled(args, prompts: Prompts, auto_url: str, stock_url: str, out) -> None
                  ("stock", stock_url, ids, None)]
         for side, url, side_ids, kv in (sides if i % 2 == 0 else sides[::-1]):
             drain(auto_url)  # the deviations the warm-up estimated, measured before any side is timed
-            o = generate(url, side_ids, args.max_new_tokens, kv)
+            if side in profiled:
+                profiled[side].append(Path(f"{args.profile}.{side}.{i}"))
+                with sampled(chunkcache_state(auto_url)["scheduler_pid"], profiled[side][-1]):
+                    time.sleep(PY_SPY_ATTACH_S)
+                    o = generate(url, side_ids, args.max_new_tokens, kv)
+            else:
+                o = generate(url, side_ids, args.max_new_tokens, kv)
             row = {"phase": "shuffled", "i": i, "side": side, "template": template, "prompt_tokens": len(side_ids),
                    "ttft_s": o.ttft_s, "text": o.text, "report": o.report, "fallback": fell_back(o.report)}
             out.write(json.dumps(row) + "\n")
             out.flush()
             print(side, len(side_ids), round(o.ttft_s, 3), (o.report or {}).get("reused_tokens"), flush=True)
+    for side, parts in profiled.items():  # one file per side: py-spy's raw lines add up
+        merged = Path(f"{args.profile}.{side}")
+        merged.write_text("".join(p.read_text() for p in parts if p.exists()))
+        for p in parts:
+            p.unlink(missing_ok=True)
+        print(f"\n{side}:")
+        print_top(merged)
 
 
 def cold(args, prompts: Prompts, auto_url: str, stock_url: str, out) -> None:
@@ -134,6 +160,17 @@ def cold(args, prompts: Prompts, auto_url: str, stock_url: str, out) -> None:
                    "output_ids": list(o.output_ids), "report": o.report, "fallback": fell_back(o.report)}
             out.write(json.dumps(row) + "\n")
             out.flush()
+    out.write(json.dumps({"phase": "cold-learning", **learn_seconds(auto_url)}) + "\n")
+
+
+def learn_seconds(url: str) -> dict:
+    """The server's time storing learned segments, off the requests' first tokens: /metrics'
+    chunkcache_auto_learn_seconds (sum, count)."""
+    text = requests.get(url + "/metrics", timeout=30).text
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name.startswith("chunkcache_auto_learn_seconds")}
+    return {"sum": samples.get("chunkcache_auto_learn_seconds_sum", 0.0),
+            "count": int(samples.get("chunkcache_auto_learn_seconds_count", 0))}
 
 
 def churn(args, prompts: Prompts, auto_url: str, stock_url: str, out) -> None:
@@ -226,6 +263,11 @@ def summarize(rows: list[dict]) -> str:
         for s in ("stock", "hinted", "auto"):
             lines.append(f"| {s} | {med[s]:.3f} | {med['stock'] / med[s]:.2f}x | {reused.get(s, '')} | "
                          f"{sum(r['fallback'] for r in by[s])} |")
+        share = {r["i"]: r["ttft_s"] for r in by["hinted"]}
+        share = [share[r["i"]] / r["ttft_s"] for r in by["auto"] if r["i"] in share]
+        lines.append(f"auto keeps {med['hinted'] / med['auto']:.2f} of hinted's speed-up (medians); per prompt, "
+                     f"hinted's TTFT / auto's: median {statistics.median(share):.2f}, "
+                     f"{', '.join(f'{x:.2f}' for x in share)}")
         lines.append(f"auto reuses {reused['auto'] / max(1, reused['hinted']):.3f} of hinted's tokens; auto's first "
                      f"token equals stock's in {sum(a['text'] == b['text'] for a, b in zip(by['auto'], by['stock']))} "
                      f"of {len(by['auto'])}")
@@ -241,7 +283,7 @@ def summarize(rows: list[dict]) -> str:
         stock = {r["i"]: r for r in co if r["side"] == "stock"}
         pairs = [(auto[i], stock[i]) for i in auto if i in stock]
         detect = [a["report"]["detect_s"] for a, _ in pairs]
-        learn = [(a["report"].get("learned") or {}).get("seconds", 0.0) for a, _ in pairs]
+        learning = next((r for r in rows if r["phase"] == "cold-learning"), {"sum": 0.0, "count": 0})
         lines += [f"never-seen documents: {len(pairs)} prompts, median "
                   f"{statistics.median(a['prompt_tokens'] for a, _ in pairs):.0f} tokens",
                   f"greedy output identical to stock's: {sum(a['output_ids'] == s['output_ids'] for a, s in pairs)} "
@@ -252,8 +294,8 @@ def summarize(rows: list[dict]) -> str:
                   f"{statistics.median(a['ttft_s'] / s['ttft_s'] for a, s in pairs):.3f}",
                   f"detection median {1e3 * statistics.median(detect):.2f} ms "
                   f"({100 * statistics.median(d / s['ttft_s'] for d, (_, s) in zip(detect, pairs)):.2f} % of stock's "
-                  f"TTFT); learning median {1e3 * statistics.median(learn):.1f} ms "
-                  f"({100 * statistics.median(x / s['ttft_s'] for x, (_, s) in zip(learn, pairs)):.2f} %)"]
+                  f"TTFT); learning after the first token: {learning['count']} prompts, mean "
+                  f"{1e3 * learning['sum'] / max(1, learning['count']):.1f} ms (chunkcache_auto_learn_seconds)"]
     blocks = sustained_blocks(rows)
     if blocks:
         auto = [r for r in rows if r["phase"] == "sustained" and r["side"] == "auto"]
@@ -306,6 +348,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--config", help="auto server's YAML (e.g. store.host_bytes for the sustained run)")
     ap.add_argument("--out", help="results directory (default results/auto-PHASE-TIME)")
     ap.add_argument("--report", metavar="DIR", help="only summarize an earlier run's rows.jsonl")
+    ap.add_argument("--profile", metavar="FILE", help="shuffled: py-spy samples of the auto server's scheduler during "
+                    "the auto and the hinted requests (FILE.auto, FILE.hinted); not a run to report timings from")
     args = ap.parse_args(argv)
     if args.report:
         report(Path(args.report))

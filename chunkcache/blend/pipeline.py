@@ -9,8 +9,9 @@ modules, chunkcache.reference; SGLang's model runner, sglang_patch.scheduler.ble
              predicted faster than computing the chunk here (`compute`: this server's measured cost)
   fill       exact KV for each request's unmatched shared prefix, and every chunk no entry holds computed standalone
              right after its request's shared prefix (once per batch)
-  learn      those chunks go into the store (`store_entries`); after the prefill, the prompt's new segments too, from
-             one read of the engine's KV (`learn_segments`)
+  learn      those chunks go into the store (`store_entries`); after the prefill, the prompt's new segments too
+             (`segments_to_learn`), from one read of the engine's KV (`store_segments`, which a server runs once the
+             forward's outputs are sent)
   copy       every chunk's KV into its request's slots, K re-rotated to where the chunk now sits
   features   the model passes the batch's selectors declare (Selector.needs), one per feature for the whole batch
   select     per request, at its ratio or, with a quality floor (plan.max_kl), at the smallest rho whose fidelity
@@ -289,18 +290,23 @@ def store_entries(store: ChunkStore, entries: Iterable[ChunkEntry]) -> dict[str,
     return kept
 
 
-def learn_segments(store: ChunkStore, auto: AutoChunks, request: ChunkRequest, token_ids: torch.Tensor,
-                   computed: torch.Tensor, read_kv: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-                   fingerprint: str, token_bytes: int | None = None) -> dict[str, float]:
-    """After the request's prompt prefill: its segments that this prefill computed in the prompt's own context
-    (`computed`, bool [N]) and no tier holds, stored from one read of the engine's KV (`read_kv(positions)`: K and
-    V [layers, len(positions), heads, dim], copied out, never aliasing the engine's buffers), at the positions they
-    had here (the entries' start_pos). Learned once per prompt: the request's segments are dropped. With
+def segments_to_learn(store: ChunkStore, auto: AutoChunks, request: ChunkRequest, computed: torch.Tensor,
+                      token_bytes: int | None = None) -> list[tuple[tuple[int, int], str]]:
+    """After the request's prompt prefill: (span, key) of its segments that this prefill computed in the prompt's own
+    context (`computed`, bool [N]) and no tier holds. Asked once per prompt: the request's segments are dropped. With
     `token_bytes` (KV bytes per token), a store without room for the prompt's KV is crowded (auto.to_learn)."""
-    t0 = time.perf_counter()
     segments, request.segments = request.segments, None
     crowded = token_bytes is not None and store.room() < int(computed.sum()) * token_bytes
-    todo = [] if segments is None else auto.to_learn(segments, computed, store, crowded)
+    return [] if segments is None else auto.to_learn(segments, computed, store, crowded)
+
+
+def store_segments(store: ChunkStore, todo: list[tuple[tuple[int, int], str]], token_ids: torch.Tensor,
+                   read_kv: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                   fingerprint: str) -> dict[str, float]:
+    """The segments `todo` (segments_to_learn) stored from one read of the engine's KV (`read_kv(positions)`: K and
+    V [layers, len(positions), heads, dim], copied out, never aliasing the engine's buffers), at the positions they
+    had here (the entries' start_pos): what the store kept, and the seconds it took."""
+    t0 = time.perf_counter()
     if not todo:
         return {"segments": 0, "tokens": 0, "bytes": 0, "seconds": 0.0}
     k, v = read_kv(torch.cat([torch.arange(s, e) for (s, e), _ in todo]))
@@ -310,6 +316,14 @@ def learn_segments(store: ChunkStore, auto: AutoChunks, request: ChunkRequest, t
                                   v=v[:, at: at + e - s].clone(), start_pos=s, model_fingerprint=fingerprint))
         at += e - s
     return {**store_entries(store, entries), "seconds": round(time.perf_counter() - t0, 6)}
+
+
+def learn_segments(store: ChunkStore, auto: AutoChunks, request: ChunkRequest, token_ids: torch.Tensor,
+                   computed: torch.Tensor, read_kv: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                   fingerprint: str, token_bytes: int | None = None) -> dict[str, float]:
+    """segments_to_learn, then store_segments at once (an engine whose KV outlives the call)."""
+    return store_segments(store, segments_to_learn(store, auto, request, computed, token_bytes), token_ids, read_kv,
+                          fingerprint)
 
 
 def record(request: ChunkRequest, b: Blended, *, stages: dict[str, float] | None = None, blend_s: float = 0.0,

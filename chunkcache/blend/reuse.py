@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -47,6 +47,10 @@ class ChunkReuse:
         # oldest are dropped past DEFERRED_JOBS (their chunks are estimated again, and queued again, next use)
         self.deferred: deque[DeviationJob] = deque(maxlen=DEFERRED_JOBS)
         self.last_forward = 0.0  # time.monotonic() of the server's last extend forward (the glue sets it)
+        # work an engine may leave until its forward's outputs are sent (storing a prompt's learned segments: off
+        # the request's first token), run before any later forward can reuse the KV it reads; None: the engine's
+        # outputs are not sent in that order (an overlapping scheduler), so such work runs at once
+        self.after_outputs: list[Callable[[], None]] | None = None
         self.rates: Rates | None = None  # this host's rates when requests are blended only if predicted faster
         self.calibration = Calibration()  # this server's forwards against the rates' predictions
         self.compute = ComputeCost(lambda: self.rates, self.calibration)  # a chunk's cost here, against fetching it

@@ -5,9 +5,10 @@
     chunkcache.blend.pipeline.detect turns the stored segments past it into an auto hint, and the request moves to
     the auto radix partition (its KV will be approximate), taking the exact match along (`carry_exact_prefix`).
     Too few stored tokens: the request stays a plain one, served exactly as stock.
-  * `learn`, after every extend forward: for each request whose prompt prefill finished in it, the KV of its
-    segments that this prefill computed and no tier holds is read once out of the pool and stored
-    (chunkcache.blend.pipeline.learn_segments; their K at the positions they had here: the entry's start_pos). A
+  * `learn`, after every extend forward: for each request whose prompt prefill finished in it, its segments that
+    this prefill computed and no tier holds (chunkcache.blend.pipeline.segments_to_learn); `store_learned`, once
+    the forward's outputs are sent, reads their KV once out of the pool and stores it (store_segments; their K at
+    the positions they had here: the entry's start_pos), so learning never delays a first token. A
     plain request's whole prompt is exact (its radix match is in the exact partition); a hinted or auto request's
     tokens past its radix match count as computed (chunk tokens hold their stored KV re-rotated, which the selector
     already corrected where it mattered).
@@ -17,6 +18,7 @@ A request with input logprobs is never detected (the blend cannot give every pro
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from array import array
@@ -30,6 +32,7 @@ from chunkcache.blend.request import ChunkRequest
 from chunkcache.blend.reuse import ChunkReuse
 
 from . import metrics, report
+from .cache import reuse_of
 from ..forward.forward_pass import batch_rows
 
 log = logging.getLogger(__name__)
@@ -101,8 +104,10 @@ def _key(req, extra_key: str | None, n: int | None = None) -> RadixKey:
 
 
 def learn(reuse: ChunkReuse, model_runner, forward_batch, reqs, record_of) -> None:
-    """Store the new segments of every request whose prompt prefill finished in this forward (`record_of(req)`: its
-    ChunkRequest)."""
+    """For every request whose prompt prefill finished in this forward (`record_of(req)`: its ChunkRequest), the new
+    segments to store, said in its report; their KV is read out of the pool and stored once the forward's outputs
+    are sent (`reuse.after_outputs`, run by `store_learned`), off the request's first token; at once when the
+    scheduler overlaps (`defer_learning`)."""
     records = [record_of(r) for r in reqs]
     if not any(r is not None and r.segments is not None for r in records):
         return  # decode rows and prompts already learned: nothing to read
@@ -115,14 +120,48 @@ def learn(reuse: ChunkReuse, model_runner, forward_batch, reqs, record_of) -> No
         hinted = request.hint is not None and getattr(row.req, "to_finish", None) is None
         computed = torch.zeros(row.seq_len, dtype=torch.bool)
         computed[row.matched if hinted else 0:] = True
-        learned = pipeline.learn_segments(reuse.store, reuse.auto, request, row.token_ids, computed,
-                                          lambda positions, row=row: _read_kv(pool, row.slots[positions]),
-                                          reuse.fingerprint, token_bytes)
-        metrics.record_auto_learned(learned["segments"], learned["bytes"])
+        todo = pipeline.segments_to_learn(reuse.store, reuse.auto, request, computed, token_bytes)
+        tokens = sum(e - s for (s, e), _ in todo)
+        learning = {"segments": len(todo), "tokens": tokens, "bytes": tokens * token_bytes}
+        if todo:
+            slots = row.slots[torch.cat([torch.arange(s, e) for (s, e), _ in todo]).to(row.slots.device)]
+            work = functools.partial(_store, reuse, pool, todo, row.token_ids, slots)
+            if reuse.after_outputs is None:
+                work()
+            else:
+                reuse.after_outputs.append(work)
         if not hinted and request.exact is None:
-            report.auto_stock(request, radix=row.matched, computed=row.seq_len - row.matched, learned=learned)
+            report.auto_stock(request, radix=row.matched, computed=row.seq_len - row.matched, learned=learning)
         else:
-            request.add_learned(learned)
+            request.add_learned(learning)
+
+
+def defer_learning(result, scheduler, *args, **kwargs) -> None:
+    """AFTER hook on Scheduler.init_chunked_prefill: a scheduler that runs a batch's forward, then sends its outputs
+    (no overlap) lets `learn` store after them. An overlapping one launches the next forward first, whose learning
+    would be read before its KV is computed: there, learning stays in the forward."""
+    reuse = reuse_of(scheduler.tree_cache)
+    if reuse is not None and not scheduler.enable_overlap:
+        reuse.after_outputs = []
+
+
+def store_learned(result, scheduler, *args, **kwargs) -> None:
+    """AFTER hook on Scheduler.process_batch_result: store what the batch's prompts taught (`learn`), now that its
+    outputs are sent. This runs before the scheduler allocates the pool again: a finished request's slots are free
+    by now, and still hold its KV until then."""
+    reuse = reuse_of(scheduler.tree_cache)
+    while reuse is not None and reuse.after_outputs:
+        work = reuse.after_outputs.pop(0)
+        try:
+            work()
+        except Exception:  # noqa: BLE001 - learning is an optimisation: the requests' outputs are already sent
+            log.exception("chunkcache: storing a prompt's learned segments failed; they are not stored")
+
+
+def _store(reuse: ChunkReuse, pool, todo, token_ids: torch.Tensor, slots: torch.Tensor) -> None:
+    learned = pipeline.store_segments(reuse.store, todo, token_ids, lambda _positions: _read_kv(pool, slots),
+                                      reuse.fingerprint)
+    metrics.record_auto_learned(learned["segments"], learned["bytes"], learned["seconds"])
 
 
 def _read_kv(pool, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

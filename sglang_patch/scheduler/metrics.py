@@ -99,6 +99,9 @@ class _Metrics:
                                     registry=r)
         self.auto_learned_bytes = Counter("chunkcache_auto_learned_bytes", "Bytes of segments stored from prefilled "
                                           "prompts", registry=r)
+        self.auto_learn_seconds = Histogram("chunkcache_auto_learn_seconds", "Storing one prompt's learned segments "
+                                            "(the KV read out of the pool, the store's puts), after its output is "
+                                            "sent", buckets=SECONDS_BUCKETS, registry=r)
         # the store counts cumulatively, the counters get the increments: the totals already counted
         self.store_seen: dict[str, int] = {}
         # snapshots come from the scheduler and the forward thread, either one first
@@ -158,10 +161,12 @@ def record_auto_lookup(hits: int, misses: int, seconds: float) -> None:
     m.auto_detect_seconds.observe(seconds)
 
 
-def record_auto_learned(segments: int, nbytes: int) -> None:
+def record_auto_learned(segments: int, nbytes: int, seconds: float) -> None:
+    """One prompt's learned segments stored: how many the store kept, their bytes, the seconds it took."""
     if _metrics is not None:
         _metrics.auto_learned.inc(segments)
         _metrics.auto_learned_bytes.inc(nbytes)
+        _metrics.auto_learn_seconds.observe(seconds)
 
 
 def record_fallback(reason: str) -> None:
