@@ -70,8 +70,10 @@ def test_a_second_query_in_another_order_gets_chunk_hits(auto_server, default_mo
 
 
 def flushed(server):
-    """The server with an empty radix tree (the chunk store is kept): a request then computes its whole prompt."""
-    requests.post(server.url + "/flush_cache", timeout=60).raise_for_status()
+    """The server with an empty radix tree (the chunk store is kept): a request then computes its whole prompt. The
+    scheduler may still be busy with the last request after its answer was sent (storing what it learned): SGLang
+    waits up to `timeout` seconds for it to go idle."""
+    requests.post(server.url + "/flush_cache", params={"timeout": 60}, timeout=120).raise_for_status()
     return server
 
 
