@@ -155,11 +155,13 @@ def cold(args, prompts: Prompts, auto_url: str, stock_url: str, out) -> None:
         ids = prompts.ids(docs, question, list(TEMPLATES)[i % 2])
         sides = [("auto", auto_url), ("stock", stock_url)]
         for side, url in (sides if i % 2 == 0 else sides[::-1]):
+            drain(auto_url)  # answers once the auto scheduler is idle: what it learned is stored, off either side
             o = generate(url, ids, args.max_new_tokens)
             row = {"phase": "cold", "i": i, "side": side, "prompt_tokens": len(ids), "ttft_s": o.ttft_s,
                    "output_ids": list(o.output_ids), "report": o.report, "fallback": fell_back(o.report)}
             out.write(json.dumps(row) + "\n")
             out.flush()
+    drain(auto_url)  # the last prompt's learning stored
     out.write(json.dumps({"phase": "cold-learning", **learn_seconds(auto_url)}) + "\n")
 
 
