@@ -111,6 +111,10 @@ class SelectConfig:
     # predicted slower, from rates measured once on this host (chunkcache/blend/cost.py); reported as the fallback
     # `predicted_slower`.
     full_when_slower: bool = True
+    # ... and unless it is predicted at least this fraction faster: where the two predictions are close, the blend
+    # saves little and the prediction's error (a long exact lead runs slower in the blend's passes than in a plain
+    # prefill) can make it the slower one, up to 1.6x stock's time measured under churn
+    blend_margin: float = 0.1
     # the quality floor of a request that sends none (hints `max_kl`): the smallest rho whose estimated first-token
     # KL against full recompute (chunkcache/blend/fidelity.py) is at most this many nats; null: `ratio` as given
     max_kl: float | None = None
@@ -123,6 +127,8 @@ class SelectConfig:
         `selectors`)."""
         if not 0.0 <= self.ratio <= 1.0:
             raise ConfigError("ratio", f"must be in [0, 1], got {self.ratio}")
+        if not 0.0 <= self.blend_margin < 1.0:
+            raise ConfigError("blend_margin", f"must be in [0, 1), got {self.blend_margin}")
         if self.max_kl is not None and not self.max_kl > 0:
             raise ConfigError("max_kl", f"must be > 0 (nats) or null, got {self.max_kl}")
         if not 0.0 < self.max_kl_cap <= 1.0:

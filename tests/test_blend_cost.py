@@ -40,6 +40,19 @@ def test_copying_the_reused_kv_can_make_the_blend_lose():
     assert p.report() == {"choice": "full", "predicted_blend_s": 2035.0, "predicted_full_s": 215.0}
 
 
+def test_a_blend_predicted_within_the_margin_is_computed_in_full():
+    # token_s 1, copy_s 0.7: blend 35 + 200 x 0.7 = 175 against 215 in full, 18.6 % faster
+    rates = Rates(token_s=1.0, pair_s=0.0, copy_s=0.7)
+    assert predict(PLAN, query_pass=False, rates=rates).blend  # no margin: any predicted gain blends
+    assert predict(PLAN, query_pass=False, rates=rates, margin=0.15).blend
+    assert not predict(PLAN, query_pass=False, rates=rates, margin=0.2).blend
+    calibrated = Calibration()
+    for side in ("blend", "full"):
+        for _ in range(Calibration.MIN_OBSERVED):
+            calibrated.observe(side, 1.0, 1.0)
+    assert not calibrated.apply(predict(PLAN, query_pass=False, rates=rates, margin=0.2)).blend  # kept when scaled
+
+
 def test_rates_are_measured_once_per_host_and_shape(tmp_path, monkeypatch):
     from chunkcache.blend import cost
 

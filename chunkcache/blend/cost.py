@@ -56,10 +56,11 @@ class Prediction:
     tokens: int = 0  # what the blend computes: tokens through every layer (fill, recompute, query pass)
     pairs: int = 0  # and the (query, key) pairs they attend
     reused: int = 0  # tokens whose KV it copies
+    margin: float = 0.0  # the blend is chosen when predicted at least this fraction faster (select.blend_margin)
 
     @property
     def blend(self) -> bool:
-        return self.blend_s < self.stock_s
+        return self.blend_s < (1.0 - self.margin) * self.stock_s
 
     def report(self) -> dict:
         return {"choice": "blend" if self.blend else "full", "predicted_blend_s": round(self.blend_s, 4),
@@ -134,10 +135,10 @@ def measure(shape: ModelShape, tokens: int = 512, keys: int = 1024) -> Rates:
                  copy_s=copy * kv_bytes * 2)  # read from the entry and written to the pool
 
 
-def predict(plan: RequestPlan, query_pass: bool, rates: Rates) -> Prediction:
+def predict(plan: RequestPlan, query_pass: bool, rates: Rates, margin: float = 0.0) -> Prediction:
     """A request whose chunks are all stored (one with a missing chunk blends to store it); `query_pass`: the
     selector runs the query's last tokens through every layer (prophet, mix: Layout.query_pass), attending the
-    prefix, the chunks and each other."""
+    prefix, the chunks and each other; `margin`: Prediction.margin."""
     n, start = plan.n, plan.matched
     extend = n - start
     reused = sum(e - s for s, e in (c.span for c in plan.chunks))
@@ -153,7 +154,7 @@ def predict(plan: RequestPlan, query_pass: bool, rates: Rates) -> Prediction:
     tokens = exact_prefix + recomputed + rows
     pairs = pairs + fill_pairs + rows * (plan.start + reused + rows)
     blend = tokens * rates.token_s + pairs * rates.pair_s + reused * rates.copy_s
-    return Prediction(blend, full_s(extend, start, rates), tokens, int(pairs), reused)
+    return Prediction(blend, full_s(extend, start, rates), tokens, int(pairs), reused, margin)
 
 
 class ComputeCost:

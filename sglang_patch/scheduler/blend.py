@@ -60,7 +60,8 @@ def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
             if predicted is not None and not predicted.blend:
                 report.fallback(request, "predicted_slower", f"blending ({predicted.tokens} tokens computed, "
                                 f"{predicted.pairs} pairs attended, {predicted.reused} copied) predicted "
-                                f"{predicted.blend_s:.3f} s against {predicted.stock_s:.3f} s computed in full "
+                                f"{predicted.blend_s:.3f} s against {predicted.stock_s:.3f} s computed in full, less the "
+                                f"{predicted.margin:.0%} margin "
                                 f"({row.seq_len - row.matched} tokens; rates of this host)", predicted.report())
                 continue
             blending[row.index] = request, plan
@@ -104,7 +105,7 @@ def _predicted(reuse: ChunkReuse, plan: RequestPlan) -> Prediction | None:
     if reuse.rates is None or any(c.key not in reuse.store for c in plan.chunks):
         return None
     query_pass = any(name == "query_attention" for name, _ in needs(reuse.selector(plan.selector)))
-    return predict(plan, query_pass, reuse.rates)
+    return predict(plan, query_pass, reuse.rates, reuse.config.select.blend_margin)
 
 
 class BatchEngine:
