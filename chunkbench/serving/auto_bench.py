@@ -265,8 +265,8 @@ def summarize(rows: list[dict]) -> str:
         for s in ("stock", "hinted", "auto"):
             lines.append(f"| {s} | {med[s]:.3f} | {med['stock'] / med[s]:.2f}x | {reused.get(s, '')} | "
                          f"{sum(r['fallback'] for r in by[s])} |")
-        share = {r["i"]: r["ttft_s"] for r in by["hinted"]}
-        share = [share[r["i"]] / r["ttft_s"] for r in by["auto"] if r["i"] in share]
+        hinted = {r["i"]: r["ttft_s"] for r in by["hinted"]}
+        share = [hinted[r["i"]] / r["ttft_s"] for r in by["auto"] if r["i"] in hinted]
         lines.append(f"auto keeps {med['hinted'] / med['auto']:.2f} of hinted's speed-up (medians); per prompt, "
                      f"hinted's TTFT / auto's: median {statistics.median(share):.2f}, "
                      f"{', '.join(f'{x:.2f}' for x in share)}")
