@@ -367,18 +367,11 @@ def test_metrics_off_is_a_no_op():
 # --- auto_chunks: learning after the outputs are sent -----------------------------------------------------------------
 
 
-class LearnAll:
-    """AutoChunks' learning contract as a stand-in: every segment computed here and not stored is learned."""
-
-    def to_learn(self, segments, computed, stored, crowded=False):
-        return [(span, key) for span, key in zip(segments.spans, segments.keys)
-                if key not in stored and bool(computed[span[0]: span[1]].all())]
-
-
 def _learning_forward(after_outputs):
     """One finished 12-token prompt prefill (no radix match) in slots 20..31 of a 2-layer pool, its segments
-    (2, 4), (4, 6), (6, 8) new to the store: (reuse, scheduler whose tree cache holds it, request, pool, slots)."""
-    from chunkcache.blend.auto import Segments
+    (2, 4), (4, 6), (6, 8) new to the store (AutoChunks' own learning policy, the store not crowded): (reuse, scheduler whose tree cache holds it, request, pool, slots)."""
+    from chunkcache.blend.auto import AutoChunks, Segments
+    from chunkcache.config import AutoConfig
     from sglang_patch.scheduler import auto_chunks
     from sglang_patch.scheduler.cache import ChunkRadixCache
 
@@ -390,8 +383,9 @@ def _learning_forward(after_outputs):
                             extend_prefix_lens_cpu=torch.tensor([0]))
     req = SimpleNamespace(origin_input_ids=list(range(3, 15)), output_ids=[])
     request = ChunkRequest("r", segments=Segments(((2, 4), (4, 6), (6, 8)), ("a", "b", "c")))
-    reuse = SimpleNamespace(store=ChunkStore(model_fingerprint="f" * 32), auto=LearnAll(), fingerprint="f" * 32,
-                            after_outputs=after_outputs)
+    fingerprint = "f" * 32
+    reuse = SimpleNamespace(store=ChunkStore(model_fingerprint=fingerprint), fingerprint=fingerprint,
+                            auto=AutoChunks(AutoConfig(), frozenset(), fingerprint), after_outputs=after_outputs)
     tree_cache = ChunkRadixCache.__new__(ChunkRadixCache)  # only its `reuse`: the hook finds the scheduler's by it
     tree_cache.reuse = reuse
     auto_chunks.learn(reuse, runner, batch, [req], lambda r: request)
