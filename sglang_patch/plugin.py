@@ -22,7 +22,7 @@ from .http import chat, hint_validation, ingest
 from .scheduler import admission, auto_chunks, blend, metrics, report, request_hint
 from .scheduler.cache import factory, reuse_of
 from .serve import shutdown
-from .serve.launcher import BACKEND_NAME, cpu_engine_for_stock_command
+from .serve.launcher import BACKEND_NAME, cpu_engine_for_stock_command, cpu_groups_without_nccl
 
 log = logging.getLogger(__name__)
 AFTER, AROUND, BEFORE = HookType.AFTER, HookType.AROUND, HookType.BEFORE
@@ -54,6 +54,8 @@ def hooks() -> list[tuple[str, object, HookType]]:
         # the scheduler (main process: a child gets the resolved arguments)
         *([("sglang.srt.server_args.ServerArgs.resolve_once", cpu_engine_for_stock_command, BEFORE)]
           if main_process else []),
+        # the CPU engine's process groups over gloo alone (tensor parallelism without a GPU)
+        ("sglang.srt.distributed.parallel_state.init_model_parallel_group", cpu_groups_without_nccl, AROUND),
         # HTTP server (main process only: resolving its module in a spawned child would import the whole server)
         *([("sglang.srt.entrypoints.http_server.launch_server", ingest.add_route, BEFORE)] if main_process else []),
         # OpenAI chat with documents (main process)

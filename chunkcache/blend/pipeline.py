@@ -30,11 +30,12 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
 
+from ..ranks import Ranks, all_hold
 from ..select.base import Selector, needs
 from ..store import ChunkEntry, ChunkStore, Lookup
 from . import fidelity
@@ -60,16 +61,24 @@ class Defaults:
 
 
 def detect(store: ChunkStore, auto: AutoChunks, token_ids: Sequence[int] | torch.Tensor, segments: Segments,
-           matched: int, defaults: Defaults, compute: ComputeCost | None = None) -> Detection:
+           matched: int, defaults: Defaults, compute: ComputeCost | None = None, ranks: Ranks = Ranks()) -> Detection:
     """The stored segments of a prompt past its first `matched` tokens (held exactly) as an auto hint, or none when
     they are too few to blend (the request is then served as stock). The store is asked once for all the segments
     (the remote tier in one round trip, for those worth fetching: a segment computing faster than it fetches is a
-    hole); the entries it returned for the hint's chunks are kept for the blend's lookup."""
+    hole); the entries it returned for the hint's chunks are kept for the blend's lookup. A segment counts as
+    stored only where every rank's store holds it (`ranks`)."""
     t0 = time.perf_counter()
     wanted = [(e - s, k) for (s, e), k in zip(segments.spans, segments.keys) if s >= matched]
     costs = None if compute is None else {k: (n, compute.chunk_s(n)) for n, k in wanted}
-    looked = store.lookup([k for _, k in wanted], costs) if wanted else Lookup({}, frozenset(), frozenset())
-    found = auto.detect(segments, len(token_ids), matched, set(looked.entries))
+    here: list[Lookup] = []
+
+    def held() -> list[bool]:
+        here.append(store.lookup([k for _, k in wanted], costs) if wanted else Lookup({}, frozenset(), frozenset()))
+        return [k in here[0].entries for _, k in wanted]
+
+    everywhere = ranks.agree(held, all_hold)
+    looked = here[0]
+    found = auto.detect(segments, len(token_ids), matched, {k for (_, k), h in zip(wanted, everywhere) if h})
     hint = None if found is None else RequestHint(
         token_ids=torch.as_tensor(list(token_ids), dtype=torch.long), spans=found.spans, keys=found.keys,
         selector=defaults.selector, ratio=defaults.ratio, namespace=defaults.namespace, auto=True,
@@ -142,17 +151,20 @@ class BatchBlend:
 
 def run(engine: Engine, store: ChunkStore, plans: Sequence[RequestPlan], selector: Callable[[str], Selector],
         floor_cap: float = 1.0, compute: ComputeCost | None = None,
-        prefetched: Iterable[Lookup] = (), estimator: fidelity.Model | None = None) -> BatchBlend:
+        prefetched: Iterable[Lookup] = (), estimator: fidelity.Model | None = None,
+        ranks: Ranks = Ranks()) -> BatchBlend:
     """lookup, fill, learn, copy, features, select and recompute for one batch. `floor_cap`: the largest rho a
     request's quality floor may choose. `compute`: what computing a chunk costs this server (priced against a remote
     fetch, and measured on the fill); None: every remote entry is fetched. `prefetched`: entries detection already
     fetched (not asked of the store again). `estimator`: the served model's fidelity estimator (None: the packaged
-    file's default model's)."""
+    file's default model's). `ranks`: the tensor-parallel ranks whose forwards must compute the same rows: the
+    chunks found and the tokens recomputed are agreed over them (rank 0's selection, from features every rank
+    reduced over all heads)."""
     estimator = estimator or fidelity.load().model()
     seconds = dict.fromkeys(STAGES, 0.0)
     step = _stopwatch(seconds)
     with step("lookup"):
-        looked = lookup(store, plans, engine, compute, prefetched)
+        looked = lookup(store, plans, engine, compute, prefetched, ranks)
     found = looked.entries
     with step("fill"):
         computed = engine.fill(to_compute(plans, found))
@@ -170,7 +182,8 @@ def run(engine: Engine, store: ChunkStore, plans: Sequence[RequestPlan], selecto
     with step("features"):
         prefetch(engine, features, selectors)
     with step("select"):
-        blended = [_select(p, f, sel, floor_cap, looked, estimator) for p, f, sel in zip(plans, features, selectors)]
+        blended = _agreed(ranks, lambda: [_select(p, f, sel, floor_cap, looked, estimator)
+                                          for p, f, sel in zip(plans, features, selectors)])
         _keep_features(store, features)
     with step("recompute"):
         output = engine.recompute([b.recomputed for b in blended])
@@ -191,6 +204,21 @@ def _select(plan: RequestPlan, f: RequestFeatures, sel: Selector, floor_cap: flo
                    time.perf_counter() - t, tuple(sorted({name for name, _ in f.values if name in PASSES})),
                    ratio, estimate, met, sum(c.key in looked.fetched for c in plan.chunks),
                    sum(c.key in looked.computed_instead for c in plan.chunks))
+
+
+def _agreed(ranks: Ranks, select: Callable[[], list[Blended]]) -> list[Blended]:
+    """Every rank selects (each remembers what it measured), then takes rank 0's tokens and rho for every request:
+    the features were reduced over all heads, but a float's order of summation may still tip a near tie one way on
+    one rank and the other way on another. A rank whose selection raised makes every rank raise (RanksFailed)."""
+    here: list[Blended] = []
+
+    def chosen():
+        here.extend(select())
+        return [(b.recomputed, b.ratio, b.floor_met) for b in here]
+
+    picks = ranks.agree(chosen)
+    return [b if b.recomputed is r else replace(b, recomputed=r, ratio=ratio, floor_met=met)
+            for b, (r, ratio, met) in zip(here, picks, strict=True)]
 
 
 def _keep_features(store: ChunkStore, features: list[RequestFeatures]) -> None:
@@ -215,9 +243,12 @@ def _budget(plan: RequestPlan, sel: Selector, features: RequestFeatures, cap: fl
 
 
 def lookup(store: ChunkStore, plans: Sequence[RequestPlan], engine: Engine, compute: ComputeCost | None,
-           prefetched: Iterable[Lookup] = ()) -> Lookup:
+           prefetched: Iterable[Lookup] = (), ranks: Ranks = Ranks()) -> Lookup:
     """Each distinct chunk's entry, where the store has one that holds exactly its tokens (the batch's keys not
-    `prefetched` in one store call: one remote round trip per server at most, for the chunks worth fetching)."""
+    `prefetched` in one store call: one remote round trip per server at most, for the chunks worth fetching).
+    Agreed over `ranks`: a chunk is found only where every rank's store holds it (the others compute it and store
+    their shard), with only the features every rank's entry has (which passes run, and which deviations are
+    estimated, follow from them)."""
     chunks = {c.key: (plan, c) for plan in plans for c in plan.chunks}
     given: dict[str, ChunkEntry] = {}
     fetched: set[str] = set()
@@ -227,11 +258,34 @@ def lookup(store: ChunkStore, plans: Sequence[RequestPlan], engine: Engine, comp
     asked = {key: c for key, (_, c) in chunks.items() if key not in given}
     costs = None if compute is None else {
         key: (c.span[1] - c.span[0], compute.chunk_s(c.span[1] - c.span[0])) for key, c in asked.items()}
-    looked = store.lookup(list(asked), costs) if asked else Lookup({}, frozenset(), frozenset())
-    held = {**given, **looked.entries}
-    found = {key: _holding(held.get(key), plan.chunk_ids(c), key, engine) for key, (plan, c) in chunks.items()}
-    entries = {key: entry for key, entry in found.items() if entry is not None}
+    here: list = []
+
+    def held() -> list[frozenset[str] | None]:
+        looked = store.lookup(list(asked), costs) if asked else Lookup({}, frozenset(), frozenset())
+        held = {**given, **looked.entries}
+        here.extend([looked, [_holding(held.get(key), plan.chunk_ids(c), key, engine)
+                              for key, (plan, c) in chunks.items()]])
+        return [None if e is None else frozenset(e.features) for e in here[1]]
+
+    common = ranks.agree(held, _common_features)
+    looked, found = here
+    entries = {key: _with_features(entry, names) for key, entry, names in zip(chunks, found, common)
+               if names is not None}
     return Lookup(entries, frozenset(k for k in fetched | looked.fetched if k in entries), looked.computed_instead)
+
+
+def _common_features(parts: list[list[frozenset[str] | None]]) -> list[frozenset[str] | None]:
+    """Per chunk, the feature names every rank's entry has; None where some rank has no entry."""
+    return [None if any(p is None for p in per_rank) else frozenset.intersection(*per_rank)
+            for per_rank in zip(*parts, strict=True)]
+
+
+def _with_features(entry: ChunkEntry, names: frozenset[str]) -> ChunkEntry:
+    """`entry`, or a copy of it that has only the features `names` (what another rank's entry lacks is unknown here
+    too); what a selector adds to the copy reaches the store through ChunkStore.add_features."""
+    if names.issuperset(entry.features):
+        return entry
+    return replace(entry, features={k: v for k, v in entry.features.items() if k in names})
 
 
 def _holding(entry: ChunkEntry | None, ids: torch.Tensor, key: str, engine: Engine) -> ChunkEntry | None:

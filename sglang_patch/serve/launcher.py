@@ -73,6 +73,15 @@ def cpu_engine_for_stock_command(server_args, *args, **kwargs) -> None:
                  " ".join(to_argv(applied)))
 
 
+def cpu_groups_without_nccl(original, *args, **kwargs):
+    """AROUND SGLang's init_model_parallel_group on the CPU engine: its groups communicate over gloo (the CPU
+    platform's backend), never through the NCCL communicator SGLang otherwise builds for every group of more than one
+    rank, which stops a CPU engine's start with tensor parallelism ("Expected a cuda device, but got: cpu")."""
+    if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" and not has_gpu():
+        kwargs["use_pynccl"] = False
+    return original(*args, **kwargs)
+
+
 def prepare_environment(config_path: str | Path | None) -> None:
     """Environment every SGLang process inherits (the scheduler is a spawned child)."""
     if not has_gpu():
