@@ -15,6 +15,7 @@ import time
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from chunkcache.blend.cost import full_s
+from chunkcache.ranks import RanksFailed
 
 from . import lang
 from .decode import decode_attention, specache
@@ -132,6 +133,12 @@ def _extend(original, runner, forward_batch, pp_proxy_tensors, reuse, reqs):
         out = blend.run(reuse, runner.model_runner, forward_batch, reqs)
     except Exception as exc:  # noqa: BLE001 - a selector or store failure must not take the scheduler down
         # Safe: the stock forward below rewrites the KV of every extend token, and what the blend stored is valid.
+        # Under tensor parallelism only a failure every rank agreed on (RanksFailed, raised on all of them at the
+        # same point) is: a rank that fell back alone would leave the others waiting in the blend's all-reduces.
+        if reuse.ranks.many and not isinstance(exc, RanksFailed):
+            log.critical("chunkcache: the blended prefill failed on tensor-parallel rank %d alone; the ranks cannot "
+                         "fall back together from here, so the scheduler stops", reuse.ranks.rank)
+            raise
         log.exception("chunkcache: blended prefill failed; computing the batch in full")
         for r in reqs:
             if request_hint.of(r) is not None:
@@ -168,9 +175,11 @@ DEFER_AFTER_IDLE_S = 0.5
 
 
 def _measure_deferred(scheduler, *args, **kwargs) -> None:
+    """The queue and the scheduler's idleness are the same on every tensor-parallel rank (replicas of one state
+    machine, chunkcache.ranks); the idle time is rank 0's, so that every rank enters the measurement's forward."""
     reuse = reuse_of(scheduler.tree_cache)
     if (reuse is not None and reuse.deferred and scheduler.is_fully_idle()
-            and time.monotonic() - reuse.last_forward >= DEFER_AFTER_IDLE_S):
+            and reuse.ranks.agree(lambda: time.monotonic() - reuse.last_forward >= DEFER_AFTER_IDLE_S)):
         reuse.measure_deferred()
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from ..align import decode_with_offsets
+from ..ranks import Ranks
 from ..rope import rerotate
 from ..select.base import Layout
 from ..store import ChunkEntry
@@ -253,8 +254,9 @@ class DeviationJob:
     reference blender once the blend is done): the prompt computed exactly through the check layer, compared with
     each chunk's stored KV moved to where the chunk sat, and folded into the entries (`remember`)."""
 
-    def __init__(self, passes: FeaturePasses, features: RequestFeatures, rope):
-        self.passes, self.index, self.rope = passes, features.index, rope
+    def __init__(self, passes: FeaturePasses, features: RequestFeatures, rope, ranks: Ranks = Ranks()):
+        """`ranks`: the tensor-parallel ranks whose KV heads `passes` holds a slice of (the norm is over all)."""
+        self.passes, self.index, self.rope, self.ranks = passes, features.index, rope, ranks
         self.layout, self.entries = features.layout, features.entries
         self.layer, self.which = features.unmeasured
 
@@ -262,7 +264,7 @@ class DeviationJob:
         """Measures and remembers; returns the features each entry gained (for the store's write-through)."""
         had = {e.key: dict(e.features) for e in self.entries}
         fresh = self.passes.exact_kv(self.index, self.layer, self.which).float().cpu()
-        deviation = torch.zeros(self.layout.n)
+        squares = torch.zeros(self.layout.n)
         for (s, e), entry in zip(self.layout.chunk_spans, self.entries):
             if not _depth(e, entry) or e - s != entry.num_tokens:
                 continue
@@ -271,7 +273,7 @@ class DeviationJob:
                 reused = rerotate(entry.k.float(), s - entry.start_pos, self.rope, at)[self.layer]
             else:
                 reused = entry.v[self.layer].float()
-            deviation[s:e] = (fresh[s:e] - reused).flatten(1).norm(dim=1)
-        remember(self.layout, self.entries, deviation, self.layer, self.which)
+            squares[s:e] = (fresh[s:e] - reused).flatten(1).square().sum(1)
+        remember(self.layout, self.entries, self.ranks.sum_(squares).sqrt(), self.layer, self.which)
         return {e.key: new for e in self.entries
                 if (new := {k: t for k, t in e.features.items() if had[e.key].get(k) is not t})}

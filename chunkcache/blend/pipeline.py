@@ -187,7 +187,7 @@ def run(engine: Engine, store: ChunkStore, plans: Sequence[RequestPlan], selecto
         _keep_features(store, features)
     with step("recompute"):
         output = engine.recompute([b.recomputed for b in blended])
-    return BatchBlend(output, blended, seconds, [DeviationJob(engine, f, engine.rope) for f in features
+    return BatchBlend(output, blended, seconds, [DeviationJob(engine, f, engine.rope, ranks) for f in features
                                                  if f.unmeasured is not None])
 
 

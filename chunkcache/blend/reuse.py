@@ -16,6 +16,7 @@ import torch
 from ..config import Config
 from ..hashing import chunk_key, prefix_key
 from ..hints import parse
+from ..ranks import Ranks, all_hold
 from ..rope import RopeSpec
 from ..segment import break_ids
 from ..select import REGISTRY, Selector
@@ -34,8 +35,10 @@ DEFERRED_JOBS = 32
 
 class ChunkReuse:
     def __init__(self, config: Config, store: ChunkStore, layout: EntryLayout, rope: RopeSpec, model_path: str,
-                 device: torch.device | str):
+                 device: torch.device | str, ranks: Ranks = Ranks()):
+        """`ranks`: the tensor-parallel ranks that run this model's forwards together (their decisions agree)."""
         self.config, self.store, self.layout, self.rope = config, store, layout, rope
+        self.ranks = ranks
         self.fingerprint = layout.model_fingerprint
         self.model_path, self.device = model_path, device
         self.models = Models(model_path, self._load_draft, (config.draft.model, config.draft.layers))
@@ -59,15 +62,29 @@ class ChunkReuse:
 
     def measure_deferred(self) -> None:
         """Measure the oldest deferred deviation, if any, and write what its chunks remember through every tier. A
-        failure is logged and the job dropped: its chunks are estimated again next use."""
+        failure is logged and the job dropped: its chunks are estimated again next use. Under tensor parallelism the
+        measurement is a forward of every rank: a failure there cannot be dropped by one rank alone (the others
+        would wait in its all-reduce), so it is raised."""
         if not self.deferred:
             return
         job = self.deferred.popleft()
         try:
-            for key, feats in job.run().items():
-                self.store.add_features(key, feats)
+            gained = job.run()
         except Exception:  # noqa: BLE001 - an optimisation of later selections: never the server's failure
+            if self.ranks.many:
+                raise
             log.exception("chunkcache: measuring a deferred chunk deviation failed; its chunks stay estimated")
+            return
+        for key, feats in gained.items():
+            try:
+                self.store.add_features(key, feats)
+            except Exception:  # noqa: BLE001 - as above; a store write involves no other rank
+                log.exception("chunkcache: storing chunk %s's measured deviation failed", key)
+
+    def held(self, keys: Sequence[str]) -> list[bool]:
+        """Per key, whether every rank's store holds it (a decision that fixes which rows a forward computes may
+        count a chunk as stored only then)."""
+        return self.ranks.agree(lambda: [k in self.store for k in keys], all_hold)
 
     @property
     def entry_shape(self) -> tuple[int, int, int]:

@@ -42,7 +42,8 @@ def compute_tokens(reuse: ChunkReuse, req, prefix_len: int) -> int | None:
     if not plan.blends:
         return extend
     context = sum(e - s for s, e in (c.span for c in plan.chunks))
-    missing = sum(e - s for s, e in (c.chunk for c in plan.chunks if c.key not in reuse.store))
+    held = reuse.held([c.key for c in plan.chunks])  # every rank admits the same batch
+    missing = sum(e - s for (s, e), h in zip((c.chunk for c in plan.chunks), held) if not h)
     outside = extend - (plan.start - prefix_len) - context
     selected = 0 if plan.selector == "none" else math.ceil(plan.ratio * context)
     features = 0

@@ -46,7 +46,8 @@ def detect(reuse: ChunkReuse, tree_cache, req, request: ChunkRequest) -> None:
     if getattr(req, "return_logprob", False) or not request.segments.spans:
         return
     matched = exact_prefix(tree_cache, req)
-    found = pipeline.detect(reuse.store, reuse.auto, ids, request.segments, matched, reuse.defaults, reuse.compute)
+    found = pipeline.detect(reuse.store, reuse.auto, ids, request.segments, matched, reuse.defaults, reuse.compute,
+                            reuse.ranks)
     request.detection = dataclasses.replace(found, seconds=time.perf_counter() - t0)  # segmenting and matching too
     request.hint = found.hint
     hits = len(found.hint.spans) if found.hint else 0

@@ -49,26 +49,29 @@ def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
     blending: dict[int, tuple[ChunkRequest, RequestPlan]] = {}  # batch row -> its record and plan
     predictions: dict[int, Prediction | None] = {}  # calibrated (reported); at_rates: as the rates alone predict
     at_rates: dict[int, Prediction | None] = {}
+    candidates = []
     for row, request in hinted:
         prompt = len(row.req.origin_input_ids)
         if row.seq_len != prompt:
             report.fallback(request, "partial_prefill", f"tokens [{row.matched}, {row.seq_len}) of "
                             f"{prompt} (chunked prefill or a retracted request): this round is computed in full")
         elif (plan := request.plan(row.matched)).blends:
-            raw = _predicted(reuse, plan)  # at the rates alone; the choice at them scaled by what was observed
-            predicted = None if raw is None else reuse.calibration.apply(raw)
-            if predicted is not None and not predicted.blend:
-                report.fallback(request, "predicted_slower", f"blending ({predicted.tokens} tokens computed, "
-                                f"{predicted.pairs} pairs attended, {predicted.reused} copied) predicted "
-                                f"{predicted.blend_s:.3f} s against {predicted.stock_s:.3f} s computed in full, less the "
-                                f"{predicted.margin:.0%} margin "
-                                f"({row.seq_len - row.matched} tokens; rates of this host)", predicted.report())
-                continue
-            blending[row.index] = request, plan
-            predictions[row.index] = predicted
-            at_rates[row.index] = raw
+            candidates.append((row, request, plan))
         else:  # the radix tree holds every chunk: computed exactly, and said so
             report.blended(request, pipeline.record_held(request, plan, row.seq_len - row.matched))
+    # blend or full, priced from rank 0's timings (each rank's own clock would split the ranks' forwards)
+    for (row, request, plan), (raw, predicted) in zip(candidates, reuse.ranks.agree(
+            lambda: [_predicted(reuse, plan) for _, _, plan in candidates])):
+        if predicted is not None and not predicted.blend:
+            report.fallback(request, "predicted_slower", f"blending ({predicted.tokens} tokens computed, "
+                            f"{predicted.pairs} pairs attended, {predicted.reused} copied) predicted "
+                            f"{predicted.blend_s:.3f} s against {predicted.stock_s:.3f} s computed in full, less the "
+                            f"{predicted.margin:.0%} margin "
+                            f"({row.seq_len - row.matched} tokens; rates of this host)", predicted.report())
+            continue
+        blending[row.index] = request, plan
+        predictions[row.index] = predicted
+        at_rates[row.index] = raw
     if not blending:
         return None
     planned = time.perf_counter()
@@ -78,7 +81,7 @@ def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
         done = pipeline.run(engine, reuse.store, plans, reuse.selector, floor_cap=reuse.config.select.max_kl_cap,
                             compute=reuse.compute, prefetched=[p for request, _ in blending.values()
                                                                if (p := request.prefetched()) is not None],
-                            estimator=reuse.fidelity)
+                            estimator=reuse.fidelity, ranks=reuse.ranks)
     finally:  # whatever runs next on these slots (the next batch, a fallback's prefill) follows the whole copy
         if engine.runner.copied is not None:
             engine.runner.copied.wait_all()
@@ -98,14 +101,15 @@ def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
     return done.output
 
 
-def _predicted(reuse: ChunkReuse, plan: RequestPlan) -> Prediction | None:
-    """Blend against full compute, for a request that teaches the store nothing (a missing chunk is computed and
-    stored by its blend, for every later request); None when the server does not decide (GPU, `full_when_slower`
-    off)."""
+def _predicted(reuse: ChunkReuse, plan: RequestPlan) -> tuple[Prediction | None, Prediction | None]:
+    """Blend against full compute at the rates alone and scaled by what this server observed, for a request that
+    teaches the store nothing (a missing chunk is computed and stored by its blend, for every later request); None
+    when the server does not decide (GPU, `full_when_slower` off)."""
     if reuse.rates is None or any(c.key not in reuse.store for c in plan.chunks):
-        return None
+        return None, None
     query_pass = any(name == "query_attention" for name, _ in needs(reuse.selector(plan.selector)))
-    return predict(plan, query_pass, reuse.rates, reuse.config.select.blend_margin)
+    raw = predict(plan, query_pass, reuse.rates, reuse.config.select.blend_margin)
+    return raw, reuse.calibration.apply(raw)
 
 
 class BatchEngine:
@@ -208,9 +212,12 @@ class BatchEngine:
                                             device=row.slots.device)
             segments.append((seg, visible, plan.n))
         self.runner.run(p)
+        # each rank averaged its own query heads (an even share of them, cache.parallel_problems): the mean of the
+        # ranks' means is the mean over all heads
+        sums = self.reuse.ranks.sum_(torch.cat([seg.attention_sum for seg, _, _ in segments]).cpu())
+        sums /= self.reuse.ranks.size
         out = []
-        for seg, visible, n in segments:
-            scores = seg.attention_sum.cpu()
+        for (seg, visible, n), scores in zip(segments, sums.split([len(seg.attention_sum) for seg, _, _ in segments])):
             if visible is not None:  # back to prompt positions: a hole has no attention
                 scores = torch.zeros(n, dtype=scores.dtype).index_copy_(0, visible, scores)
             out.append(scores)
@@ -231,13 +238,18 @@ class BatchEngine:
                                         row.slots[: plan.start]))
         self.runner.run(p, layers=layer + 1)
         buf = self.pool.get_key_buffer(layer) if which == "k" else self.pool.get_value_buffer(layer)
-        out = []
+        squares = []  # per request, over this rank's KV heads; the norm is over every rank's
         for i, seg in zip(requests, segments):
             plan, row = self.plans[i], self.plan_rows[i]
             fresh = seg.kept_kv[layer][0 if which == "k" else 1]
             reused = buf[row.slots[plan.start:].to(buf.device)]
+            squares.append((fresh.float() - reused.float()).flatten(1).square().sum(1))
+        norms = self.reuse.ranks.sum_(torch.cat(squares).cpu()).sqrt().split([len(q) for q in squares])
+        out = []
+        for i, norm in zip(requests, norms):
+            plan = self.plans[i]
             dev = torch.zeros(plan.n)
-            dev[plan.start:] = (fresh.float() - reused.float()).flatten(1).norm(dim=1).cpu()
+            dev[plan.start:] = norm
             out.append(dev * plan.layout().context_mask())
         return out
 

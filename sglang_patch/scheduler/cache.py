@@ -23,6 +23,7 @@ import torch
 from chunkcache.blend.cost import ModelShape, host_rates
 from chunkcache.blend.reuse import ChunkReuse
 from chunkcache.hashing import model_fingerprint, shard_fingerprint
+from chunkcache.ranks import Ranks
 from chunkcache import architectures
 from chunkcache.store import ChunkStore, EntryLayout
 
@@ -33,18 +34,20 @@ log = logging.getLogger(__name__)
 
 
 class ChunkRadixCache(UnifiedRadixCache):
-    def __init__(self, params, *, model_config, model_path: str, tp_rank: int = 0, tp_size: int = 1, **kwargs):
+    def __init__(self, params, *, model_config, model_path: str, ranks: Ranks = Ranks(), **kwargs):
         super().__init__(params, **kwargs)
         config = load_server_config()
         # a model the blend would serve wrong stops the server here (`chunkcache serve` refuses it before launching)
         rope = architectures.check(model_config.hf_config, "sglang", model_config.context_len)
         pool = params.token_to_kv_pool_allocator.get_kvcache()
-        fingerprint = shard_fingerprint(model_fingerprint(model_path), tp_rank, tp_size)
+        fingerprint = shard_fingerprint(model_fingerprint(model_path), ranks.rank, ranks.size)
+        if ranks.many and config.store.disk_dir:  # each rank scans and evicts its own directory under its budget
+            config.store.disk_dir = os.path.join(config.store.disk_dir, f"tp{ranks.rank}of{ranks.size}")
         # disk and remote entries are checked against this model's KV layout when read (a misfit is dropped, not used)
         _, kv_heads, head_dim = pool.get_key_buffer(0).shape
         layout = EntryLayout(fingerprint, pool.layer_num, kv_heads, head_dim)
         store = ChunkStore.from_config(config.store, fingerprint, layout, on_change=metrics.set_store_stats)
-        self.reuse = ChunkReuse(config, store, layout, rope, model_path, pool.device)
+        self.reuse = ChunkReuse(config, store, layout, rope, model_path, pool.device, ranks)
         if config.select.full_when_slower and torch.device(pool.device).type == "cpu":
             self.reuse.rates = host_rates(_shape(model_config.hf_config, pool))
         log.info("chunkcache: radix cache backend %r active in scheduler pid %d", BACKEND_NAME, os.getpid())
@@ -81,9 +84,45 @@ def factory(ctx: TreeCacheBuildContext) -> ChunkRadixCache:
         # PD multiplexing runs extends layer by layer (ForwardMode.SPLIT_PREFILL), outside the hooked eager runner
         raise ValueError("chunkcache: PD multiplexing (enable_pdmux) splits prefills by layer outside the blended "
                          "forward; serve without it or without --radix-cache-backend chunkcache")
+    refused = parallel_problems(ctx.server_args, ctx.model_config.hf_config)
+    if refused:
+        raise ValueError(f"chunkcache: {refused}; serve without it or without --radix-cache-backend chunkcache")
+    # the scheduler's attention-TP group (SGLang's GroupCoordinator): its gloo group carries the agreements
+    ranks = Ranks(ctx.tp_group.cpu_group if ctx.tp_size > 1 else None)
 
     def build(params):
         return ChunkRadixCache(params, model_config=ctx.model_config, model_path=ctx.server_args.model_path,
-                               tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
+                               ranks=ranks)
 
     return create_unified_radix_cache(ctx, cache_class=build)
+
+
+def parallel_problems(server_args, hf_config) -> str | None:
+    """Why the blend cannot serve this parallel layout correctly, or None. Tensor parallelism is served: every
+    decision that fixes a forward's rows is agreed over the ranks (chunkcache.ranks), and the selection features
+    are reduced over the ranks' heads, which must split evenly (a padded head would add its uniform attention to the
+    query's, a replicated KV head would count twice in the deviation)."""
+    if getattr(server_args, "enable_dp_attention", False):
+        return ("DP attention (--enable-dp-attention) runs every DP rank's forwards in lockstep over all-gathered "
+                "token counts, and a blend runs several forwards for its batch where the other DP ranks run one")
+    if getattr(server_args, "pp_size", 1) > 1:
+        return ("pipeline parallelism (--pp-size > 1) splits the layers: the blend runs on the first stage only, "
+                "its recompute pass would send the later stages its recomputed rows where they expect every extend "
+                "token, and no stage sees the attention of all layers its selection needs")
+    for flag in ("attn_cp_size", "dcp_size"):
+        if getattr(server_args, flag, 1) > 1:
+            return (f"context parallelism (--{flag.replace('_', '-')} > 1) splits a prompt's tokens or KV over "
+                    f"ranks, which the blend's passes address as one sequence")
+    for flag in ("enable_attn_tp_input_scattered", "enable_layernorm_sp"):
+        if getattr(server_args, flag, False):
+            return (f"--{flag.replace('_', '-')} scatters a forward's rows over the ranks, which the blend's "
+                    f"passes address as one sequence")
+    tp = getattr(server_args, "tp_size", 1)
+    c = getattr(hf_config, "text_config", hf_config)
+    heads = getattr(c, "original_num_attention_heads", c.num_attention_heads)
+    kv_heads = getattr(c, "original_total_num_kv_heads", getattr(c, "num_key_value_heads", None) or heads)
+    if tp > 1 and (heads % tp or kv_heads % tp):
+        return (f"tensor parallelism over {tp} ranks with {heads} query and {kv_heads} KV heads: SGLang pads or "
+                f"replicates heads that do not split evenly, and the blend's selection features, reduced over the "
+                f"ranks' heads, would count them; use a --tp-size that divides both")
+    return None

@@ -62,6 +62,12 @@ def cpu_engine_for_stock_command(server_args, *args, **kwargs) -> None:
     import msgspec
 
     os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    ranks = server_args.tp_size * server_args.pp_size * server_args.dp_size
+    if ranks > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ and len(_numa_nodes()) < ranks:
+        # SGLang binds one NUMA node per rank unless told otherwise, and stops when there are fewer nodes than ranks
+        os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = cores_per_rank(sorted(os.sched_getaffinity(0)), ranks)
+        log.info("chunkcache: %d ranks on %d NUMA node(s): SGLANG_CPU_OMP_THREADS_BIND=%s", ranks,
+                 len(_numa_nodes()), os.environ["SGLANG_CPU_OMP_THREADS_BIND"])
     defaults = {f.name: f.default for f in msgspec.structs.fields(type(server_args))}
     applied = {}
     for key, value in server_settings(server_args.model_path, load_server_config()).items():
@@ -71,6 +77,21 @@ def cpu_engine_for_stock_command(server_args, *args, **kwargs) -> None:
     if applied:
         log.info("chunkcache: no GPU, SGLang's CPU engine with %s (what `chunkcache serve` passes)",
                  " ".join(to_argv(applied)))
+
+
+def cores_per_rank(cores: list[int], ranks: int) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND for `ranks` CPU ranks sharing `cores`: contiguous equal shares, "0-3|4-7"."""
+    if len(cores) < ranks:
+        raise ValueError(f"{ranks} CPU ranks (tp x pp x dp) need at least as many cores; this process may use "
+                         f"{len(cores)}")
+    share = len(cores) // ranks
+    groups = [cores[r * share: (r + 1) * share] for r in range(ranks)]
+    return "|".join(str(g[0]) if len(g) == 1 else f"{g[0]}-{g[-1]}" if g[-1] - g[0] == len(g) - 1
+                    else ",".join(map(str, g)) for g in groups)
+
+
+def _numa_nodes() -> list[str]:
+    return sorted(p.name for p in Path("/sys/devices/system/node").glob("node[0-9]*"))
 
 
 def cpu_groups_without_nccl(original, *args, **kwargs):
