@@ -212,7 +212,7 @@ class BatchEngine:
                                             device=row.slots.device)
             segments.append((seg, visible, plan.n))
         self.runner.run(p)
-        # each rank averaged its own query heads (an even share of them, cache.parallel_problems): the mean of the
+        # each rank averaged its own query heads (an even share of them, launcher.parallel_problems): the mean of the
         # ranks' means is the mean over all heads
         sums = self.reuse.ranks.sum_(torch.cat([seg.attention_sum for seg, _, _ in segments]).cpu())
         sums /= self.reuse.ranks.size

@@ -28,7 +28,7 @@ from chunkcache import architectures
 from chunkcache.store import ChunkStore, EntryLayout
 
 from . import metrics
-from ..serve.launcher import BACKEND_NAME, load_server_config
+from ..serve.launcher import BACKEND_NAME, load_server_config, parallel_problems
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,8 @@ def factory(ctx: TreeCacheBuildContext) -> ChunkRadixCache:
                          "forward; serve without it or without --radix-cache-backend chunkcache")
     refused = parallel_problems(ctx.server_args, ctx.model_config.hf_config)
     if refused:
-        raise ValueError(f"chunkcache: {refused}; serve without it or without --radix-cache-backend chunkcache")
+        raise ValueError(f"chunkcache: chunk reuse cannot be served with {refused}; serve without it or without "
+                         f"--radix-cache-backend chunkcache")
     # the scheduler's attention-TP group (SGLang's GroupCoordinator): its gloo group carries the agreements
     ranks = Ranks(ctx.tp_group.cpu_group if ctx.tp_size > 1 else None)
 
@@ -95,34 +96,3 @@ def factory(ctx: TreeCacheBuildContext) -> ChunkRadixCache:
                                ranks=ranks)
 
     return create_unified_radix_cache(ctx, cache_class=build)
-
-
-def parallel_problems(server_args, hf_config) -> str | None:
-    """Why the blend cannot serve this parallel layout correctly, or None. Tensor parallelism is served: every
-    decision that fixes a forward's rows is agreed over the ranks (chunkcache.ranks), and the selection features
-    are reduced over the ranks' heads, which must split evenly (a padded head would add its uniform attention to the
-    query's, a replicated KV head would count twice in the deviation)."""
-    if getattr(server_args, "enable_dp_attention", False):
-        return ("DP attention (--enable-dp-attention) runs every DP rank's forwards in lockstep over all-gathered "
-                "token counts, and a blend runs several forwards for its batch where the other DP ranks run one")
-    if getattr(server_args, "pp_size", 1) > 1:
-        return ("pipeline parallelism (--pp-size > 1) splits the layers: the blend runs on the first stage only, "
-                "its recompute pass would send the later stages its recomputed rows where they expect every extend "
-                "token, and no stage sees the attention of all layers its selection needs")
-    for flag in ("attn_cp_size", "dcp_size"):
-        if getattr(server_args, flag, 1) > 1:
-            return (f"context parallelism (--{flag.replace('_', '-')} > 1) splits a prompt's tokens or KV over "
-                    f"ranks, which the blend's passes address as one sequence")
-    for flag in ("enable_attn_tp_input_scattered", "enable_layernorm_sp"):
-        if getattr(server_args, flag, False):
-            return (f"--{flag.replace('_', '-')} scatters a forward's rows over the ranks, which the blend's "
-                    f"passes address as one sequence")
-    tp = getattr(server_args, "tp_size", 1)
-    c = getattr(hf_config, "text_config", hf_config)
-    heads = getattr(c, "original_num_attention_heads", c.num_attention_heads)
-    kv_heads = getattr(c, "original_total_num_kv_heads", getattr(c, "num_key_value_heads", None) or heads)
-    if tp > 1 and (heads % tp or kv_heads % tp):
-        return (f"tensor parallelism over {tp} ranks with {heads} query and {kv_heads} KV heads: SGLang pads or "
-                f"replicates heads that do not split evenly, and the blend's selection features, reduced over the "
-                f"ranks' heads, would count them; use a --tp-size that divides both")
-    return None

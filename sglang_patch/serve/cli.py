@@ -85,7 +85,8 @@ def installed_commands() -> dict[str, Callable[[list[str]], int] | str]:
 
 
 def serve(args: argparse.Namespace, extra: list[str]) -> int:
-    from .launcher import AUTO_CHUNKS_ENV, REMOTE_URL_ENV, load_config, prepare_environment, server_settings, to_argv
+    from .launcher import (AUTO_CHUNKS_ENV, REMOTE_URL_ENV, load_config, parallel_problems, prepare_environment,
+                           server_settings, to_argv)
     from .server_process import ServerProcess, wait_healthy
 
     config = load_config(args.config)
@@ -98,12 +99,18 @@ def serve(args: argparse.Namespace, extra: list[str]) -> int:
 
         from chunkcache.architectures import UnsupportedModel, check
 
+        hf_config = AutoConfig.from_pretrained(model_dir)
         try:
-            check(AutoConfig.from_pretrained(model_dir))
+            check(hf_config)
         except UnsupportedModel as exc:
             print(f"chunkcache: error: {model_dir} cannot be served with chunk reuse: {exc}. "
                   f"Serve it without chunk reuse (--no-chunk-reuse) or pick a model from README 'Models'.",
                   file=sys.stderr)
+            return 2
+        refused = parallel_problems(_sglang_args(model_dir, [*config.serve.sglang_args, *extra]), hf_config)
+        if refused:
+            print(f"chunkcache: error: chunk reuse cannot be served with {refused}. Serve without it, or without "
+                  f"chunk reuse (--no-chunk-reuse); README 'Parallelism' says what is served.", file=sys.stderr)
             return 2
     settings = server_settings(model_dir, config, chunk_reuse=not args.no_chunk_reuse)
     prepare_environment(args.config)
@@ -127,6 +134,15 @@ def serve(args: argparse.Namespace, extra: list[str]) -> int:
     except KeyboardInterrupt:
         server.terminate()
         return server.wait()
+
+
+def _sglang_args(model_dir, argv: list[str]) -> argparse.Namespace:
+    """SGLang's own reading of the flags `serve` passes through (its parser: aliases and defaults as it has them)."""
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(add_help=False)
+    ServerArgs.add_cli_args(parser)
+    return parser.parse_known_args(["--model-path", str(model_dir), *argv])[0]
 
 
 def ingest(args: argparse.Namespace) -> int:

@@ -144,3 +144,35 @@ def to_argv(settings: dict) -> list[str]:
         elif value is not False and value is not None:
             argv += [flag, str(value)]
     return argv
+
+
+def parallel_problems(server_args, hf_config) -> str | None:
+    """Why the blend cannot serve this parallel layout correctly, or None. Tensor parallelism is served: every
+    decision that fixes a forward's rows is agreed over the ranks (chunkcache.ranks), and the selection features are
+    reduced over the ranks' heads, which must split evenly (a padded head would add its uniform attention to the
+    query's, a replicated KV head would count twice in the deviation)."""
+    if getattr(server_args, "enable_dp_attention", False) or getattr(server_args, "attn_dp_size", 1) > 1:
+        return ("DP attention (--attn-dp-size, --enable-dp-attention): its DP ranks run their forwards in lockstep "
+                "over all-gathered token counts, where a blend runs several forwards for its batch and the other DP "
+                "ranks one")
+    if getattr(server_args, "pp_size", 1) > 1:
+        return ("pipeline parallelism (--pp-size): only the first stage would blend, sending the later stages its "
+                "recomputed rows where they expect every extend token, and no stage sees the attention of all the "
+                "layers its selection reads")
+    for flag in ("attn_cp_size", "dcp_size"):
+        if getattr(server_args, flag, 1) > 1:
+            return (f"context parallelism (--{flag.replace('_', '-')}): it splits a prompt's tokens or KV over ranks, "
+                    f"which the blend's passes address as one sequence")
+    for flag in ("enable_attn_tp_input_scattered", "enable_layernorm_sp"):
+        if getattr(server_args, flag, False):
+            return (f"--{flag.replace('_', '-')}: it scatters a forward's rows over the ranks, which the blend's "
+                    f"passes address as one sequence")
+    tp = getattr(server_args, "tp_size", 1)
+    c = getattr(hf_config, "text_config", hf_config)
+    heads = getattr(c, "original_num_attention_heads", c.num_attention_heads)
+    kv_heads = getattr(c, "original_total_num_kv_heads", getattr(c, "num_key_value_heads", None) or heads)
+    if tp > 1 and (heads % tp or kv_heads % tp):
+        return (f"--tp-size {tp} on a model of {heads} query and {kv_heads} KV heads: SGLang pads or replicates "
+                f"heads that do not split evenly, and the blend's selection features, reduced over the ranks' heads, "
+                f"would count them; a --tp-size that divides both is served")
+    return None
