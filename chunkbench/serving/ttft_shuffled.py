@@ -59,6 +59,10 @@ def main() -> None:
                     "measured their deviations")
     ap.add_argument("--config", help="server YAML, a path or a packaged name (chunkcache/configs/default.yaml's "
                     "keys), e.g. selector options (select.options.spec.per_chunk)")
+    ap.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (SGLang's --tp-size; on a CPU "
+                    "each rank takes an equal share of the cores)")
+    ap.add_argument("--max-total-tokens", type=int, help="KV pool size in tokens (SGLang's; needed on a CPU with "
+                    "more ranks than NUMA nodes, where SGLang cannot size it from memory)")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -80,6 +84,9 @@ def main() -> None:
     del settings["host"], settings["port"]
     if args.dtype:
         settings["dtype"] = args.dtype
+    settings["tp_size"] = args.tp_size
+    if args.max_total_tokens:
+        settings["max_total_tokens"] = args.max_total_tokens
     docs = make_docs(tok, args.docs, args.words, args.seed)
     prefix = tok.encode("<|im_start|>system\nAnswer using the documents.<|im_end|>\n<|im_start|>user\n",
                         add_special_tokens=False)
@@ -147,7 +154,7 @@ def main() -> None:
     stock = statistics.median(rows["stock"])
     tokens = statistics.median(n_tokens)
     print(f"\nprompt tokens: median {tokens}; {args.chunks} chunks; rho={args.ratio}; {args.requests} requests per "
-          f"side; dtype {settings['dtype'] if 'dtype' in settings else 'model default'}")
+          f"side; dtype {settings['dtype'] if 'dtype' in settings else 'model default'}; tp {args.tp_size}")
     # ms/token: stock's TTFT per prompt token against the blend's recompute pass per recomputed token (the
     # per-token efficiency target: a recomputed token costs at most what stock pays per prompt token)
     print(f"{'side':<10}{'TTFT median s':>15}{'speed-up vs stock':>19}{'hits':>6}{'recomputed':>12}"
