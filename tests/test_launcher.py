@@ -96,3 +96,53 @@ def test_stock_command_is_left_alone_on_gpu_or_without_chunk_reuse(monkeypatch, 
     before = repr(args)
     launcher.cpu_engine_for_stock_command(args)
     assert repr(args) == before and "SGLANG_USE_CPU_ENGINE" not in os.environ
+
+
+# ---- parallel layouts: tensor parallelism served, the others refused with the reason ----------------------------------
+
+def _args(**overrides):
+    fields = dict(tp_size=1, pp_size=1, attn_dp_size=1, enable_dp_attention=False, attn_cp_size=1, dcp_size=1,
+                  enable_attn_tp_input_scattered=False, enable_layernorm_sp=False)
+    return argparse.Namespace(**{**fields, **overrides})
+
+
+HEADS = argparse.Namespace(num_attention_heads=8, num_key_value_heads=2)
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (dict(pp_size=2), "pipeline parallelism"), (dict(enable_dp_attention=True, tp_size=2), "DP attention"),
+    (dict(attn_dp_size=2), "DP attention"), (dict(attn_cp_size=2), "context parallelism"),
+    (dict(dcp_size=2), "context parallelism"), (dict(enable_layernorm_sp=True), "--enable-layernorm-sp"),
+    (dict(tp_size=4), "--tp-size 4 on a model of 8 query and 2 KV heads")])
+def test_a_parallel_layout_the_blend_cannot_serve_is_named_with_its_reason(overrides, named):
+    assert named in launcher.parallel_problems(_args(**overrides), HEADS)
+
+
+def test_tensor_parallelism_over_evenly_split_heads_is_served():
+    assert launcher.parallel_problems(_args(tp_size=2), HEADS) is None
+    assert launcher.parallel_problems(_args(), argparse.Namespace(num_attention_heads=9, num_key_value_heads=3)) is None
+    # SGLang pads a CPU model's heads in place: the original counts decide
+    padded = argparse.Namespace(num_attention_heads=10, num_key_value_heads=4, original_num_attention_heads=9,
+                                original_total_num_kv_heads=3)
+    assert "9 query and 3 KV heads" in launcher.parallel_problems(_args(tp_size=2), padded)
+
+
+def test_chunkcache_serve_refuses_pipeline_parallelism_before_starting_sglang():
+    import subprocess
+    import sys
+
+    from chunkcache.models import tiny_model
+
+    proc = subprocess.run([sys.executable, "-m", "sglang_patch.serve.cli", "serve", "--model", str(tiny_model()),
+                           "--pp-size", "2"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "chunk reuse cannot be served with pipeline parallelism (--pp-size)" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "sglang.launch_server" not in proc.stdout
+
+
+def test_cores_are_shared_evenly_between_cpu_ranks():
+    assert launcher.cores_per_rank([0, 1], 2) == "0|1"
+    assert launcher.cores_per_rank(list(range(8)), 2) == "0-3|4-7"
+    assert launcher.cores_per_rank([0, 2, 4, 6], 2) == "0,2|4,6"
+    with pytest.raises(ValueError, match="need at least as many cores"):
+        launcher.cores_per_rank([0], 2)

@@ -166,3 +166,17 @@ def test_the_idle_measurement_runs_on_every_rank_and_remembers_the_deviation_ove
             assert torch.equal(rank0[name], rank1[name]), name
             assert torch.allclose(rank0[name], single[name], rtol=1e-3, atol=1e-5), name
     assert served[2]["after"]["output_ids"] == served[1]["after"]["output_ids"]
+
+
+def test_sglangs_own_command_with_pipeline_parallelism_stops_at_start_with_the_reason(model, tmp_path):
+    """The scheduler's radix-cache factory refuses it (`chunkcache serve` refuses it before launching:
+    tests/test_launcher.py)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
+                           "--radix-cache-backend", "chunkcache", "--pp-size", "2", "--max-total-tokens", "2000",
+                           "--port", "0"], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          start_new_session=True)
+    assert proc.returncode != 0
+    assert "chunk reuse cannot be served with pipeline parallelism (--pp-size)" in proc.stderr, proc.stderr[-3000:]
