@@ -7,8 +7,9 @@ taken from rank-local facts (a rank's heads, its store, its clock, its exception
 it reaches a forward:
 
   * `agree(local, combine)`: every rank computes its own part, the parts are gathered in rank order and combined
-    the same way on every rank (`first`: rank 0's choice; `all_hold`: what every rank holds). A rank whose part
-    raised makes every rank raise `RanksFailed` at that point, so all take the same fallback;
+    the same way on every rank (`first`: rank 0's choice; `all_hold`: what every rank holds); `decide` keeps what a
+    rank computed and shares only a summary of it. A rank whose part raised makes every rank raise `RanksFailed` at
+    that point, so all take the same fallback;
   * `sum_(tensor)`: a per-head feature summed over the ranks' heads, so every rank scores with all of them.
 
 Every call is a collective: every rank must make the same calls in the same order, which holds because SGLang's
@@ -24,7 +25,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-T = TypeVar("T")
+T, S, R = TypeVar("T"), TypeVar("S"), TypeVar("R")
 
 
 class RanksFailed(RuntimeError):
@@ -42,13 +43,22 @@ class Ranks:
     def many(self) -> bool:
         return self.size > 1
 
-    def agree(self, local: Callable[[], T], combine: Callable[[list[T]], Any] = None) -> Any:
+    def agree(self, local: Callable[[], T], combine: Callable[[list[T]], R] | None = None) -> R:
         """`combine` (default: `first`) of every rank's `local()`, the same value on every rank."""
+        return self.decide(local, lambda part: part, combine)[1]
+
+    def decide(self, local: Callable[[], T], share: Callable[[T], S],
+               combine: Callable[[list[S]], R] | None = None) -> tuple[T, R]:
+        """(this rank's `local()`, `combine` of every rank's `share(local())`): the ranks exchange only what they
+        must agree on (a hit mask, not the entries it came from). A rank whose `local` raised makes every rank raise
+        RanksFailed here; one rank raises its own exception."""
         combine = combine or first
         if not self.many:
-            return combine([local()])
+            mine = local()
+            return mine, combine([share(mine)])
         try:
-            part = (True, local())
+            mine = local()
+            part = (True, share(mine))
         except Exception as exc:  # noqa: BLE001 - carried to every rank, raised there as RanksFailed
             part = (False, f"{type(exc).__name__}: {exc}")
         parts: list = [None] * self.size
@@ -56,7 +66,7 @@ class Ranks:
         failed = [(r, detail) for r, (ok, detail) in enumerate(parts) if not ok]
         if failed:
             raise RanksFailed("; ".join(f"rank {r}: {detail}" for r, detail in failed))
-        return combine([value for _, value in parts])
+        return mine, combine([shared for _, shared in parts])
 
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` summed over the ranks, in place (through the host: the group is the CPU one)."""

@@ -70,14 +70,9 @@ def detect(store: ChunkStore, auto: AutoChunks, token_ids: Sequence[int] | torch
     t0 = time.perf_counter()
     wanted = [(e - s, k) for (s, e), k in zip(segments.spans, segments.keys) if s >= matched]
     costs = None if compute is None else {k: (n, compute.chunk_s(n)) for n, k in wanted}
-    here: list[Lookup] = []
-
-    def held() -> list[bool]:
-        here.append(store.lookup([k for _, k in wanted], costs) if wanted else Lookup({}, frozenset(), frozenset()))
-        return [k in here[0].entries for _, k in wanted]
-
-    everywhere = ranks.agree(held, all_hold)
-    looked = here[0]
+    looked, everywhere = ranks.decide(
+        lambda: store.lookup([k for _, k in wanted], costs) if wanted else Lookup({}, frozenset(), frozenset()),
+        lambda here: [k in here.entries for _, k in wanted], all_hold)
     found = auto.detect(segments, len(token_ids), matched, {k for (_, k), h in zip(wanted, everywhere) if h})
     hint = None if found is None else RequestHint(
         token_ids=torch.as_tensor(list(token_ids), dtype=torch.long), spans=found.spans, keys=found.keys,
@@ -210,13 +205,7 @@ def _agreed(ranks: Ranks, select: Callable[[], list[Blended]]) -> list[Blended]:
     """Every rank selects (each remembers what it measured), then takes rank 0's tokens and rho for every request:
     the features were reduced over all heads, but a float's order of summation may still tip a near tie one way on
     one rank and the other way on another. A rank whose selection raised makes every rank raise (RanksFailed)."""
-    here: list[Blended] = []
-
-    def chosen():
-        here.extend(select())
-        return [(b.recomputed, b.ratio, b.floor_met) for b in here]
-
-    picks = ranks.agree(chosen)
+    here, picks = ranks.decide(select, lambda blended: [(b.recomputed, b.ratio, b.floor_met) for b in blended])
     return [b if b.recomputed is r else replace(b, recomputed=r, ratio=ratio, floor_met=met)
             for b, (r, ratio, met) in zip(here, picks, strict=True)]
 
@@ -258,17 +247,14 @@ def lookup(store: ChunkStore, plans: Sequence[RequestPlan], engine: Engine, comp
     asked = {key: c for key, (_, c) in chunks.items() if key not in given}
     costs = None if compute is None else {
         key: (c.span[1] - c.span[0], compute.chunk_s(c.span[1] - c.span[0])) for key, c in asked.items()}
-    here: list = []
 
-    def held() -> list[frozenset[str] | None]:
+    def held() -> tuple[Lookup, list[ChunkEntry | None]]:
         looked = store.lookup(list(asked), costs) if asked else Lookup({}, frozenset(), frozenset())
         held = {**given, **looked.entries}
-        here.extend([looked, [_holding(held.get(key), plan.chunk_ids(c), key, engine)
-                              for key, (plan, c) in chunks.items()]])
-        return [None if e is None else frozenset(e.features) for e in here[1]]
+        return looked, [_holding(held.get(key), plan.chunk_ids(c), key, engine) for key, (plan, c) in chunks.items()]
 
-    common = ranks.agree(held, _common_features)
-    looked, found = here
+    (looked, found), common = ranks.decide(
+        held, lambda here: [None if e is None else frozenset(e.features) for e in here[1]], _common_features)
     entries = {key: _with_features(entry, names) for key, entry, names in zip(chunks, found, common)
                if names is not None}
     return Lookup(entries, frozenset(k for k in fetched | looked.fetched if k in entries), looked.computed_instead)
