@@ -94,8 +94,15 @@ def hooks() -> list[tuple[str, object, HookType]]:
     ]
 
 
-def _resolve_hint(req, scheduler, *args, **kwargs) -> None:
-    request_hint.attach(reuse_of(scheduler.tree_cache), scheduler.tree_cache, req)
+def _resolve_hint(req, scheduler, recv_req, *args, **kwargs) -> None:
+    request_hint.attach(reuse_of(scheduler.tree_cache), scheduler.tree_cache, req, _input_logprobs(recv_req))
+
+
+def _input_logprobs(recv_req) -> bool:
+    """Whether the request asked for logprobs of its prompt's tokens (the scheduler resolves `logprob_start_len`
+    after creating the Req: -1, its default, scores output tokens only)."""
+    start = getattr(recv_req, "logprob_start_len", -1)
+    return bool(getattr(recv_req, "return_logprob", False)) and 0 <= start < len(recv_req.input_ids)
 
 
 def _attach_batch(result, cls, batch, *args, **kwargs):

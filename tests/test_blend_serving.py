@@ -4,6 +4,7 @@ import random
 import time
 
 import pytest
+import torch
 from conftest import Rag, blended_context, flush, gen, hints, sglang_engine
 
 pytestmark = pytest.mark.slow
@@ -111,6 +112,42 @@ def test_blend_matches_the_reference_blender(engine, rag, default_model, selecto
     result = ref.blend(ids[: spans[0][0]], [ids[s:e] for s, e in spans], ids[spans[-1][1]:], selector=selector)
     assert len(result.recomputed) == served["meta_info"]["chunkcache"]["recomputed_tokens"]
     assert ref.generate(result, 8) == served["output_ids"]
+
+
+def _top(engine, ids, kv_hints=None, **logprobs):
+    out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0}, kv_hints=kv_hints,
+                          return_logprob=True, top_logprobs_num=5, **logprobs)
+    top = out["meta_info"]["output_top_logprobs"][0]  # (logprob, token id, text) of the first output token
+    return out, [token for _, token, _ in top], torch.tensor([lp for lp, _, _ in top])
+
+
+def test_output_logprobs_of_a_blended_request_are_the_blends_own(engine, rag, default_model):
+    """A client asking for the first output token's top-5 logprobs still gets a blend (SGLang sets return_logprob for
+    output logprobs too): the values are the reference blender's for the same blend; `exact: true` gives stock's;
+    input logprobs over the prompt are computed in full, said in the report."""
+    from chunkcache.reference import ReferenceBlender
+
+    first, first_spans = rag.build([4, 1, 3], "What is the code of document 3?")
+    gen(engine, first, hints(first_spans, selector="epic", namespace="lp"), n=1)  # stores the three chunks
+    ids, spans = rag.build([3, 4, 1], "What is the code of document 1?")
+    served, tokens, logprobs = _top(engine, ids, hints(spans, selector="epic", namespace="lp"))
+    info = served["meta_info"]["chunkcache"]
+    assert "fallback" not in info and info["chunk_hits"] == 3 and info["reused_tokens"] > 0, info
+    ref = ReferenceBlender.from_pretrained(default_model)
+    result = ref.blend(ids[: spans[0][0]], [ids[s:e] for s, e in spans], ids[spans[-1][1]:], selector="epic")
+    assert len(result.recomputed) == info["recomputed_tokens"]
+    want = torch.log_softmax(result.logits, -1).topk(5)
+    assert tokens == want.indices.tolist()
+    assert torch.allclose(logprobs, want.values, atol=2e-3), (logprobs, want.values)
+
+    _, stock_tokens, stock = _top(engine, ids)
+    exact, exact_tokens, exact_logprobs = _top(engine, ids, hints(spans, exact=True, namespace="lp-exact"))
+    assert exact["meta_info"]["chunkcache"]["reason"] == "exact"
+    assert exact_tokens == stock_tokens and torch.allclose(exact_logprobs, stock, atol=1e-5)
+
+    scored, _, _ = _top(engine, ids, hints(spans, selector="epic", namespace="lp"), logprob_start_len=0)
+    assert scored["meta_info"]["chunkcache"]["fallback"] == "input_logprobs"
+    assert len(scored["meta_info"]["input_token_logprobs"]) == len(ids)
 
 
 def test_per_chunk_features_are_charged_and_written_to_disk(engine, rag, store_dir):

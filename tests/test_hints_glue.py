@@ -422,3 +422,13 @@ def test_an_overlapping_scheduler_learns_in_the_forward():
     the segments are stored before the forward returns."""
     reuse, _, _, _, _ = _learning_forward(after_outputs=None)
     assert all(key in reuse.store for key in ("a", "b", "c"))
+
+
+@pytest.mark.parametrize("return_logprob, start, expected", [
+    (False, 0, False), (True, -1, False), (True, 10, False), (True, 0, True), (True, 9, True)])
+def test_only_logprobs_over_the_prompt_keep_a_request_from_automatic_detection(return_logprob, start, expected):
+    """-1 (SGLang's default) and a start at the prompt's end score output tokens only, which a blend serves."""
+    from sglang_patch import plugin
+
+    recv = SimpleNamespace(return_logprob=return_logprob, logprob_start_len=start, input_ids=list(range(10)))
+    assert plugin._input_logprobs(recv) is expected

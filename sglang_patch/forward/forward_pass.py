@@ -51,6 +51,14 @@ def batch_rows(model_runner, forward_batch, reqs) -> list[Row]:
     return rows
 
 
+def input_logprob_tokens(forward_batch) -> list[int]:
+    """Per batch row, how many of its extend tokens SGLang scores with input logprobs (0 for a request that asked for
+    output logprobs alone, or none)."""
+    if not forward_batch.return_logprob or forward_batch.extend_logprob_start_lens_cpu is None:
+        return [0] * len(forward_batch.extend_seq_lens_cpu)
+    return [e - s for e, s in zip(forward_batch.extend_seq_lens_cpu, forward_batch.extend_logprob_start_lens_cpu)]
+
+
 class Pass:
     """The tokens of one forward, as segments with their ids, positions and pool slots; built first, then run once."""
 
@@ -110,6 +118,7 @@ class Runner:
         fb.out_cache_loc = torch.cat(p.loc).to(device=device, dtype=src.out_cache_loc.dtype)
         n = fb.input_ids.numel()
         lens = p.counts if logits else [n]
+        scored = ()
         fb.extend_num_tokens = n
         fb.extend_seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
         fb.extend_seq_lens_cpu = list(lens)
@@ -124,8 +133,13 @@ class Runner:
         if logits:
             fb.extend_prefix_lens = src.seq_lens - fb.extend_seq_lens
             fb.extend_prefix_lens_cpu = [int(s) - c for s, c in zip(src.seq_lens_cpu, lens)]
-            fb.extend_logprob_start_lens_cpu = [c - 1 for c in lens] if src.extend_logprob_start_lens_cpu else None
-        lasts_only = logits and not (fb.capture_hidden_mode and fb.capture_hidden_mode.is_full())
+            # each row keeps the input logprobs SGLang scheduled for it (its last tokens: a row computed exactly
+            # has them all; a blended row asked for none, scheduler.blend), so the batch's logprob token ids still
+            # line up
+            scored = input_logprob_tokens(src)
+            if src.extend_logprob_start_lens_cpu is not None:
+                fb.extend_logprob_start_lens_cpu = [c - n for c, n in zip(lens, scored)]
+        lasts_only = logits and not any(scored) and not (fb.capture_hidden_mode and fb.capture_hidden_mode.is_full())
         backend = SparseAttention(self.model_runner.attn_backend, p.segments, fb.out_cache_loc, device,
                                   copied=self.copied,
                                   final_layer=_last_layer(self.model_runner.model) if lasts_only else None)

@@ -12,7 +12,8 @@
     plain request's whole prompt is exact (its radix match is in the exact partition); a hinted or auto request's
     tokens past its radix match count as computed (chunk tokens hold their stored KV re-rotated, which the selector
     already corrected where it mattered).
-A request with input logprobs is never detected (the blend cannot give every prompt token's logits).
+A request with input logprobs over its prompt is never detected (the blend does not compute those tokens' logits);
+one with output logprobs alone is.
 """
 
 from __future__ import annotations
@@ -38,12 +39,13 @@ from ..forward.forward_pass import batch_rows
 log = logging.getLogger(__name__)
 
 
-def detect(reuse: ChunkReuse, tree_cache, req, request: ChunkRequest) -> None:
-    """The request's auto hint (on `request`; none: served as stock); its segments are kept for learning."""
+def detect(reuse: ChunkReuse, tree_cache, req, request: ChunkRequest, input_logprobs: bool = False) -> None:
+    """The request's auto hint (on `request`; none: served as stock, as is one that asked for `input_logprobs`); its
+    segments are kept for learning."""
     t0 = time.perf_counter()
     ids = req.origin_input_ids
     request.segments = reuse.segments(ids, getattr(req, "cache_salt", None))
-    if getattr(req, "return_logprob", False) or not request.segments.spans:
+    if input_logprobs or not request.segments.spans:
         return
     matched = exact_prefix(tree_cache, req)
     found = pipeline.detect(reuse.store, reuse.auto, ids, request.segments, matched, reuse.defaults, reuse.compute,

@@ -5,8 +5,9 @@ request's round (the pipeline's record, through sglang_patch.scheduler.report):
   * a hinted request's whole-prompt prefill blends: its plan (ChunkRequest.plan) starts after the radix match, a
     chunk the match reaches into keeping its exact head;
   * one whose chunks the radix tree holds entirely is computed exactly (reported, nothing to blend);
-  * one prefilled in part (chunked prefill, a retracted request), or in a batch that wants input logprobs, is
-    computed in full (a fallback, with its reason);
+  * one prefilled in part (chunked prefill, a retracted request), or one that asked for input logprobs over its
+    prompt, is computed in full (a fallback, with its reason); output logprobs come from the blend's own last-token
+    logits, as SGLang's sampler takes them from its own forward's;
   * plain requests and the decode rows of a mixed batch are computed exactly, in the blend's last forward.
 `BatchEngine` is the pipeline's Engine on SGLang's model runner: every step is one forward of SGLang's own model over
 a Pass (sglang_patch.forward.forward_pass) for the whole batch, the fill split into forwards of at most the prefill
@@ -31,7 +32,7 @@ from chunkcache.select.base import needs
 from chunkcache.store import ChunkEntry
 
 from . import report, request_hint
-from ..forward.forward_pass import Pass, Row, Runner, batch_rows
+from ..forward.forward_pass import Pass, Row, Runner, batch_rows, input_logprob_tokens
 
 
 def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
@@ -42,17 +43,18 @@ def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
               if not row.decode and request_hint.of(row.req) is not None]
     if not hinted:
         return None
-    if forward_batch.return_logprob:
-        for _, request in hinted:
-            report.fallback(request, "logprobs", "input logprobs need every prompt token's logits")
-        return None
     blending: dict[int, tuple[ChunkRequest, RequestPlan]] = {}  # batch row -> its record and plan
     predictions: dict[int, Prediction | None] = {}  # calibrated (reported); at_rates: as the rates alone predict
     at_rates: dict[int, Prediction | None] = {}
     candidates = []
+    scored = input_logprob_tokens(forward_batch)
     for row, request in hinted:
         prompt = len(row.req.origin_input_ids)
-        if row.seq_len != prompt:
+        if scored[row.index]:
+            report.fallback(request, "input_logprobs", f"input logprobs of the last {scored[row.index]} prompt tokens "
+                            f"(logprob_start_len) need those tokens' logits, which a blend does not compute: this "
+                            f"round is computed in full (output logprobs alone are served blended)")
+        elif row.seq_len != prompt:
             report.fallback(request, "partial_prefill", f"tokens [{row.matched}, {row.seq_len}) of "
                             f"{prompt} (chunked prefill or a retracted request): this round is computed in full")
         elif (plan := request.plan(row.matched)).blends:

@@ -34,10 +34,10 @@ ATTR = report.ATTR
 RESERVED_EXTRA_KEY = "chunkcache\x1f"
 
 
-def attach(reuse: ChunkReuse | None, tree_cache, req) -> None:
+def attach(reuse: ChunkReuse | None, tree_cache, req, input_logprobs: bool = False) -> None:
     """`reuse`: the scheduler's, None when its tree cache is not chunkcache's (a stock server still partitions).
-    With automatic detection on, a request without a hint may get one (auto_chunks.detect) and every request's
-    segments are kept for learning."""
+    With automatic detection on, a request without a hint may get one (auto_chunks.detect), unless it asked for
+    `input_logprobs` over its prompt, and every request's segments are kept for learning."""
     request = ChunkRequest(rid=str(getattr(req, "rid", "?")))
     req.__dict__[ATTR] = request
     try:
@@ -53,7 +53,7 @@ def attach(reuse: ChunkReuse | None, tree_cache, req) -> None:
         elif (reuse is not None and reuse.auto is not None and getattr(req, "to_finish", None) is None
               and reuse.config.select.selector != EXACT_SELECTOR):  # a server serving `full` blends nothing
             try:
-                auto_chunks.detect(reuse, tree_cache, req, request)
+                auto_chunks.detect(reuse, tree_cache, req, request, input_logprobs)
             except Exception as exc:  # noqa: BLE001 - e.g. the shared tier failing mid-lookup: serve it as stock
                 log.exception("chunkcache: automatic chunk detection failed for request %s", request.rid)
                 request.hint = request.detection = None
