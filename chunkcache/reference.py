@@ -84,7 +84,7 @@ class ReferenceBlender:
         self._sandwich = hasattr(model.model.layers[0], "pre_feedforward_layernorm")
         self.models = Models(model_dir, lambda name, layers: load_draft(name, layers, "float32", self.device,
                                                                          target=self.model))
-        self.fidelity = fidelity.load().model(model_dir)  # this model's fidelity estimator, or the default's
+        self.fidelity = fidelity.load().model(model_dir)  # this model's fidelity estimator; None: none was fitted
 
     @classmethod
     def from_pretrained(

@@ -166,6 +166,21 @@ def test_gemma_3_270m_blends_every_token_to_stocks_greedy_output(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_model_nobody_calibrated_gets_no_estimate_and_a_quality_floor_is_computed_in_full(family, rag):
+    """No fidelity estimator was fitted for a tiny random model: mix's blends report none (`fitted_for: null`) rather
+    than another model's, and a request bounded by max_kl is computed by the model's own forward, saying why."""
+    arch, _, engine = family
+    ids, spans = rag.build([2, 3, 1], "What is the code of document 1?")
+    plain = gen(engine, ids, hints(spans, selector="mix", namespace="uncalibrated"), n=1)["meta_info"]["chunkcache"]
+    assert "fallback" not in plain and plain["fidelity"] == {"fitted_for": None}, (arch, plain)
+    ids, spans = rag.build([1, 2, 3], "What is the code of document 2?")
+    bounded = gen(engine, ids, hints(spans, selector="mix", namespace="uncalibrated", max_kl=1e6), n=1)
+    info = bounded["meta_info"]["chunkcache"]
+    assert info["fallback"] == "uncalibrated" and "fidelity_fit" in info["detail"], (arch, info)
+    assert "ratio" not in info, info  # not blended at rho 1: SGLang's own forward
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("selector", ["epic", "prophet", "mix"])
 def test_every_selector_blends_on_every_served_family(family, rag, selector):
     """Their feature passes run inside SGLang's model too (mix's stops after its first layers): a blend, never the

@@ -3,7 +3,6 @@ choice of rho (monotone in the bound, None when even the cap misses it, the grid
 and the shipped coefficients file."""
 
 import json
-import logging
 import math
 import random
 from dataclasses import fields, replace
@@ -133,18 +132,13 @@ def test_the_shipped_coefficients_load_with_a_doc_line_per_field():
         assert est.kl > 0 and 0 < est.agree < 1 and est.fitted_for == name
 
 
-def test_a_served_model_gets_its_own_estimator_else_the_defaults_with_a_warning(caplog):
+def test_a_served_model_gets_its_own_estimator_and_none_pretends_to_be_another_models():
     own = replace(IDENTITY, name="own")
     other = replace(IDENTITY, kl=Linear(1.0, {"mass_left": 1.0}), name="other")
     coefficients = fidelity.Coefficients({"own": own, "other": other}, default="other")
-    with caplog.at_level(logging.WARNING, logger="chunkcache.blend.fidelity"):
-        assert coefficients.model("/home/x/.chunkcache/models/own") is own  # a served directory, named after it
-        assert coefficients.model("own") is own and coefficients.model(None) is other
-    assert not caplog.records
-    with caplog.at_level(logging.WARNING, logger="chunkcache.blend.fidelity"):
-        assert coefficients.model("/models/unknown") is other
-    assert "no fidelity estimator was fitted for unknown" in caplog.text and "other's" in caplog.text
-    assert fidelity.estimate(at(0.1), coefficients.model("/models/unknown")).fitted_for == "other"
+    assert coefficients.model("/home/x/.chunkcache/models/own") is own  # a served directory, named after it
+    assert coefficients.model("own") is own and coefficients.model(None) is other
+    assert coefficients.model("/models/unknown") is None
 
 
 def test_a_coefficients_file_without_a_doc_line_is_refused():

@@ -372,7 +372,9 @@ def read_ttft(path: str) -> dict[float, float]:
 def judge(args) -> None:
     name = model_of(args.paths)
     coefficients = fidelity.load(args.coefficients)
-    model = coefficients.model(name)
+    # judging a model with another's estimator is what a server never does (it estimates nothing without its own):
+    # this asks how far the default model's coefficients would be off
+    model = coefficients.model(name) or coefficients.model()
     print(f"{name}'s cases, judged with {model.name}'s estimator" + (" (it has none of its own)"
                                                                        if model.name != name else "") + "\n")
     cases = {k: v for k, v in cases_of(load_points(args.paths)).items() if args.unseen or role(k[1]) == "judge"}

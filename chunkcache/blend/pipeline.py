@@ -48,6 +48,8 @@ from .request import STAGES, ChunkRequest, Detection, RequestHint
 log = logging.getLogger(__name__)
 PASSES = ("query_attention", "kv_deviation")  # the features an engine computes with model passes
 NO_BATCH = {"requests": 0, "plain": 0, "decodes": 0, "forwards": 0}  # a round that blended nothing
+UNCALIBRATED = ("no fidelity estimator was fitted for this model, so no rho can be promised to meet max_kl: computed "
+                "in full (python -m chunkbench.quality.fidelity_fit collect, then fit, adds one: docs/bench/fidelity.md)")
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,7 @@ class Blended:
     floor_met: bool | None = None  # with a quality floor: whether some rho up to the cap met it (else ratio 1)
     fetched: int = 0  # of its chunk hits, those the remote tier served
     computed_instead: int = 0  # chunks not asked of the remote tier: computing them was predicted faster
+    uncalibrated: bool = False  # its selector gives the estimator's signals, but the model has no estimator
 
     @property
     def reused_tokens(self) -> int:
@@ -151,11 +154,10 @@ def run(engine: Engine, store: ChunkStore, plans: Sequence[RequestPlan], selecto
     """lookup, fill, learn, copy, features, select and recompute for one batch. `floor_cap`: the largest rho a
     request's quality floor may choose. `compute`: what computing a chunk costs this server (priced against a remote
     fetch, and measured on the fill); None: every remote entry is fetched. `prefetched`: entries detection already
-    fetched (not asked of the store again). `estimator`: the served model's fidelity estimator (None: the packaged
-    file's default model's). `ranks`: the tensor-parallel ranks whose forwards must compute the same rows: the
+    fetched (not asked of the store again). `estimator`: the served model's fidelity estimator (None: none was fitted
+    for it, so no blend is estimated and a quality floor recomputes every context token). `ranks`: the tensor-parallel ranks whose forwards must compute the same rows: the
     chunks found and the tokens recomputed are agreed over them (rank 0's selection, from features every rank
     reduced over all heads)."""
-    estimator = estimator or fidelity.load().model()
     seconds = dict.fromkeys(STAGES, 0.0)
     step = _stopwatch(seconds)
     with step("lookup"):
@@ -187,18 +189,19 @@ def run(engine: Engine, store: ChunkStore, plans: Sequence[RequestPlan], selecto
 
 
 def _select(plan: RequestPlan, f: RequestFeatures, sel: Selector, floor_cap: float, looked: Lookup,
-            estimator: fidelity.Model) -> Blended:
+            estimator: fidelity.Model | None) -> Blended:
     """One request's selection at its ratio (or its quality floor's), and its fidelity estimate at that rho."""
     t = time.perf_counter()
     ratio, met = _budget(plan, sel, f, floor_cap, estimator)
     selection = sel.select(f.layout, ratio, f)
     recomputed = recompute_set(f.layout, selection.indices)
-    estimate = None if selection.scores is None else fidelity.estimate(
+    estimate = None if selection.scores is None or estimator is None else fidelity.estimate(
         fidelity.signals(fidelity.evidence(f.layout, selection.scores, f.values), recomputed), estimator)
     return Blended(plan, sum(c.key in looked.entries for c in plan.chunks), recomputed, selection.scores,
                    time.perf_counter() - t, tuple(sorted({name for name, _ in f.values if name in PASSES})),
                    ratio, estimate, met, sum(c.key in looked.fetched for c in plan.chunks),
-                   sum(c.key in looked.computed_instead for c in plan.chunks))
+                   sum(c.key in looked.computed_instead for c in plan.chunks),
+                   uncalibrated=selection.scores is not None and estimator is None)
 
 
 def _agreed(ranks: Ranks, select: Callable[[], list[Blended]]) -> list[Blended]:
@@ -221,11 +224,14 @@ def _keep_features(store: ChunkStore, features: list[RequestFeatures]) -> None:
 
 
 def _budget(plan: RequestPlan, sel: Selector, features: RequestFeatures, cap: float,
-            estimator: fidelity.Model) -> tuple[float, bool | None]:
+            estimator: fidelity.Model | None) -> tuple[float, bool | None]:
     """(rho, whether the quality floor was met): the plan's ratio without a floor; with one, the smallest rho of the
-    fidelity grid up to `cap` whose estimate meets it, else 1 (every context token recomputed)."""
+    fidelity grid up to `cap` whose estimate meets it, else (and without an estimator) 1: every context token
+    recomputed."""
     if plan.max_kl is None:
         return plan.ratio, None
+    if estimator is None:
+        return 1.0, False
     chosen = fidelity.smallest_ratio(fidelity.at_ratios(sel, features.layout, features), plan.max_kl, estimator,
                                      cap=cap)
     return (1.0, False) if chosen is None else (chosen, True)
@@ -382,9 +388,9 @@ def record(request: ChunkRequest, b: Blended, *, stages: dict[str, float] | None
         "stages_s": _stages(request, stages), "batch": dict(batch or NO_BATCH),
         "admitted_compute": request.charged, "feature_passes": list(b.passes),
         **(prediction.report() if prediction is not None else {}),
-        **({} if b.estimate is None else {"fidelity": {"kl": round(b.estimate.kl, 6),
-                                                        "agree": round(b.estimate.agree, 4),
-                                                        "fitted_for": b.estimate.fitted_for}}),
+        **({"fidelity": {"fitted_for": None}} if b.uncalibrated else {} if b.estimate is None else {
+            "fidelity": {"kl": round(b.estimate.kl, 6), "agree": round(b.estimate.agree, 4),
+                         "fitted_for": b.estimate.fitted_for}}),
         **_floor(b), "fetched": b.fetched, "computed_instead": b.computed_instead,
     }
 
@@ -396,6 +402,8 @@ def _floor(b: Blended) -> dict:
         return {}
     if b.floor_met:
         return {"max_kl": b.plan.max_kl}
+    if b.uncalibrated:
+        return {"max_kl": b.plan.max_kl, "fallback": "uncalibrated", "detail": UNCALIBRATED}
     detail = (f"no rho up to select.max_kl_cap has an estimated first-token KL of at most {b.plan.max_kl}"
               if b.estimate is not None else f"selector {b.plan.selector!r} gives no fidelity estimate (the estimator "
               f"reads mix's signals)") + ": every context token recomputed"

@@ -54,6 +54,8 @@ def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
             report.fallback(request, "input_logprobs", f"input logprobs of the last {scored[row.index]} prompt tokens "
                             f"(logprob_start_len) need those tokens' logits, which a blend does not compute: this "
                             f"round is computed in full (output logprobs alone are served blended)")
+        elif request.hint.max_kl is not None and reuse.fidelity is None:
+            report.fallback(request, "uncalibrated", pipeline.UNCALIBRATED)
         elif row.seq_len != prompt:
             report.fallback(request, "partial_prefill", f"tokens [{row.matched}, {row.seq_len}) of "
                             f"{prompt} (chunked prefill or a retracted request): this round is computed in full")
