@@ -95,6 +95,11 @@ class DraftConfig:
         _one_of(self, "dtype", ("float32", "float16", "bfloat16"))
 
 
+# the selectors' options the project ships beside their classes' own defaults (README "Selectors"): a config's
+# options merge over them
+SHIPPED_OPTIONS = {"mix": {"stored_deviation": True, "overlap": 0.15}}
+
+
 @dataclass
 class SelectConfig:
     # default selector: full (SGLang's own prefill, no reused KV: hints `exact`), none, epic, cacheblend, prophet,
@@ -104,9 +109,9 @@ class SelectConfig:
     selector: str = "mix"
     ratio: float = 0.15  # recompute budget rho over reused context tokens, in [0, 1]
     # per-selector keyword options, keyed by selector name: the fields of its class in chunkcache/select/ (each with
-    # its default and doc line), e.g. mix's adaptive budget {mass: 0.8, rho_floor: 0.05, rho_cap: 0.3}; a config
-    # that gives options replaces these
-    options: dict[str, Any] = field(default_factory=lambda: {"mix": {"stored_deviation": True, "overlap": 0.15}})
+    # its default and doc line), e.g. mix's adaptive budget {mass: 0.8, rho_floor: 0.05, rho_cap: 0.3}; a config's
+    # options for a selector override SHIPPED_OPTIONS key by key (`overlap: 0` turns mix's overlap off)
+    options: dict[str, Any] = field(default_factory=dict)
     # CPU: a request that teaches the store nothing (every chunk stored) is computed in full when blending it is
     # predicted slower, from rates measured once on this host (chunkcache/blend/cost.py); reported as the fallback
     # `predicted_slower`.
@@ -121,6 +126,12 @@ class SelectConfig:
     # the largest rho a quality floor may choose; a request whose estimate misses its bound even there has every
     # context token recomputed (reported as the fallback `quality_floor`)
     max_kl_cap: float = 0.4
+
+    def __post_init__(self):
+        given = self.options
+        self.options = {name: dict(opts) for name, opts in SHIPPED_OPTIONS.items()}
+        for name, opts in given.items():
+            self.options[name] = {**self.options.get(name, {}), **opts} if isinstance(opts, dict) else opts
 
     def check(self) -> None:
         """What needs no selector: the names and their options are the registry's to judge (Config.load's

@@ -92,3 +92,16 @@ def test_serve_refuses_a_bad_config_before_starting_sglang(tmp_path):
         assert message in out.stderr
     assert "starting:" not in out.stdout
     assert time.time() - t0 < 60
+
+
+def test_a_selectors_options_merge_over_the_shipped_ones(tmp_path):
+    """Setting one mix option keeps the shipped remembered deviation and overlap (a config once replaced the whole
+    dict and silently lost both); a shipped option is turned off by setting it."""
+    path = tmp_path / "c.yaml"
+    path.write_text("select:\n  options:\n    mix: {mass: 0.46}\n    spec: {layers: 2}\n")
+    options = Config.load(path).select.options
+    assert options["mix"] == {"stored_deviation": True, "overlap": 0.15, "mass": 0.46}
+    assert options["spec"] == {"layers": 2}
+    path.write_text("select:\n  options:\n    mix: {overlap: 0}\n")
+    assert Config.load(path).select.options["mix"] == {"stored_deviation": True, "overlap": 0}
+    assert Config().select.options == Config.load().select.options  # the packaged file states what ships
