@@ -34,8 +34,11 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def _workload_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--workload", default="shuffled", help="shuffled | musique[:PATH] | synthetic:TASK "
-                    "(tasks: single, multikey, multivalue, vartrack, bridge)")
+    from .synthetic import TASKS
+
+    ap.add_argument("--workload", default="shuffled", help="shuffled | musique[:PATH] | synthetic:TASK (tasks: "
+                    f"{', '.join(TASKS)}); bench only: auto (automatic detection's own phases, --phase: "
+                    "`chunkcache bench --workload auto --help`)")
     ap.add_argument("--requests", type=int, help="requests (records, cases) per phase")
     ap.add_argument("--docs", type=int, help="documents per prompt")
     ap.add_argument("--words", type=int, help="words per document (musique: truncation)")
@@ -66,10 +69,13 @@ def bench(argv: list[str]) -> int:
         "--mode ab: sequential (TTFT, quality) and Poisson phases, one server after the other. --mode closed: "
         "throughput and TTFT at fixed concurrencies, both servers up, the sides alternating in short blocks.",
         epilog="~3K-token prompts: --mode closed --docs 8 --words 380 --pool 16; ~7K: --docs 17 --words 380 --pool 24 "
-        "(the default model has an 8192-token context).")
+        "(the default model has an 8192-token context).", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _workload_args(ap)
     ap.add_argument("--mode", choices=("ab", "closed"), default="ab", help="which comparison (see above)")
-    ap.add_argument("--selectors", default="prophet", help="chunkcache selectors (comma-separated)")
+    from chunkcache.config import Config
+
+    ap.add_argument("--selectors", default=Config().select.selector, help="chunkcache selectors (comma-separated); "
+                    "the default is the server's")
     ap.add_argument("--ratios", default="0.15", help="recompute budgets rho; every selector x rho is one "
                     "chunkcache configuration, the first one runs the Poisson phases and the closed loop")
     ap.add_argument("--rates", help=f"ab: Poisson arrival rates, req/s (default {FULL['rates']}; empty: none)")
@@ -132,10 +138,10 @@ def evaluate(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="chunkcache eval", description="Quality of selectors x rho against gold "
                                  "answers and full recompute (reference blender or a live server): accuracy, "
                                  "agreement, teacher-forced agreement and first-token KL, each with a 95 % "
-                                 "bootstrap interval over cases.")
+                                 "bootstrap interval over cases.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _workload_args(ap)
     ap.set_defaults(workload="synthetic:bridge")
-    ap.add_argument("--selectors", default="none,epic,cacheblend,prophet,spec,clip", help="comma-separated; an "
+    ap.add_argument("--selectors", default="none,epic,cacheblend,prophet,spec,clip,mix", help="comma-separated; an "
                     "item may carry options: mix:mass=0.5,layer=2 (reference path)")
     ap.add_argument("--ratios", default=",".join(f"{r:g}" for r in RATIOS))
     ap.add_argument("--drafts", default="self", help="drafts for spec/clip and the overlap analysis: self, "

