@@ -31,7 +31,7 @@ def test_bench_smoke(tmp_path, default_model):
     assert all(r["chunk_hits"] == 0 and not r["blended"] for r in records if r["side"] == "stock")
 
     summary = (out / "summary.md").read_text()
-    assert "| stock |" in summary and "| prophet@0.15 |" in summary and "goodput" in summary
+    assert "| stock |" in summary and "| mix@0.15 |" in summary and "goodput" in summary  # the server's selector
     assert "nan" not in summary.lower()
     for name in ("ttft_cdf.png", "frontier.png", "goodput.png"):
         png = (out / name).read_bytes()
