@@ -1,33 +1,44 @@
 """chunkcache.blend.cost: the blend-or-full prediction, priced by hand on rates chosen to isolate each term."""
 
+from types import SimpleNamespace
+
 import torch
 
-from chunkcache.blend.cost import Calibration, ComputeCost, ModelShape, Rates, host_rates, predict
+from chunkcache.blend.cost import Calibration, ComputeCost, ModelShape, Rates, host_rates, predict, work
 from chunkcache.blend.plan import plan_request
+from chunkcache.select import REGISTRY
 from chunkcache.select.base import QUERY_PASS_TOKENS
+
+QUERY_PASS = SimpleNamespace(needs=(("query_attention", ()),))  # a selector reading the query's attention
+NO_PASS = SimpleNamespace(needs=())
+LAYERS = 30
+
+
+def priced(plan, query_pass: bool, rates: Rates, margin: float = 0.0):
+    return predict(plan, QUERY_PASS if query_pass else NO_PASS, rates, LAYERS, margin)
 
 # 10 prefix tokens, two chunks of 100, a 5-token query: n = 215
 PLAN = plan_request(torch.arange(215), [(10, 110), (110, 210)], ["a", "b"], matched=0, selector="prophet", ratio=0.1)
 
 
 def test_tokens_the_blend_computes_against_the_whole_extend():
-    p = predict(PLAN, query_pass=True, rates=Rates(token_s=1.0, pair_s=0.0, copy_s=0.0))
+    p = priced(PLAN, query_pass=True, rates=Rates(token_s=1.0, pair_s=0.0, copy_s=0.0))
     # the prefix (10, computed exactly), ceil(0.1 x 200) picks, the query, the query pass again
     assert (p.blend_s, p.stock_s) == (10 + 20 + 5 + 5, 215) and p.blend
     holes = plan_request(torch.arange(215), [(10, 20), (200, 210)], ["a", "b"], matched=0, selector="prophet",
                          ratio=0.1)  # 180 tokens between the chunks: recomputed whatever the selector picks
-    assert predict(holes, query_pass=False, rates=Rates(1.0, 0.0, 0.0)).blend_s == 10 + 2 + 180 + 5
-    assert predict(holes, query_pass=True, rates=Rates(1.0, 0.0, 0.0)).blend_s == 10 + 2 + 180 + 5 + 5
+    assert priced(holes, query_pass=False, rates=Rates(1.0, 0.0, 0.0)).blend_s == 10 + 2 + 180 + 5
+    assert priced(holes, query_pass=True, rates=Rates(1.0, 0.0, 0.0)).blend_s == 10 + 2 + 180 + 5 + 5
     # an unstored passage after the last chunk is query: the recompute computes its 105 tokens, the query pass only
     # the last QUERY_PASS_TOKENS, attending the 110 held tokens and each other
     tail = plan_request(torch.arange(215), [(10, 60), (60, 110)], ["a", "b"], matched=0, selector="prophet", ratio=0.1)
-    assert predict(tail, query_pass=True, rates=Rates(1.0, 0.0, 0.0)).blend_s == 10 + 10 + 105 + QUERY_PASS_TOKENS
-    assert predict(tail, query_pass=True, rates=Rates(0.0, 1.0, 0.0)).blend_s == (
+    assert priced(tail, query_pass=True, rates=Rates(1.0, 0.0, 0.0)).blend_s == 10 + 10 + 105 + QUERY_PASS_TOKENS
+    assert priced(tail, query_pass=True, rates=Rates(0.0, 1.0, 0.0)).blend_s == (
         10 * 10 / 2 + 10 * (10 + 110) / 2 + 105 * 215 + QUERY_PASS_TOKENS * (110 + QUERY_PASS_TOKENS))
 
 
 def test_pairs_each_side_attends():
-    p = predict(PLAN, query_pass=True, rates=Rates(token_s=0.0, pair_s=1.0, copy_s=0.0))
+    p = priced(PLAN, query_pass=True, rates=Rates(token_s=0.0, pair_s=1.0, copy_s=0.0))
     assert p.stock_s == 215 * 216 / 2
     # the prefix's causal pairs; 20 picks spread over [10, 210), each attending its position; the query's 5 rows
     # (and the query pass's) attending all 215 keys
@@ -35,7 +46,7 @@ def test_pairs_each_side_attends():
 
 
 def test_copying_the_reused_kv_can_make_the_blend_lose():
-    p = predict(PLAN, query_pass=False, rates=Rates(token_s=1.0, pair_s=0.0, copy_s=10.0))
+    p = priced(PLAN, query_pass=False, rates=Rates(token_s=1.0, pair_s=0.0, copy_s=10.0))
     assert p.blend_s == 35 + 200 * 10 and not p.blend
     assert p.report() == {"choice": "full", "predicted_blend_s": 2035.0, "predicted_full_s": 215.0}
 
@@ -43,14 +54,14 @@ def test_copying_the_reused_kv_can_make_the_blend_lose():
 def test_a_blend_predicted_within_the_margin_is_computed_in_full():
     # token_s 1, copy_s 0.7: blend 35 + 200 x 0.7 = 175 against 215 in full, 18.6 % faster
     rates = Rates(token_s=1.0, pair_s=0.0, copy_s=0.7)
-    assert predict(PLAN, query_pass=False, rates=rates).blend  # no margin: any predicted gain blends
-    assert predict(PLAN, query_pass=False, rates=rates, margin=0.15).blend
-    assert not predict(PLAN, query_pass=False, rates=rates, margin=0.2).blend
+    assert priced(PLAN, query_pass=False, rates=rates).blend  # no margin: any predicted gain blends
+    assert priced(PLAN, query_pass=False, rates=rates, margin=0.15).blend
+    assert not priced(PLAN, query_pass=False, rates=rates, margin=0.2).blend
     calibrated = Calibration()
     for side in ("blend", "full"):
         for _ in range(Calibration.MIN_OBSERVED):
             calibrated.observe(side, 1.0, 1.0)
-    assert not calibrated.apply(predict(PLAN, query_pass=False, rates=rates, margin=0.2)).blend  # kept when scaled
+    assert not calibrated.apply(priced(PLAN, query_pass=False, rates=rates, margin=0.2)).blend  # kept when scaled
 
 
 def test_rates_are_measured_once_per_host_and_shape(tmp_path, monkeypatch):
@@ -104,3 +115,22 @@ def test_a_chunks_compute_cost_is_the_fills_measured_rate_else_the_rates_else_un
     for tokens, seconds in [(100, 0.2), (200, 0.2), (400, 1.2)]:  # 2, 1 and 3 ms per token
         cost.observe(tokens, seconds)
     assert cost.per_token_s == 2e-3 and cost.chunk_s(50) == 50 * 2e-3  # the median, over the rates
+
+
+def test_admission_charges_the_work_the_prediction_prices():
+    """One count of a blend's work (cost.work): its tokens are what the server's admission charges and what the
+    prediction prices at token_s; the query pass is at most QUERY_PASS_TOKENS rows, a measured deviation pass its
+    share of the layers, a missing chunk its tokens, and `none` recomputes no picks whatever rho."""
+    long_query = plan_request(torch.arange(300), [(10, 110), (110, 210)], ["a", "b"], matched=0, selector="prophet",
+                              ratio=0.1)  # a 90-token query
+    prophet = REGISTRY.create("prophet")
+    w = work(long_query, prophet, LAYERS)
+    assert (w.exact_prefix, w.recomputed, w.query_rows, w.deviation) == (10, 20 + 90, QUERY_PASS_TOKENS, 0)
+    assert w.reused == 200
+    assert predict(long_query, prophet, Rates(1.0, 0.0, 0.0), LAYERS).blend_s == w.tokens
+    assert work(long_query, prophet, LAYERS, held=[True, False]).tokens == w.tokens + 100
+    assert work(long_query, REGISTRY.create("none"), LAYERS).recomputed == 90
+    measured = REGISTRY.create("cacheblend")  # K deviation at its check layer, measured in the request
+    (name, (layer, _)), = measured.needs
+    share = -(-(300 - 10) * (layer + 1) // LAYERS)  # every token after the prefix, through the check layer
+    assert name == "kv_deviation" and work(long_query, measured, LAYERS).deviation == share

@@ -98,7 +98,7 @@ def test_stock_command_is_left_alone_on_gpu_or_without_chunk_reuse(monkeypatch, 
     assert repr(args) == before and "SGLANG_USE_CPU_ENGINE" not in os.environ
 
 
-# ---- parallel layouts: tensor parallelism served, the others refused with the reason ----------------------------------
+# ---- parallel layouts: tensor parallelism served, the others refused with the reason ---------------------------------
 
 def _args(**overrides):
     fields = dict(tp_size=1, pp_size=1, attn_dp_size=1, enable_dp_attention=False, attn_cp_size=1, dcp_size=1,

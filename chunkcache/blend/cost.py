@@ -4,10 +4,12 @@ Both sides are priced at the same three rates, since the blend runs the model's 
 the causal kernel's rate per (query, key) pair (chunkcache.blend.attention's staircase):
 
     stock  = E x token_s + P_stock x pair_s                      E extend tokens, P_stock their causal pairs
-    blend  = (F + M + Q) x token_s + (P_fill + P_blend + P_query) x pair_s + R x copy_s
+    blend  = (F + M + Q + D) x token_s + (P_fill + P_blend + P_query + P_dev) x pair_s + R x copy_s
              F the unmatched shared prefix (computed exactly first), M tokens recomputed (rho of the reused context,
              the query, every token between chunks), R reused tokens copied, Q the query pass's tokens (selectors
-             that read the query's attention)
+             that read the query's attention), D the deviation pass's (selectors that measure it)
+
+`Work` counts these once per blend; the server's admission charges the same count.
 
 P_blend assumes the picks spread evenly over the reused context (what a pick attends is its position). The rates
 (`Rates`) are measured once per host and model shape and kept (chunkcache.cpu_dtype.kept_per_host): the model's
@@ -19,7 +21,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -27,7 +29,7 @@ import torch.nn.functional as F
 
 from ..config import home
 from ..cpu_dtype import best_seconds, host_signature, kept_per_host
-from ..select.base import QUERY_PASS_TOKENS
+from ..select.base import QUERY_PASS_TOKENS, needs
 from .plan import RequestPlan
 
 
@@ -135,26 +137,63 @@ def measure(shape: ModelShape, tokens: int = 512, keys: int = 1024) -> Rates:
                  copy_s=copy * kv_bytes * 2)  # read from the entry and written to the pool
 
 
-def predict(plan: RequestPlan, query_pass: bool, rates: Rates, margin: float = 0.0) -> Prediction:
-    """A request whose chunks are all stored (one with a missing chunk blends to store it); `query_pass`: the
-    selector runs the query's last tokens through every layer (prophet, mix: Layout.query_pass), attending the
-    prefix, the chunks and each other; `margin`: Prediction.margin."""
+@dataclass(frozen=True)
+class Work:
+    """What one blend computes, counted once from its plan: the server's admission charges `tokens` against the
+    prefill budget, `predict` prices them."""
+
+    exact_prefix: int  # the unmatched shared prefix, computed exactly first
+    missing: int  # chunk tokens no store holds, computed standalone after the shared prefix
+    recomputed: int  # the selector's picks, every token between chunks and the query, through every layer
+    query_rows: int  # the query pass's rows (a selector reading the query's attention: Layout.query_pass)
+    deviation: int  # the KV deviation pass, as whole-model tokens (every token after the prefix, its first layers)
+    reused: int  # context tokens whose stored KV is copied in
+    pairs: float  # (query, key) pairs those tokens attend
+
+    @property
+    def tokens(self) -> int:
+        """Tokens through every layer."""
+        return self.exact_prefix + self.missing + self.recomputed + self.query_rows + self.deviation
+
+
+def work(plan: RequestPlan, selector, n_layers: int, held: Sequence[bool] | None = None) -> Work:
+    """`selector`'s blend of `plan` (its `needs` say which passes run; a `fixed_ratio` replaces the plan's rho),
+    on a model of `n_layers`; `held`: per plan chunk, whether the store holds it (None: all). The picks are assumed
+    spread evenly over the reused context (what a pick attends is its position). A deviation the selector reads from
+    the store (a remembered one) costs nothing; one it may measure is counted as measured (which chunks remember one
+    is known only once their entries are read)."""
     n, start = plan.n, plan.matched
-    extend = n - start
-    reused = sum(e - s for s, e in (c.span for c in plan.chunks))
+    spans = [c.span for c in plan.chunks]
+    reused = sum(e - s for s, e in spans)
+    missing = 0 if held is None else sum(e - s for (s, e), h in zip((c.chunk for c in plan.chunks), held) if not h)
     between = (plan.query - plan.start) - reused  # tokens between chunks: always recomputed
-    picks = math.ceil(plan.ratio * reused) if plan.selector not in ("none", "full") else (
-        reused if plan.selector == "full" else 0)
+    fixed = getattr(selector, "fixed_ratio", None)
+    picks = math.ceil((plan.ratio if fixed is None else fixed) * reused)
     query = n - plan.query
-    exact_prefix = plan.start - start  # the unmatched shared prefix, computed exactly first
-    recomputed = picks + between + query
-    pairs = (picks + between) * (plan.start + plan.query) / 2 + query * n
-    fill_pairs = exact_prefix * (start + plan.start) / 2
-    rows = min(query, QUERY_PASS_TOKENS) if query_pass else 0
-    tokens = exact_prefix + recomputed + rows
-    pairs = pairs + fill_pairs + rows * (plan.start + reused + rows)
-    blend = tokens * rates.token_s + pairs * rates.pair_s + reused * rates.copy_s
-    return Prediction(blend, full_s(extend, start, rates), tokens, int(pairs), reused, margin)
+    exact_prefix = plan.start - start
+    pairs = (picks + between) * (plan.start + plan.query) / 2 + query * n + exact_prefix * (start + plan.start) / 2
+    shared = plan.shared_prefix_len
+    pairs += sum((e - s) * (shared + (e - s + 1) / 2) for (s, e), h in
+                 zip((c.chunk for c in plan.chunks), held or [True] * len(spans)) if not h)
+    wanted = needs(selector)
+    rows = min(query, QUERY_PASS_TOKENS) if any(name == "query_attention" for name, _ in wanted) else 0
+    pairs += rows * (plan.start + reused + rows)
+    deviation = 0
+    measured = [args for name, args in wanted if name in ("kv_deviation", "known_deviation")]
+    if measured:
+        share = (measured[0][0] + 1) / n_layers  # args[0]: the check layer; the pass stops after it
+        deviation = math.ceil((n - plan.start) * share)
+        pairs += (n - plan.start) * (plan.start + (n - plan.start + 1) / 2) * share
+    return Work(exact_prefix, missing, picks + between + query, rows, deviation, reused, pairs)
+
+
+def predict(plan: RequestPlan, selector, rates: Rates, n_layers: int, margin: float = 0.0) -> Prediction:
+    """A request whose chunks are all stored (one with a missing chunk blends to store it), blended by `selector`
+    (Work); `margin`: Prediction.margin."""
+    w = work(plan, selector, n_layers)
+    blend = w.tokens * rates.token_s + w.pairs * rates.pair_s + w.reused * rates.copy_s
+    return Prediction(blend, full_s(plan.n - plan.matched, plan.matched, rates), w.tokens, int(w.pairs), w.reused,
+                      margin)
 
 
 class ComputeCost:

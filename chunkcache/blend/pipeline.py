@@ -49,7 +49,8 @@ log = logging.getLogger(__name__)
 PASSES = ("query_attention", "kv_deviation")  # the features an engine computes with model passes
 NO_BATCH = {"requests": 0, "plain": 0, "decodes": 0, "forwards": 0}  # a round that blended nothing
 UNCALIBRATED = ("no fidelity estimator was fitted for this model, so no rho can be promised to meet max_kl: computed "
-                "in full (python -m chunkbench.quality.fidelity_fit collect, then fit, adds one: docs/bench/fidelity.md)")
+                "in full (python -m chunkbench.quality.fidelity_fit collect, then fit, adds one: "
+                "docs/bench/fidelity.md)")
 
 
 @dataclass(frozen=True)
@@ -155,9 +156,9 @@ def run(engine: Engine, store: ChunkStore, plans: Sequence[RequestPlan], selecto
     request's quality floor may choose. `compute`: what computing a chunk costs this server (priced against a remote
     fetch, and measured on the fill); None: every remote entry is fetched. `prefetched`: entries detection already
     fetched (not asked of the store again). `estimator`: the served model's fidelity estimator (None: none was fitted
-    for it, so no blend is estimated and a quality floor recomputes every context token). `ranks`: the tensor-parallel ranks whose forwards must compute the same rows: the
-    chunks found and the tokens recomputed are agreed over them (rank 0's selection, from features every rank
-    reduced over all heads)."""
+    for it, so no blend is estimated and a quality floor recomputes every context token). `ranks`: the
+    tensor-parallel ranks whose forwards must compute the same rows: the chunks found and the tokens recomputed are
+    agreed over them (rank 0's selection, from features every rank reduced over all heads)."""
     seconds = dict.fromkeys(STAGES, 0.0)
     step = _stopwatch(seconds)
     with step("lookup"):

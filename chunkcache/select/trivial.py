@@ -12,6 +12,7 @@ from .base import REGISTRY, Features, Layout, Selection, finish
 @REGISTRY.register
 class Full:
     name: ClassVar[str] = "full"
+    fixed_ratio: ClassVar[float] = 1.0  # the share of the context it recomputes whatever rho (blend.cost.work)
 
     def select(self, layout: Layout, ratio: float, features: Features) -> Selection:
         return finish(layout, layout.context_mask().nonzero().flatten(), None)
@@ -20,6 +21,7 @@ class Full:
 @REGISTRY.register
 class NoRecompute:
     name: ClassVar[str] = "none"
+    fixed_ratio: ClassVar[float] = 0.0
 
     def select(self, layout: Layout, ratio: float, features: Features) -> Selection:
         return finish(layout, torch.empty(0, dtype=torch.long), None)

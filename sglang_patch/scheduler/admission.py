@@ -17,12 +17,11 @@ Plain requests are admitted exactly as SGLang admits them. Installed through the
 from __future__ import annotations
 
 import logging
-import math
 
 from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
 
+from chunkcache.blend.cost import work
 from chunkcache.blend.reuse import ChunkReuse
-from chunkcache.select.base import needs
 
 from . import request_hint
 from .cache import reuse_of
@@ -31,30 +30,16 @@ log = logging.getLogger(__name__)
 
 
 def compute_tokens(reuse: ChunkReuse, req, prefix_len: int) -> int | None:
-    """Tokens the blend computes for `req` when the radix tree holds its first `prefix_len` tokens: the unmatched
-    shared prefix, every missing chunk (computed standalone), the tokens outside chunks (query included), the
-    selector's budget and its feature pass. None for a request that is not blended as a whole (no chunks, a
-    retracted request that re-prefills its output)."""
+    """Tokens the blend computes for `req` when the radix tree holds its first `prefix_len` tokens
+    (chunkcache.blend.cost.work: the count its blend-or-full choice prices). None for a request that is not blended
+    as a whole (no chunks, a retracted request that re-prefills its output)."""
     if request_hint.of(req) is None or req.output_ids:
         return None
     plan = request_hint.record(req).plan(prefix_len)
-    extend = plan.n - prefix_len
     if not plan.blends:
-        return extend
-    context = sum(e - s for s, e in (c.span for c in plan.chunks))
+        return plan.n - prefix_len
     held = reuse.held([c.key for c in plan.chunks])  # every rank admits the same batch
-    missing = sum(e - s for (s, e), h in zip((c.chunk for c in plan.chunks), held) if not h)
-    outside = extend - (plan.start - prefix_len) - context
-    selected = 0 if plan.selector == "none" else math.ceil(plan.ratio * context)
-    features = 0
-    for name, args in needs(reuse.selector(plan.selector)):
-        if name == "query_attention":
-            features += plan.n - plan.query
-        # args[0] = check layer: the first layer+1 of all layers, over every token; a remembered deviation may cost
-        # nothing, but which chunks remember one is known only once their entries are fetched: charged as measured
-        elif name in ("kv_deviation", "known_deviation"):
-            features += math.ceil((plan.n - plan.start) * (args[0] + 1) / reuse.layout.num_layers)
-    return (plan.start - prefix_len) + missing + outside + selected + features
+    return work(plan, reuse.selector(plan.selector), reuse.layout.num_layers, held).tokens
 
 
 class ChunkAwarePrefillAdder(PrefillAdder):

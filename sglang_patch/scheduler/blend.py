@@ -28,7 +28,6 @@ from chunkcache.blend.plan import Placement, RequestPlan
 from chunkcache.blend.request import ChunkRequest
 from chunkcache.blend.reuse import ChunkReuse
 from chunkcache.rope import Rotation
-from chunkcache.select.base import needs
 from chunkcache.store import ChunkEntry
 
 from . import report, request_hint
@@ -111,8 +110,8 @@ def _predicted(reuse: ChunkReuse, plan: RequestPlan) -> tuple[Prediction | None,
     when the server does not decide (GPU, `full_when_slower` off)."""
     if reuse.rates is None or any(c.key not in reuse.store for c in plan.chunks):
         return None, None
-    query_pass = any(name == "query_attention" for name, _ in needs(reuse.selector(plan.selector)))
-    raw = predict(plan, query_pass, reuse.rates, reuse.config.select.blend_margin)
+    raw = predict(plan, reuse.selector(plan.selector), reuse.rates, reuse.layout.num_layers,
+                  reuse.config.select.blend_margin)
     return raw, reuse.calibration.apply(raw)
 
 
