@@ -36,7 +36,11 @@ def blended(request: ChunkRequest, info: dict) -> None:
     if info.get("fallback") == "quality_floor":
         log.warning("chunkcache: request %s computed in full (quality_floor): %s", request.rid, info["detail"])
         metrics.record_fallback("quality_floor")
-    log.info("chunkcache: request %s %s", request.rid, info)
+    log.info("chunkcache: request %s blended by %s at rho %.2f: %d chunk hits, %d misses, %d tokens reused, %d "
+             "recomputed, %d held by the radix tree, %.3f s", request.rid, info["selector"], info["ratio"],
+             info["chunk_hits"], info["chunk_misses"], info["reused_tokens"], info["recomputed_tokens"],
+             info["radix_tokens"], info["blend_s"] + info["select_s"])
+    log.debug("chunkcache: request %s report %s", request.rid, info)
     metrics.record_request(info)
     request.add_round(info)
 
