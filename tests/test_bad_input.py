@@ -208,13 +208,13 @@ def test_chat_question_holding_the_template_placeholder_is_answered(healthy):
 
 
 def test_input_logprobs_is_a_counted_visible_fallback(healthy):
-    before = metric(healthy, "chunkcache_fallbacks_total", '{reason="logprobs"}')
+    before = metric(healthy, "chunkcache_fallbacks_total", '{reason="input_logprobs"}')
     r = requests.post(healthy.url + "/generate", timeout=300, json={
         "text": TEXT, "sampling_params": GREEDY, "return_logprob": True, "logprob_start_len": 0,
         "kv_hints": hints({"char_spans": [[0, 31]]})})
     assert r.status_code == 200, r.text
-    assert r.json()["meta_info"]["chunkcache"]["fallback"] == "logprobs"
-    assert metric(healthy, "chunkcache_fallbacks_total", '{reason="logprobs"}') == before + 1
+    assert r.json()["meta_info"]["chunkcache"]["fallback"] == "input_logprobs"
+    assert metric(healthy, "chunkcache_fallbacks_total", '{reason="input_logprobs"}') == before + 1
 
 
 def test_prompt_longer_than_the_kv_pool_is_a_400_not_a_bad_hint(healthy):
