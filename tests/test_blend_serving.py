@@ -252,7 +252,7 @@ def test_a_quality_floor_picks_rho_by_the_estimate_and_every_blend_reports_one(e
         assert reports[name]["chunk_hits"] >= 2, reports[name]
     plain, loose, tight = reports["plain"], reports["loose"], reports["tight"]
     assert plain["ratio"] == 0.15 and "max_kl" not in plain and plain["fidelity"]["kl"] > 0, plain
-    # a tiny random model has no estimator of its own: the default model's serves it, and the report says so
+    # the default model has an estimator of its own (a model without one reports fitted_for null: test_architectures)
     assert plain["fidelity"]["fitted_for"] == fidelity.load().default, plain
     assert loose["ratio"] == min(RATIOS) and loose["max_kl"] == 1e6 and "fallback" not in loose, loose
     assert tight["ratio"] == 1.0 and tight["fallback"] == "quality_floor" and tight["reused_tokens"] == 0, tight

@@ -7,8 +7,8 @@ Teacher forcing: after a blended answer, the same hints with input_ids = prompt 
 last prompt token on. SGLang stops prefix matching where logprobs start, so the radix tree, which holds the blended
 prompt in this namespace since the answer request, supplies the blended KV of all but the last prompt token; the
 rest (last prompt token, full's answer) is an ordinary extend attending to it: the blended prompt, teacher-forced.
-(chunkcache does not blend a request that asks for input logprobs: it is counted as a `logprobs` fallback, a plain
-prefill of what the radix tree did not match.) Had the tree evicted the blended prompt in between, that prefill would
+(chunkcache does not blend a request that asks for input logprobs: it is counted as an `input_logprobs` fallback, a
+plain prefill of what the radix tree did not match.) Had the tree evicted the blended prompt in between, that prefill would
 be full recompute: the request's cached_tokens shows it, and the row is refused rather than mismeasured.
 """
 
