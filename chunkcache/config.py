@@ -109,7 +109,7 @@ class SelectConfig:
     selector: str = "mix"
     ratio: float = 0.15  # recompute budget rho over reused context tokens, in [0, 1]
     # per-selector keyword options, keyed by selector name: the fields of its class in chunkcache/select/ (each with
-    # its default and doc line), e.g. mix's adaptive budget {mass: 0.8, rho_floor: 0.05, rho_cap: 0.3}; a config's
+    # its default and doc line), e.g. mix's adaptive budget {mass: 0.8, overlap: 0}; a config's
     # options for a selector override SHIPPED_OPTIONS key by key (`overlap: 0` turns mix's overlap off)
     options: dict[str, Any] = field(default_factory=dict)
     # CPU: a request that teaches the store nothing (every chunk stored) is computed in full when blending it is

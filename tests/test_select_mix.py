@@ -190,12 +190,14 @@ def test_adaptive_on_a_model_stays_within_floor_and_the_requests_rho(blender, pr
 
 def test_adaptive_knobs_are_checked_when_the_config_loads(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("select:\n  selector: mix\n  options:\n    mix: {mass: 0.8, rho_floor: 0.02, rho_cap: 0.3}\n")
+    path.write_text("select:\n  selector: mix\n  options:\n    mix: {mass: 0.8, rho_floor: 0.02, rho_cap: 0.3, "
+                    "overlap: 0}\n")
     sel = create("mix", **Config.load(path, selectors=REGISTRY).select.options["mix"])
     assert (sel.mass, sel.rho_floor, sel.rho_cap) == (0.8, 0.02, 0.3)
-    for bad, message in (("{mass: 1.5}", r"select:options:mix: mass must be in \(0, 1\]"),
+    for bad, message in (("{mass: 1.5, overlap: 0}", r"select:options:mix: mass must be in \(0, 1\]"),
                          ("{masss: 0.8}", "select:options:mix: .*unexpected keyword argument 'masss'"),
-                         ("{mass: 0.8, rho_floor: 0.4, rho_cap: 0.3}", "floor 0.4 is above cap 0.3")):
+                         ("{mass: 0.8, rho_floor: 0.4, rho_cap: 0.3, overlap: 0}", "floor 0.4 is above cap 0.3"),
+                         ("{mass: 0.8}", "set overlap: 0 beside mass")):
         path.write_text(f"select:\n  options:\n    mix: {bad}\n")
         with pytest.raises(ValueError, match=message):
             Config.load(path, selectors=REGISTRY)

@@ -101,7 +101,8 @@ class MixSelector:
             raise ValueError(f"layer must be at least 0, got {self.layer}")
         check_overlap(self.overlap)
         if self.overlap and self.mass is not None:
-            raise ValueError("overlap and an adaptive budget (mass) cannot be combined")
+            raise ValueError("overlap and an adaptive budget (mass) cannot be combined: set overlap: 0 beside mass "
+                             "(the shipped options set overlap: 0.15)")
         if self.mass is not None:
             self.budget()  # refuses a bad mass, floor or cap when the selector is configured, not per request
 
