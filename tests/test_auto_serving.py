@@ -114,13 +114,15 @@ def test_shuffled_rag_prompts_keep_the_first_answer_token(auto_server, server):
 
 def test_blended_kv_never_answers_a_plain_requests_prefix(auto_server, server):
     """A blended request's KV is approximate: it lives in the auto radix partition. The same prompt sent as a plain
-    request afterwards (output logprobs: never detected) matches none of it and gets stock's exact tokens."""
+    request afterwards (with the last prompt token's input logprob: never detected) matches none of it and gets
+    stock's exact tokens."""
     docs = documents(45)
     plain(auto_server, prompt(docs, "Which is first?"), n=1)  # learns the documents
     text = prompt(docs[::-1], "Which is last?")
     blended = plain(auto_server, text, n=1)
     assert blended["meta_info"]["chunkcache"]["reused_tokens"] > 0
-    exact = plain(auto_server, text, return_logprob=True, logprob_start_len=-1)
+    exact = plain(auto_server, text, return_logprob=True,
+                  logprob_start_len=blended["meta_info"]["prompt_tokens"] - 1)
     assert "chunkcache" not in exact["meta_info"] or exact["meta_info"]["chunkcache"]["chunk_hits"] == 0
     assert exact["meta_info"]["cached_tokens"] < exact["meta_info"]["prompt_tokens"] // 2
     assert exact["output_ids"] == plain(server, text)["output_ids"]
@@ -130,8 +132,8 @@ def test_a_blended_request_starts_from_the_exact_prefix_a_plain_request_left(aut
     """A plain request leaves its prompt's exact KV in the plain radix partition. A later prompt that shares its
     first document and reorders the rest is blended, in the auto partition: the shared prefix is carried there
     (`exact_carried`), so SGLang's match reaches the whole shared prefix (`radix_tokens`) and only the text after it
-    is computed. The plain partition keeps its own copy: the first prompt again, with logprobs (never detected), is
-    an exact prefix hit of all but its last token and gives the same tokens as the first time."""
+    is computed. The plain partition keeps its own copy: the first prompt again, with input logprobs (never
+    detected), is an exact prefix hit of all but its last token and gives the same tokens as the first time."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(default_model)
@@ -144,6 +146,6 @@ def test_a_blended_request_starts_from_the_exact_prefix_a_plain_request_left(aut
     assert blended["reused_tokens"] > 0 and "fallback" not in blended
     assert blended["radix_tokens"] == shared > 200  # the template head and the whole first document
     assert 0 < blended["exact_carried"] <= shared  # the template head may already be in the auto partition
-    again = plain(auto_server, None, input_ids=first_ids, return_logprob=True, logprob_start_len=-1)
+    again = plain(auto_server, None, input_ids=first_ids, return_logprob=True, logprob_start_len=len(first_ids) - 1)
     assert again["meta_info"]["cached_tokens"] == len(first_ids) - 1
     assert again["output_ids"] == first["output_ids"]
