@@ -1,4 +1,4 @@
-"""N chunkcache servers behind SGLang's router, sharing one chunk store (README: "Several servers, one store").
+"""N chunkcache servers behind SGLang's router, sharing one chunk store (docs/shared-store.md).
 
     .venv/bin/python examples/cluster.py --remote-url redis://store-host:6379/0 --workers 2 --port 30000
 
