@@ -8,8 +8,9 @@ The chain answers the question over the documents in examples/documents twice, t
 order (as another retriever's ranking would give them), and prints each answer with the server's chunk report: the
 second request finds the documents' segments in the chunk store (`chunk_hits`, `reused_tokens`). `--exact` passes
 `{"chunkcache": {"exact": true}}` through ChatOpenAI's `extra_body`: the server computes those requests with SGLang's
-own prefill, reusing nothing, and reports `"exact": true`. ChatOpenAI keeps only the response fields OpenAI defines,
-so the report (`metadata.chunkcache` in the server's JSON) is read by a response hook on the httpx client it is given.
+own prefill, reusing nothing, and reports `"exact": true`. The report is the answer's `usage.chunkcache`, which
+ChatOpenAI keeps in the reply's `response_metadata["token_usage"]`; the chain's output parser keeps only the reply's
+text, so a callback handler keeps the reply itself.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import httpx
 from langchain_classic.chains.combine_documents import create_stuff_documents_chain
+from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
+from langchain_core.messages import AIMessage
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_openai import ChatOpenAI
 
@@ -30,20 +32,25 @@ PROMPT = ChatPromptTemplate.from_messages([
 ])
 
 
+class Reply(BaseCallbackHandler):
+    """The chat model's reply, as LangChain hands it to callbacks when the model ends."""
+
+    message: AIMessage
+
+    def on_llm_end(self, response, **kwargs) -> None:
+        self.message = response.generations[0][0].message
+
+
 def ask(url: str, docs: list[str], question: str, max_tokens: int = 32, exact: bool = False) -> tuple[str, dict]:
-    """The chain's answer over `docs` in this order, and the server's JSON response to its chat completion."""
-    responses: list[httpx.Response] = []
-
-    def keep(response: httpx.Response) -> None:
-        response.read()
-        responses.append(response)
-
-    with httpx.Client(event_hooks={"response": [keep]}) as http:
-        llm = ChatOpenAI(base_url=url + "/v1", api_key="none", model="default", temperature=0, max_tokens=max_tokens,
-                         http_client=http, extra_body={"chunkcache": {"exact": True}} if exact else None)
-        chain = create_stuff_documents_chain(llm, PROMPT)  # documents joined by "\n\n"
-        answer = chain.invoke({"context": [Document(page_content=d) for d in docs], "question": question})
-    return answer, responses[-1].json()
+    """The chain's answer over `docs` in this order, and the usage of its chat completion as ChatOpenAI keeps it
+    (`usage.chunkcache` is the server's chunk report)."""
+    llm = ChatOpenAI(base_url=url + "/v1", api_key="none", model="default", temperature=0, max_tokens=max_tokens,
+                     extra_body={"chunkcache": {"exact": True}} if exact else None)
+    chain = create_stuff_documents_chain(llm, PROMPT)  # documents joined by "\n\n"
+    reply = Reply()
+    answer = chain.invoke({"context": [Document(page_content=d) for d in docs], "question": question},
+                          config={"callbacks": [reply]})
+    return answer, reply.message.response_metadata["token_usage"]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -57,8 +64,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     docs = [p.read_text().strip() for p in sorted(DOCUMENTS.glob("*.txt"))]
     reports = []
     for order in (docs, docs[::-1]):
-        answer, response = ask(args.url, order, args.question, args.max_tokens, args.exact)
-        report = response["metadata"]["chunkcache"]
+        answer, usage = ask(args.url, order, args.question, args.max_tokens, args.exact)
+        report = usage["chunkcache"]
         print(f"answer: {answer.strip()!r}\nchunks: {report}\n")
         reports.append(report)
     return reports

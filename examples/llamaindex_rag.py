@@ -9,9 +9,9 @@ The query engine answers the question over the documents in examples/documents t
 them in reverse order (as another retriever's ranking would give them), and prints each answer with the server's chunk
 report: the second request finds the documents' segments in the chunk store (`chunk_hits`, `reused_tokens`). `--exact`
 passes `{"chunkcache": {"exact": true}}` as the OpenAI client's `extra_body` through OpenAILike's `additional_kwargs`:
-the server computes those requests with SGLang's own prefill, reusing nothing, and reports `"exact": true`. The query
-engine's response holds only the answer's text, so the report (`metadata.chunkcache` in the server's JSON) is read by
-a response hook on the httpx client OpenAILike is given.
+the server computes those requests with SGLang's own prefill, reusing nothing, and reports `"exact": true`. The report
+is the answer's `usage.chunkcache`, in the `raw` OpenAI response of the LLM's ChatResponse; the query engine's response
+holds only the answer's text, so an instrumentation event handler keeps the ChatResponse itself.
 """
 
 from __future__ import annotations
@@ -19,29 +19,40 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import httpx
 from llama_index.core import Document, SummaryIndex
+from llama_index.core.base.llms.types import ChatResponse
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+from llama_index.core.instrumentation.events.llm import LLMChatEndEvent
 from llama_index.llms.openai_like import OpenAILike
 
 DOCUMENTS = Path(__file__).resolve().parent / "documents"
 
 
+class LastChat(BaseEventHandler):
+    """The last ChatResponse an LLM returned, from LlamaIndex's instrumentation events."""
+
+    response: ChatResponse | None = None
+
+    def handle(self, event, **kwargs) -> None:
+        if isinstance(event, LLMChatEndEvent):
+            self.response = event.response
+
+
 def ask(url: str, docs: list[str], question: str, max_tokens: int = 32, exact: bool = False) -> tuple[str, dict]:
-    """The query engine's answer over an index of `docs` in this order, and the server's JSON response to its chat
-    completion."""
-    responses: list[httpx.Response] = []
-
-    def keep(response: httpx.Response) -> None:
-        response.read()
-        responses.append(response)
-
-    with httpx.Client(event_hooks={"response": [keep]}) as http:
-        llm = OpenAILike(model="default", api_base=url + "/v1", api_key="none", is_chat_model=True, temperature=0,
-                         max_tokens=max_tokens, http_client=http,
-                         additional_kwargs={"extra_body": {"chunkcache": {"exact": True}}} if exact else {})
-        index = SummaryIndex.from_documents([Document(text=d) for d in docs])
+    """The query engine's answer over an index of `docs` in this order, and the usage of its chat completion
+    (`usage.chunkcache` is the server's chunk report)."""
+    llm = OpenAILike(model="default", api_base=url + "/v1", api_key="none", is_chat_model=True, temperature=0,
+                     max_tokens=max_tokens,
+                     additional_kwargs={"extra_body": {"chunkcache": {"exact": True}}} if exact else {})
+    index = SummaryIndex.from_documents([Document(text=d) for d in docs])
+    dispatcher, last = get_dispatcher(), LastChat()
+    dispatcher.add_event_handler(last)
+    try:
         answer = index.as_query_engine(llm=llm).query(question)  # one LLM call: the documents fit one prompt
-    return str(answer), responses[-1].json()
+    finally:
+        dispatcher.event_handlers.remove(last)
+    return str(answer), last.response.raw.usage.model_dump()
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -55,8 +66,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     docs = [p.read_text().strip() for p in sorted(DOCUMENTS.glob("*.txt"))]
     reports = []
     for order in (docs, docs[::-1]):
-        answer, response = ask(args.url, order, args.question, args.max_tokens, args.exact)
-        report = response["metadata"]["chunkcache"]
+        answer, usage = ask(args.url, order, args.question, args.max_tokens, args.exact)
+        report = usage["chunkcache"]
         print(f"answer: {answer.strip()!r}\nchunks: {report}\n")
         reports.append(report)
     return reports

@@ -19,7 +19,7 @@ from chunkcache.ranks import RanksFailed
 
 from . import lang
 from .decode import decode_attention, specache
-from .http import chat, hint_validation, ingest
+from .http import chat, hint_validation, ingest, usage
 from .scheduler import admission, auto_chunks, blend, metrics, report, request_hint
 from .scheduler.cache import factory, reuse_of
 from .serve import shutdown
@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 AFTER, AROUND, BEFORE = HookType.AFTER, HookType.AROUND, HookType.BEFORE
 _TOKENIZER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 _CHAT = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat"
+_COMPLETION = "sglang.srt.entrypoints.openai.serving_completions.OpenAIServingCompletion"
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 _STREAMER = "sglang.srt.managers.scheduler_components.output_streamer"
 
@@ -84,6 +85,12 @@ def hooks() -> list[tuple[str, object, HookType]]:
         (f"{_STREAMER}._GenerationStreamAccumulator.accept", report.attach, BEFORE),
         (f"{_STREAMER}.SchedulerOutputStreamer.is_request_level_customized_info_key", report.request_level, AFTER),
         (f"{_TOKENIZER}.update_request_meta_info", report.to_meta_info, AROUND),
+        # ... and on to OpenAI answers' usage, chat and completions, streamed and not (main process; http.usage)
+        (f"{_TOKENIZER}.generate_request", usage.keep_report, AROUND),
+        (f"{_CHAT}._build_chat_response", usage.in_answer, AFTER),
+        (f"{_COMPLETION}._build_completion_response", usage.in_answer, AFTER),
+        (f"{_CHAT}._generate_chat_stream", usage.in_stream, AROUND),
+        (f"{_COMPLETION}._generate_completion_stream", usage.in_stream, AROUND),
         # /server_info shows which backend really serves
         ("sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
          ".get_internal_state", _report_state, AFTER),

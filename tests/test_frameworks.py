@@ -2,11 +2,14 @@
 (`OpenAILike` and a `SummaryIndex` query engine; examples/langchain_rag.py and examples/llamaindex_rag.py are these
 clients) and the `openai` package, each against one chunkcache server with automatic chunk detection. A second query
 over the same documents in another order gets chunk hits, and `{"chunkcache": {"exact": true}}` passed through the
-client's own extra-body mechanism gets stock's greedy answer. Each test uses documents of its own: what a request finds
-depends on what the store already holds."""
+client's own extra-body mechanism gets stock's greedy answer. Each client reads the server's chunk report where it keeps
+an answer's usage (`usage.chunkcache`). Each test uses documents of its own: what a request finds depends on what the
+store already holds."""
 
+import ast
 import importlib.util
 import json
+import sys
 
 import pytest
 import requests
@@ -20,7 +23,8 @@ CLIENTS = ["langchain", "llamaindex", "openai"]
 
 @pytest.fixture(scope="module")
 def auto_server(tmp_path_factory, default_model):
-    srv = start_server(tmp_path_factory.mktemp("frameworks") / "server.log", "--auto-chunks")
+    # the answers' usage then says SGLang's cached tokens (`prompt_tokens_details.cached_tokens`)
+    srv = start_server(tmp_path_factory.mktemp("frameworks") / "server.log", "--auto-chunks", "--enable-cache-report")
     yield srv
     srv.stop()
 
@@ -31,37 +35,45 @@ def documents(record: int, words: int = 100) -> list[str]:
     return [" ".join(c["text"].split()[:words]) for c in json.loads(DATA.read_text())[record]["ctxs"][:4]]
 
 
+def prompt(docs: list[str], question: str) -> str:
+    context = "\n\n".join(docs)
+    return f"Answer from the context:\n\n{context}\n\nQuestion: {question}"
+
+
 def ask_openai(url: str, docs: list[str], question: str, max_tokens: int = 32, exact: bool = False):
-    """The openai package's answer and response (whose extra fields keep the server's `metadata`)."""
+    """The openai package's answer and usage (whose extra fields keep the server's `chunkcache`)."""
     from openai import OpenAI
 
-    context = "\n\n".join(docs)
     response = OpenAI(base_url=url + "/v1", api_key="none").chat.completions.create(
         model="default", temperature=0, max_tokens=max_tokens,
         extra_body={"chunkcache": {"exact": True}} if exact else None,
-        messages=[{"role": "user", "content": f"Answer from the context:\n\n{context}\n\nQuestion: {question}"}])
-    return response.choices[0].message.content, response.model_dump()
+        messages=[{"role": "user", "content": prompt(docs, question)}])
+    return response.choices[0].message.content, response.usage.model_dump()
+
+
+def example(name: str):
+    """examples/NAME_rag.py, imported when a test runs (the fast tier collects this file without importing the
+    frameworks)."""
+    spec = importlib.util.spec_from_file_location(f"{name}_rag", ROOT / "examples" / f"{name}_rag.py")
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # pydantic resolves its annotations there
+    spec.loader.exec_module(module)
+    return module
 
 
 def client(name: str):
-    """`ask(url, docs, question, max_tokens, exact) -> (answer, the server's JSON response)` through that client,
-    imported when a test runs (the fast tier collects this file without importing the frameworks)."""
-    if name == "openai":
-        return ask_openai
-    spec = importlib.util.spec_from_file_location(f"{name}_rag", ROOT / "examples" / f"{name}_rag.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.ask
+    """`ask(url, docs, question, max_tokens, exact) -> (answer, its usage as the client keeps it)` through that
+    client."""
+    return ask_openai if name == "openai" else example(name).ask
 
 
 @pytest.mark.parametrize("name, record", zip(CLIENTS, (47, 48, 49)))
 def test_a_second_query_in_another_order_gets_chunk_hits(auto_server, default_model, name, record):
     ask, docs = client(name), documents(record)
     _, first = ask(auto_server.url, docs, "Which country is mentioned first?", max_tokens=4)
-    report = first["metadata"]["chunkcache"]
+    report = first["chunkcache"]
     assert report["auto"] is True and report["chunk_hits"] == 0 and report["learned"]["segments"] > 0
     _, second = ask(auto_server.url, [docs[i] for i in (2, 0, 3, 1)], "Which year is mentioned?", max_tokens=4)
-    report = second["metadata"]["chunkcache"]
+    report = second["chunkcache"]
     assert report["auto"] is True and "fallback" not in report and report["chunk_hits"] > 0
     # all of the documents' KV is stored but the first 128 tokens after the radix match (auto.exact_lead_tokens) and
     # the selector's 15 %: ~0.7 of their ~600 tokens at most
@@ -85,8 +97,55 @@ def test_exact_gets_stocks_answer(auto_server, server, name, record):
     the forward may round differently in bfloat16."""
     ask, docs, question = client(name), documents(record), "Which year is mentioned?"
     ask(auto_server.url, docs[::-1], "Which country is mentioned first?", max_tokens=1)
-    answer, response = ask(flushed(auto_server).url, docs, question, max_tokens=16, exact=True)
-    report = response["metadata"]["chunkcache"]
+    answer, usage = ask(flushed(auto_server).url, docs, question, max_tokens=16, exact=True)
+    report = usage["chunkcache"]
     assert report.get("exact") is True and report["chunk_hits"] == report["reused_tokens"] == 0, report
-    assert report["recomputed_tokens"] == response["usage"]["prompt_tokens"]
+    assert report["recomputed_tokens"] == usage["prompt_tokens"]
     assert answer == ask(flushed(server).url, docs, question, max_tokens=16)[0]
+
+
+@pytest.mark.parametrize("name", ["langchain", "llamaindex"])
+def test_the_example_prints_each_answer_with_its_report(auto_server, name, capsys):
+    """The example's second query, its documents in reverse order, prints a report with chunk hits: the report the
+    framework's own response object carries (the examples hook no HTTP client)."""
+    reports = example(name).main([auto_server.url, "--max-tokens", "4"])
+    printed = [ast.literal_eval(line.removeprefix("chunks: ")) for line in capsys.readouterr().out.splitlines()
+               if line.startswith("chunks: ")]
+    assert printed == reports and len(reports) == 2
+    assert reports[1]["auto"] is True and reports[1]["chunk_hits"] > 0 and reports[1]["reused_tokens"] > 0
+
+
+def complete(url: str, endpoint: str, docs: list[str], stream: bool) -> dict:
+    """The usage of a chat or text completion through the openai package; streamed, the stream's last chunk's, which
+    must be the only one with usage and have no choices (the stream does not ask for usage: the report brings it)."""
+    from openai import OpenAI
+
+    client, question = OpenAI(base_url=url + "/v1", api_key="none"), "Which year is mentioned?"
+    if endpoint == "chat":
+        answer = client.chat.completions.create(model="default", temperature=0, max_tokens=4, stream=stream,
+                                                messages=[{"role": "user", "content": prompt(docs, question)}])
+    else:
+        answer = client.completions.create(model="default", temperature=0, max_tokens=4, stream=stream,
+                                           prompt=prompt(docs, question))
+    if not stream:
+        return answer.usage.model_dump()
+    chunks = list(answer)
+    assert chunks[-1].choices == [] and all(c.usage is None for c in chunks[:-1]), chunks
+    return chunks[-1].usage.model_dump()
+
+
+@pytest.mark.parametrize("endpoint, record", [("chat", 54), ("completions", 55)])
+def test_the_report_is_in_usage_streamed_and_not(auto_server, endpoint, record):
+    """`usage.chunkcache` on /v1/chat/completions and /v1/completions, in the answer and in a stream's last chunk: a
+    query over documents a first one stored gets chunk hits, and `cached_tokens` stays SGLang's exact prefix, which
+    from an empty radix tree is nothing, however many tokens the blend reused."""
+    docs = documents(record)
+    first = complete(auto_server.url, endpoint, docs, stream=False)["chunkcache"]
+    assert first["auto"] is True and first["chunk_hits"] == 0 and first["learned"]["segments"] > 0
+    usages = [complete(flushed(auto_server).url, endpoint, [docs[i] for i in (2, 0, 3, 1)], stream)
+              for stream in (False, True)]
+    for usage in usages:
+        report = usage["chunkcache"]
+        assert report["chunk_hits"] > 0 and report["reused_tokens"] > 0, report
+        assert usage["prompt_tokens_details"]["cached_tokens"] == report["radix_tokens"] == 0, usage
+    assert usages[0]["prompt_tokens"] == usages[1]["prompt_tokens"]

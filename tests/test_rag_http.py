@@ -55,10 +55,52 @@ def test_chat_with_documents_answers_and_reuses_them_in_another_order(server):
     assert first.json()["choices"][0]["message"]["content"]
     report = first.json()["metadata"]["chunkcache"]
     assert report["chunk_hits"] + report["chunk_misses"] == 3 and report["selector"] == "epic"
+    assert first.json()["usage"]["chunkcache"] == report
     second = chat(server, docs("Amber")[::-1])
     assert second.status_code == 200, second.text
     report = second.json()["metadata"]["chunkcache"]
     assert (report["chunk_hits"], report["chunk_misses"]) == (3, 0)
+
+
+def streamed(server, body) -> list[dict]:
+    """The chunks of a streamed chat completion, in order, up to `[DONE]`."""
+    with requests.post(server.url + "/v1/chat/completions", json={**body, "stream": True}, stream=True,
+                       timeout=600) as r:
+        assert r.status_code == 200, r.text
+        lines = [line.removeprefix("data: ") for line in r.iter_lines(decode_unicode=True) if line]
+    assert lines[-1] == "[DONE]", lines
+    return [json.loads(line) for line in lines[:-1]]
+
+
+@slow
+def test_a_streamed_chat_ends_with_the_report_in_usage(server):
+    """Documents stored by a first request, streamed in another order: the last chunk (no choices, after the one
+    that finishes the answer) carries the report in `usage`, beside SGLang's counts, though the request did not ask for
+    usage; no chunk before it has usage."""
+    documents = docs("Wren")
+    assert chat(server, documents).status_code == 200
+    body = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4, "temperature": 0,
+            "chunkcache": {"documents": documents[::-1], "selector": "epic"}}
+    chunks = streamed(server, body)
+    *answer, last = chunks
+    assert last["choices"] == [] and answer[-1]["choices"][0]["finish_reason"] is not None
+    assert not any(c.get("usage") for c in answer)
+    report = last["usage"]["chunkcache"]
+    assert (report["chunk_hits"], report["chunk_misses"]) == (3, 0) and report["selector"] == "epic", report
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in answer)
+    assert text and 0 < last["usage"]["completion_tokens"] <= 4
+
+
+@slow
+def test_a_streamed_chat_without_a_report_is_stocks(server):
+    """A request without chunks has no report: its stream ends as stock's, with a usage chunk only when asked, and
+    that one is the usage of the same request not streamed."""
+    body = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4, "temperature": 0}
+    chunks = streamed(server, body)
+    assert chunks[-1]["choices"][0]["finish_reason"] is not None and not any(c.get("usage") for c in chunks)
+    chunks = streamed(server, {**body, "stream_options": {"include_usage": True}})
+    plain = requests.post(server.url + "/v1/chat/completions", json=body, timeout=600).json()["usage"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == plain and "chunkcache" not in plain
 
 
 @slow
@@ -66,7 +108,7 @@ def test_chat_without_documents_is_stock(server):
     r = requests.post(server.url + "/v1/chat/completions", timeout=600, json={
         "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
-    assert "chunkcache" not in (r.json().get("metadata") or {})
+    assert "chunkcache" not in (r.json().get("metadata") or {}) and "chunkcache" not in r.json()["usage"]
 
 
 @slow

@@ -16,7 +16,8 @@ OpenAIServingChat (plugin.hooks):
   * after `_convert_to_internal_request` (run in a worker thread, so the hint travels on the request's state):
     put the chunk hint on the GenerateReqInput;
   * after `_build_chat_response`: the response's `metadata["chunkcache"]` is the request's chunk report (what
-    /generate returns in `meta_info["chunkcache"]`). Streamed responses carry no report.
+    /generate returns in `meta_info["chunkcache"]`). Every answer, streamed or not, also carries it in
+    `usage.chunkcache` (sglang_patch.http.usage), where the frameworks pass it on.
 """
 
 from __future__ import annotations
