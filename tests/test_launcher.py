@@ -140,6 +140,52 @@ def test_chunkcache_serve_refuses_pipeline_parallelism_before_starting_sglang():
     assert "Traceback" not in proc.stderr and "sglang.launch_server" not in proc.stdout
 
 
+# ---- speculative decoding: refused with the reason, whatever the algorithm ------------------------------------------
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", "EAGLE", "EAGLE3", "NEXTN", "STANDALONE"])
+def test_speculative_decoding_is_refused_naming_the_algorithm(algorithm):
+    refused = launcher.speculative_problems(_args(speculative_algorithm=algorithm))
+    assert refused.startswith(f"speculative decoding (--speculative-algorithm {algorithm}): ")
+    assert "draft model" in refused and "never run with chunk reuse" in refused
+
+
+def test_no_speculative_decoding_or_only_its_hidden_state_capture_is_served():
+    assert launcher.speculative_problems(_args()) is None
+    assert launcher.speculative_problems(_args(speculative_algorithm=None)) is None
+    # SGLang: with --enable-return-aux-hidden-states the algorithm only names the capture convention, no draft runs
+    assert launcher.speculative_problems(_args(speculative_algorithm="EAGLE3",
+                                               enable_return_aux_hidden_states=True)) is None
+
+
+def test_a_scheduler_started_by_sglangs_own_command_refuses_speculative_decoding(monkeypatch):
+    """The radix-cache factory (what `python -m sglang.launch_server --radix-cache-backend chunkcache` reaches at the
+    scheduler's start) stops it with the same reason, before it builds anything."""
+    import sglang.srt.runtime_context
+
+    from sglang_patch.scheduler import cache
+
+    monkeypatch.setattr(sglang.srt.runtime_context, "get_disagg", lambda: argparse.Namespace(enable_pdmux=False))
+    ctx = argparse.Namespace(server_args=_args(speculative_algorithm="NGRAM"),
+                             model_config=argparse.Namespace(hf_config=HEADS))
+    with pytest.raises(ValueError, match=r"chunk reuse cannot be served with speculative decoding "
+                                         r"\(--speculative-algorithm NGRAM\)"):
+        cache.factory(ctx)
+
+
+def test_chunkcache_serve_refuses_speculative_decoding_before_starting_sglang():
+    import subprocess
+    import sys
+
+    from chunkcache.models import tiny_model
+
+    proc = subprocess.run([sys.executable, "-m", "sglang_patch.serve.cli", "serve", "--model", str(tiny_model()),
+                           "--speculative-algorithm", "NGRAM"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert ("chunk reuse cannot be served with speculative decoding (--speculative-algorithm NGRAM)"
+            in proc.stderr), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "sglang.launch_server" not in proc.stdout
+
+
 def test_cores_are_shared_evenly_between_cpu_ranks():
     assert launcher.cores_per_rank([0, 1], 2) == "0|1"
     assert launcher.cores_per_rank(list(range(8)), 2) == "0-3|4-7"

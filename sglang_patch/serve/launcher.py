@@ -176,3 +176,20 @@ def parallel_problems(server_args, hf_config) -> str | None:
                 f"heads that do not split evenly, and the blend's selection features, reduced over the ranks' heads, "
                 f"would count them; a --tp-size that divides both is served")
     return None
+
+
+def speculative_problems(server_args) -> str | None:
+    """Why the blend cannot serve this server's speculative decoding, or None (none asked for). Refused whatever the
+    algorithm: it has never run with chunk reuse, since SGLang's CPU engine does not start it without the CPU build
+    of sgl_kernel (NGRAM stops at the KV pool's copy kernel, `copy_all_layer_kv_cache_cpu`), and what it would meet is
+    known: its verify and draft-extend forwards take the extend path the blend replaces for a prompt's prefill, and a
+    draft model (EAGLE, MTP, STANDALONE) extends over the target's hidden states of every prompt token, where a blend
+    computes the recomputed tokens' only. `--enable-return-aux-hidden-states` makes `--speculative-algorithm` name a
+    capture convention, with no speculative decoding (SGLang resets it to None)."""
+    algorithm = getattr(server_args, "speculative_algorithm", None)
+    if not algorithm or getattr(server_args, "enable_return_aux_hidden_states", False):
+        return None
+    return (f"speculative decoding (--speculative-algorithm {algorithm}): its verify and draft-extend forwards take the "
+            f"extend path the blend replaces for a prompt's prefill, a draft model (EAGLE, MTP, STANDALONE) extends over "
+            f"the hidden states of every prompt token where a blend computes its recomputed tokens' only, and it has "
+            f"never run with chunk reuse (SGLang's CPU engine does not start it without sgl_kernel's CPU build)")
