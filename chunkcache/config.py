@@ -1,21 +1,36 @@
 """Typed configuration, loaded from YAML (chunkcache/configs/*.yaml are packaged with the code: `default`, the one a
-server without --config runs on, and named variants). Every knob has a default and a doc line (the field comment).
+server without --config runs on, and named variants), then from one environment variable per knob,
+CHUNKCACHE_<SECTION>__<KEY> (`env_name`). Every knob is a `knob(default, doc)`: its doc line is the field's metadata,
+which the reference page reads (chunkcache/config_reference.py writes docs/configuration.md).
 
-A value of the wrong type or out of range is refused when the file is loaded (ValueError naming the key and the
-reason), so a server never starts on a config that would make it fall back on every request.
+A value of the wrong type or out of range is refused when the config is loaded (ValueError naming the key, or the
+variable, and the reason), so a server never starts on a config that would make it fall back on every request.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import difflib
 import os
-from dataclasses import dataclass, field
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import Field, dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, Protocol
 
 import yaml
 
 PACKAGED = Path(__file__).with_name("configs")  # package data: shipped in the wheel beside this module
+ENV_PREFIX = "CHUNKCACHE_"  # of every knob's variable; one without "__" names no knob ($CHUNKCACHE_CONFIG, _HOME)
+DOC = "doc"  # the field metadata key of a knob's doc line
+
+# a byte size: an int to everything that reads the config; a file or a variable may write it "2GiB" (parse_bytes)
+Bytes = int
+# the units parse_bytes reads, case-insensitively: SI's powers of 1000 and IEC's of 1024
+BYTE_UNITS = {"B": 1, "kB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 
 def home() -> Path:
@@ -23,32 +38,50 @@ def home() -> Path:
     return Path(os.environ.get("CHUNKCACHE_HOME", Path.home() / ".cache" / "chunkcache")).expanduser()
 
 
+def knob(default: Any, doc: str) -> Any:
+    """A config field: its default (a list or dict is copied for each instance) and its doc line."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata={DOC: doc})
+    return field(default=default, metadata={DOC: doc})
+
+
 @dataclass
 class StoreConfig:
-    host_bytes: int = 2 << 30  # byte budget of the host-memory tier (LRU); 0 disables the tier
-    # host-tier KV in page-locked memory: the copy into a GPU's pool runs without blocking and 4x faster (H200:
-    # docs/bench/gpu.md); None: when torch sees a CUDA device. It takes host_bytes of RAM the OS cannot page out
-    pin_memory: bool | None = None
-    disk_dir: str | None = None  # directory of the disk tier; None disables it
-    disk_bytes: int = 20 << 30  # byte budget of the disk tier (oldest entries removed first)
-    namespace: str = "default"  # tenant namespace mixed into every chunk key unless a request names its own
-    remote_url: str | None = None  # Redis/Valkey tier shared by servers: redis://[:pw@]host:port/db, rediss://; None: off
-    # a Valkey/Redis Cluster instead: redis+cluster://[:pw@]host:port[,host:port...] (seeds; rediss+cluster:// TLS),
-    # entries spread over its primaries, each with its own breaker (docs/shared-store.md "A cluster")
-    remote_timeout_s: float = 0.25  # connect and socket timeout per command: the most a down or stalled server costs
-    remote_retry_s: float = 5.0  # after a failure the remote tier is skipped (gets miss, puts dropped) this long
-    remote_max_value_bytes: int = 512 << 20  # larger entries stay local (lowered to the server's proto-max-bulk-len)
-    remote_write_queue: int = 64  # entries waiting for the background writer; a put beyond this is dropped
-    # K and V as the disk and remote tiers write them: none, int8 or int4 (chunkcache/store/codec.py; SmolLM2: 56 % /
-    # 31 % of the bytes), decoded on read, the host tier full width. int8 moved first-token KL by under 1 % on every
-    # family measured, int4 by +9 % (docs/bench/compression.md); a server older than compression drops int8 entries
-    compress: str = "int8"
-    # which remote entries a request fetches: auto, those predicted faster to fetch than to compute here (each
-    # server's measured latency and bandwidth against this server's measured compute per token; docs/shared-store.md
-    # "Fetch or compute"); always, every one the local tiers lack; never, none (the tier is written, not read)
-    remote_fetch: str = "auto"
-    # a link judged slower than computing is fetched from again after this long, to follow a link that got faster
-    remote_probe_s: float = 30.0
+    """The chunk store: position-independent chunk KV by content hash, in a host-memory tier, an optional disk tier
+    and an optional remote (Redis/Valkey) tier shared by servers (docs/shared-store.md)."""
+
+    host_bytes: Bytes = knob(2 << 30, "byte budget of the host-memory tier (LRU); 0 disables the tier")
+    pin_memory: bool | None = knob(
+        None, "host-tier KV in page-locked memory: the copy into a GPU's pool runs without blocking and 4x faster "
+        "(H200: docs/bench/gpu.md); null: when torch sees a CUDA device. It takes host_bytes of RAM the OS cannot "
+        "page out")
+    disk_dir: str | None = knob(None, "directory of the disk tier; null disables it")
+    disk_bytes: Bytes = knob(20 << 30, "byte budget of the disk tier (oldest entries removed first)")
+    namespace: str = knob("default", "tenant namespace mixed into every chunk key unless a request names its own")
+    remote_url: str | None = knob(
+        None, "Redis/Valkey tier shared by servers: redis://[:pw@]host:port/db, rediss://; a Valkey/Redis Cluster "
+        "instead: redis+cluster://[:pw@]host:port[,host:port...] (seeds; rediss+cluster:// TLS), entries spread over "
+        "its primaries, each with its own breaker (docs/shared-store.md \"A cluster\"); null: off")
+    remote_timeout_s: float = knob(
+        0.25, "connect and socket timeout per command, in (0, 60]: the most a down or stalled server costs")
+    remote_retry_s: float = knob(
+        5.0, "after a failure the remote tier is skipped (gets miss, puts dropped) this many seconds")
+    remote_max_value_bytes: Bytes = knob(
+        512 << 20, "larger entries stay local (lowered to the server's proto-max-bulk-len)")
+    remote_write_queue: int = knob(64, "entries waiting for the background writer; a put beyond this is dropped")
+    compress: str = knob(
+        "int8", "K and V as the disk and remote tiers write them: none, int8 or int4 (chunkcache/store/codec.py; "
+        "SmolLM2: 56 % / 31 % of the bytes), decoded on read, the host tier full width. int8 moved first-token KL "
+        "by under 1 % on every family measured, int4 by +9 % (docs/bench/compression.md); a server older than "
+        "compression drops int8 entries")
+    remote_fetch: str = knob(
+        "auto", "which remote entries a request fetches: auto, those predicted faster to fetch than to compute here "
+        "(each server's measured latency and bandwidth against this server's measured compute per token; "
+        "docs/shared-store.md \"Fetch or compute\"); always, every one the local tiers lack; never, none (the tier "
+        "is written, not read)")
+    remote_probe_s: float = knob(
+        30.0, "a link judged slower than computing is fetched from again after this many seconds, to follow a link "
+        "that got faster")
 
     def check(self) -> None:
         _at_least(self, "host_bytes", 0)
@@ -85,9 +118,12 @@ def _check_remote_url(url: str) -> None:
 
 @dataclass
 class DraftConfig:
-    model: str = "self"  # draft/auxiliary model: "self" (target truncated to `layers`), a model name, or a path
-    layers: int | None = None  # layers of the draft to run (None = all; for "self", default a third of the target)
-    dtype: str = "float32"  # dtype the draft runs in
+    """The draft (auxiliary) model of the selectors that score tokens with one (spec, clip), unless their options name
+    their own."""
+
+    model: str = knob("self", "draft model: \"self\" (the target truncated to `layers`), a model name, or a path")
+    layers: int | None = knob(None, "layers of the draft to run; null: all (for \"self\", a third of the target's)")
+    dtype: str = knob("float32", "dtype the draft runs in: float32, float16 or bfloat16")
 
     def check(self) -> None:
         _non_empty(self, "model")
@@ -102,30 +138,35 @@ SHIPPED_OPTIONS = {"mix": {"stored_deviation": True, "overlap": 0.15}}
 
 @dataclass
 class SelectConfig:
-    # default selector: full (SGLang's own prefill, no reused KV: hints `exact`), none, epic, cacheblend, prophet,
-    # spec, clip, mix (or oracle). mix with the deviations
-    # its chunks remember runs at prophet's TTFT (3K / 7K tokens: 1.11 / 3.37 s against 1.16 / 3.47 s) with a lower
-    # first-token KL than prophet's (-13.9 % multikey, -8.6 % MuSiQue; docs/bench/eval_select.md, serving.md)
-    selector: str = "mix"
-    ratio: float = 0.15  # recompute budget rho over reused context tokens, in [0, 1]
-    # per-selector keyword options, keyed by selector name: the fields of its class in chunkcache/select/ (each with
-    # its default and doc line), e.g. mix's adaptive budget {mass: 0.8, overlap: 0}; a config's
-    # options for a selector override SHIPPED_OPTIONS key by key (`overlap: 0` turns mix's overlap off)
-    options: dict[str, Any] = field(default_factory=dict)
-    # CPU: a request that teaches the store nothing (every chunk stored) is computed in full when blending it is
-    # predicted slower, from rates measured once on this host (chunkcache/blend/cost.py); reported as the fallback
-    # `predicted_slower`.
-    full_when_slower: bool = True
-    # ... and unless it is predicted at least this fraction faster: where the two predictions are close, the blend
-    # saves little and the prediction's error (a long exact lead runs slower in the blend's passes than in a plain
-    # prefill) can make it the slower one, up to 1.6x stock's time measured under churn
-    blend_margin: float = 0.1
-    # the quality floor of a request that sends none (hints `max_kl`): the smallest rho whose estimated first-token
-    # KL against full recompute (chunkcache/blend/fidelity.py) is at most this many nats; null: `ratio` as given
-    max_kl: float | None = None
-    # the largest rho a quality floor may choose; a request whose estimate misses its bound even there has every
-    # context token recomputed (reported as the fallback `quality_floor`)
-    max_kl_cap: float = 0.4
+    """Which tokens of the reused chunks are recomputed, and how many; a request may name its own selector, ratio and
+    quality floor (docs/request-contract.md "Selectors")."""
+
+    selector: str = knob(
+        "mix", "default selector: full (SGLang's own prefill, no reused KV: hints `exact`), none, epic, cacheblend, "
+        "prophet, spec, clip, mix (or oracle). mix with the deviations its chunks remember runs at prophet's TTFT "
+        "(3K / 7K tokens: 1.11 / 3.37 s against 1.16 / 3.47 s) with a lower first-token KL than prophet's (-13.9 % "
+        "multikey, -8.6 % MuSiQue; docs/bench/eval_select.md, serving.md)")
+    ratio: float = knob(0.15, "recompute budget rho over reused context tokens, in [0, 1]")
+    options: dict[str, Any] = knob(
+        {}, "per-selector keyword options, keyed by selector name: the fields of its class in chunkcache/select/ "
+        "(each with its default and doc line), e.g. mix's adaptive budget {mass: 0.8, overlap: 0}; a config's "
+        "options for a selector override the shipped ones (this default) key by key (`overlap: 0` turns mix's "
+        "overlap off)")
+    full_when_slower: bool = knob(
+        True, "CPU: a request that teaches the store nothing (every chunk stored) is computed in full when blending "
+        "it is predicted slower, from rates measured once on this host (chunkcache/blend/cost.py); reported as the "
+        "fallback `predicted_slower`")
+    blend_margin: float = knob(
+        0.1, "... and unless it is predicted at least this fraction faster, in [0, 1): where the two predictions are "
+        "close, the blend saves little and the prediction's error (a long exact lead runs slower in the blend's "
+        "passes than in a plain prefill) can make it the slower one, up to 1.6x stock's time measured under churn")
+    max_kl: float | None = knob(
+        None, "the quality floor of a request that sends none (hints `max_kl`): the smallest rho whose estimated "
+        "first-token KL against full recompute (chunkcache/blend/fidelity.py) is at most this many nats; null: "
+        "`ratio` as given")
+    max_kl_cap: float = knob(
+        0.4, "the largest rho a quality floor may choose, in (0, 1]; a request whose estimate misses its bound even "
+        "there has every context token recomputed (reported as the fallback `quality_floor`)")
 
     def __post_init__(self):
         given = self.options
@@ -159,20 +200,24 @@ class Selectors(Protocol):
 
 @dataclass
 class ServeConfig:
-    model: str = "smollm2-135m-instruct"  # model name (see `chunkcache model`) or a local HF directory
-    host: str = "127.0.0.1"  # address the HTTP server binds
-    port: int = 30000  # port the HTTP server binds
-    mem_fraction_static: float = 0.3  # share of memory SGLang reserves for weights + KV pool (explicit: CPU needs it)
-    max_total_tokens: int | None = None  # KV pool size in tokens (None: SGLang sizes it from memory)
-    # SGLang --dtype of weights, activations and KV; "auto": on CPU the host's faster of bfloat16 and float32,
-    # measured once per host (chunkcache.cpu_dtype), on GPU SGLang's auto
-    dtype: str = "auto"
-    sleep_on_idle: bool = True  # idle scheduler blocks on its sockets instead of busy-polling a core
-    # SGLang attention backend on CPU, both sides of an A/B: "chunkcache_torch" is torch_native with its decode step
-    # planned once per batch and attended in float32 (sglang_patch/decode/decode_attention.py); "torch_native" is
-    # SGLang's own
-    cpu_attention: str = "chunkcache_torch"
-    sglang_args: list[str] = field(default_factory=list)  # extra arguments passed verbatim to SGLang
+    """The SGLang server `chunkcache serve` starts (docs/what-runs.md); its flags --model, --host and --port override
+    these."""
+
+    model: str = knob("smollm2-135m-instruct", "model name (see `chunkcache model`) or a local HF directory")
+    host: str = knob("127.0.0.1", "address the HTTP server binds")
+    port: int = knob(30000, "port the HTTP server binds")
+    mem_fraction_static: float = knob(
+        0.3, "share of memory SGLang reserves for weights + KV pool, in (0, 1] (explicit: CPU needs it)")
+    max_total_tokens: int | None = knob(None, "KV pool size in tokens; null: SGLang sizes it from memory")
+    dtype: str = knob(
+        "auto", "SGLang --dtype of weights, activations and KV; \"auto\": on CPU the host's faster of bfloat16 and "
+        "float32, measured once per host (chunkcache.cpu_dtype), on GPU SGLang's auto")
+    sleep_on_idle: bool = knob(True, "idle scheduler blocks on its sockets instead of busy-polling a core")
+    cpu_attention: str = knob(
+        "chunkcache_torch", "SGLang attention backend on CPU, both sides of an A/B: \"chunkcache_torch\" is "
+        "torch_native with its decode step planned once per batch and attended in float32 "
+        "(sglang_patch/decode/decode_attention.py); \"torch_native\" is SGLang's own")
+    sglang_args: list[str] = knob([], "extra arguments passed verbatim to SGLang")
 
     def check(self) -> None:
         _non_empty(self, "model", "host")
@@ -187,9 +232,13 @@ class ServeConfig:
 
 @dataclass
 class LimitsConfig:
-    max_spans: int = 64  # chunks per request (hint spans, chat documents); more is an HTTP 400
-    ingest_in_flight: int = 4  # documents of one /chunkcache/ingest call in the scheduler at once; the rest queue
-    ingest_max_documents: int = 1024  # documents per /chunkcache/ingest call; more is an HTTP 400 (send batches)
+    """Bounds on one request, so that one client cannot hold the scheduler (docs/rag-http.md)."""
+
+    max_spans: int = knob(64, "chunks per request (hint spans, chat documents); more is an HTTP 400")
+    ingest_in_flight: int = knob(
+        4, "documents of one /chunkcache/ingest call in the scheduler at once; the rest queue")
+    ingest_max_documents: int = knob(
+        1024, "documents per /chunkcache/ingest call; more is an HTTP 400 (send batches)")
 
     def check(self) -> None:
         _at_least(self, "max_spans", 1)
@@ -199,25 +248,34 @@ class LimitsConfig:
 
 @dataclass
 class AutoConfig:
-    # automatic chunk detection (docs/auto-chunks.md): a request without a chunk hint is cut into
-    # content-defined segments (chunkcache/segment.py), the ones the store holds become its chunks; off by default
-    # because it makes unmarked requests approximate, which the server's operator must choose
-    enabled: bool = False
-    min_reuse_tokens: int = 128  # a prompt with fewer stored segment tokens (past the exact prefix) is served as stock
-    segment_mean_tokens: int = 32  # mean distance between content-defined cuts inside a paragraph (a power of two)
-    segment_min_tokens: int = 16  # shortest segment cut inside a paragraph; shorter pieces are never stored
-    segment_max_tokens: int = 256  # a paragraph this long without a content-defined cut is cut here
-    # the first tokens of the run after the exact prefix are computed, not reused: their stored KV saw other text
-    # before them (another prompt's documents) where this prompt has only its prefix, and later tokens attend to
-    # them heavily (MuSiQue, 100 cases: first-token KL +30 % against hinted blending with 0, see docs/bench/auto.md);
-    # this many tokens from the first stored segment's start are computed, and a segment they end inside is reused
-    # from there on (128 against 64: MuSiQue first-token KL -12 % and +28 %, 40 cases, docs/bench/speed.md)
-    exact_lead_tokens: int = 128
-    learn: bool = True  # keep the KV of segments this server prefills (hinted or not) for later requests
-    # once the host tier is full, a segment is learned only when seen in this many prefills (1: always; 2: seen twice,
-    # which keeps one-off segments from evicting popular ones); while it has room every new segment is learned
-    admit_after: int = 2
-    seen_keys: int = 1 << 18  # segments whose sightings are counted for admit_after (least recent forgotten first)
+    """Automatic chunk detection (docs/auto-chunks.md): a request without a chunk hint is cut into content-defined
+    segments (chunkcache/segment.py), and the ones the store holds become its chunks."""
+
+    enabled: bool = knob(
+        False, "automatic chunk detection (or `chunkcache serve --auto-chunks`); off by default because it makes "
+        "unmarked requests approximate, which the server's operator must choose")
+    min_reuse_tokens: int = knob(
+        128, "a prompt with fewer stored segment tokens (past the exact prefix) is served as stock")
+    segment_mean_tokens: int = knob(
+        32, "mean distance between content-defined cuts inside a paragraph (a power of two)")
+    segment_min_tokens: int = knob(
+        16, "shortest segment cut inside a paragraph (at least 8, the cut's hash window); shorter pieces are never "
+        "stored")
+    segment_max_tokens: int = knob(256, "a paragraph this long without a content-defined cut is cut here")
+    exact_lead_tokens: int = knob(
+        128, "the first tokens of the run after the exact prefix are computed, not reused: their stored KV saw other "
+        "text before them (another prompt's documents) where this prompt has only its prefix, and later tokens "
+        "attend to them heavily (MuSiQue, 100 cases: first-token KL +30 % against hinted blending with 0, see "
+        "docs/bench/auto.md); this many tokens from the first stored segment's start are computed, and a segment "
+        "they end inside is reused from there on (128 against 64: MuSiQue first-token KL -12 % and +28 %, 40 cases, "
+        "docs/bench/speed.md)")
+    learn: bool = knob(True, "keep the KV of segments this server prefills (hinted or not) for later requests")
+    admit_after: int = knob(
+        2, "once the host tier is full, a segment is learned only when seen in this many prefills (1: always; 2: "
+        "seen twice, which keeps one-off segments from evicting popular ones); while it has room every new segment "
+        "is learned")
+    seen_keys: int = knob(
+        1 << 18, "segments whose sightings are counted for admit_after (least recent forgotten first)")
 
     def check(self) -> None:
         _at_least(self, "min_reuse_tokens", 1)
@@ -235,14 +293,18 @@ class AutoConfig:
 
 @dataclass
 class SpeCacheConfig:
-    # SpeCache decoding (sglang_patch/decode/specache.py): low-bit KV in the device pool, full KV as the host
-    # copy, top-k full-precision pairs prefetched by a speculative second token; the server refuses, at start-up, what
-    # it cannot run it on (model, device, page size, mixed chunks, ...)
-    enabled: bool = False
-    bits: int = 1  # bits per quantised K/V element: 1 (SpeCache's midpoint levels), 2 or 4 (KIVI)
-    group: int = 32  # K: per channel over groups of this many tokens; V: per token over groups of this many channels
-    residual: int = 64  # the most recent tokens kept in full precision (at least this many, fewer than residual+group)
-    topk: int = 64  # full-precision KV pairs prefetched per layer per KV head, picked by the speculative token
+    """SpeCache decoding (sglang_patch/decode/specache.py, docs/specache.md): low-bit KV in the device pool, full KV
+    as the host copy, top-k full-precision pairs prefetched by a speculative second token."""
+
+    enabled: bool = knob(
+        False, "SpeCache decoding on; the server refuses, at start-up, what it cannot run it on (model, device, page "
+        "size, mixed chunks, ...)")
+    bits: int = knob(1, "bits per quantised K/V element: 1 (SpeCache's midpoint levels), 2 or 4 (KIVI)")
+    group: int = knob(
+        32, "K: per channel over groups of this many tokens; V: per token over groups of this many channels")
+    residual: int = knob(
+        64, "the most recent tokens kept in full precision (at least this many, fewer than residual+group)")
+    topk: int = knob(64, "full-precision KV pairs prefetched per layer per KV head, picked by the speculative token")
 
     def check(self) -> None:
         if self.bits not in (1, 2, 4):
@@ -254,11 +316,15 @@ class SpeCacheConfig:
 
 @dataclass
 class DecodeConfig:
+    """The server's decode step."""
+
     specache: SpeCacheConfig = field(default_factory=SpeCacheConfig)
 
 
 @dataclass
 class Config:
+    """A server's whole configuration: one section per field."""
+
     serve: ServeConfig = field(default_factory=ServeConfig)
     select: SelectConfig = field(default_factory=SelectConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
@@ -269,20 +335,26 @@ class Config:
 
     @classmethod
     def load(cls, path: str | Path | None = None, selectors: Selectors | None = None) -> "Config":
-        """The config `path` names (see `config_file`); None is the packaged `default`. `selectors` judges the
-        select section's selector names and options; without it they are first tried when a selector is built (a
-        server loads with chunkcache.select.REGISTRY, so that a bad name stops it before it serves)."""
+        """The config `path` names (see `config_file`; None is the packaged `default`), then this process's
+        CHUNKCACHE_<SECTION>__<KEY> variables, each over its knob's value in the file: every process of a server
+        (`chunkcache serve`, SGLang's scheduler, which inherits the variables) loads the same settings. `selectors`
+        judges the select section's selector names and options; without it they are first tried when a selector is
+        built (a server loads with chunkcache.select.REGISTRY, so that a bad name stops it before it serves)."""
         path = config_file(path)
         raw = yaml.safe_load(path.read_text()) or {}
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
         errors: list[ConfigError] = []
-        config = _build(cls, raw, str(path), errors)
+        overrides = _environment(os.environ, errors)
+        for knob_path, value in overrides.items():
+            _overlay(raw, knob_path, value)
+        where = _Where(str(path), (), set(overrides))
+        config = _build(cls, raw, where, errors)
         if selectors is not None:
             try:
                 selectors.check(config.select)
             except ConfigError as exc:
-                errors.append(ConfigError(f"{path}:select:{exc.key}", exc.reason))
+                errors.append(ConfigError(where.inside("select").key(exc.key), exc.reason))
         if errors:  # every bad value at once, not one per start-up attempt
             raise ValueError("; ".join(map(str, errors))) if len(errors) > 1 else errors[0]
         return config
@@ -304,31 +376,123 @@ def config_file(name: str | Path | None) -> Path:
     return path
 
 
+def sections(cls: type = Config, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], type, list[Field]]]:
+    """Every section under `cls` that holds knobs, with its key path, its dataclass and its knobs, in field order
+    (depth first: ("decode", "specache") is a section, `decode` holds none)."""
+    fields = dataclasses.fields(cls)
+    knobs = [f for f in fields if _section(f) is None]
+    if knobs:
+        yield path, cls, knobs
+    for f in fields:
+        if (sub := _section(f)) is not None:
+            yield from sections(sub, (*path, f.name))
+
+
+def env_name(knob_path: tuple[str, ...]) -> str:
+    """The variable that sets the knob at `knob_path`: ("select", "ratio") -> CHUNKCACHE_SELECT__RATIO."""
+    return ENV_PREFIX + "__".join(knob_path).upper()
+
+
+def parse_bytes(value: Any, key: str) -> int:
+    """A byte size from an int or a string: "4096", "2GiB", "512 MiB", "1.5GB" (BYTE_UNITS, any case). A fraction
+    of a unit is rounded down to whole bytes; a number without a unit must be whole."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value) if isinstance(value, str) else None
+    units = {unit.lower(): size for unit, size in BYTE_UNITS.items()}
+    if match is None or match[2].lower() not in {"", *units} or (match[2].lower() in ("", "b") and "." in match[1]):
+        raise ConfigError(key, f"must be a byte size: an int, or a number and a unit of {', '.join(BYTE_UNITS)} "
+                               f"(2GiB, 512 MiB, 1.5GB), got {value!r}")
+    return int(Decimal(match[1]) * units.get(match[2].lower(), 1))
+
+
 class ConfigError(ValueError):
-    """A config value of the wrong type or out of range; the message names the key (`file:section:key`)."""
+    """A config value of the wrong type or out of range; the message names the key (`file:section:key`), or the
+    variable that set it (`$CHUNKCACHE_SECTION__KEY (section:key)`)."""
 
     def __init__(self, key: str, reason: str):
         super().__init__(f"{key}: {reason}")
         self.key, self.reason = key, reason
 
 
-def _build(cls: type, raw: dict[str, Any], where: str, errors: list[ConfigError]) -> Any:
+@dataclass(frozen=True)
+class _Where:
+    """Where a section's values come from: the file, the section's key path, and the knobs variables set."""
+
+    file: str
+    section: tuple[str, ...]
+    from_env: set[tuple[str, ...]]
+
+    def key(self, key: str) -> str:
+        """How an error names `key` (relative to the section, "options:mix" names a value inside a knob): the
+        variable that set the knob, else the file's key."""
+        knob_path = (*self.section, *key.split(":"))
+        dotted = ":".join(knob_path)
+        setter = next((knob_path[:n] for n in range(len(knob_path), 0, -1) if knob_path[:n] in self.from_env), None)
+        return f"${env_name(setter)} ({dotted})" if setter else f"{self.file}:{dotted}"
+
+    def inside(self, name: str) -> _Where:
+        return _Where(self.file, (*self.section, name), self.from_env)
+
+
+def _section(f: Field) -> type | None:
+    """The dataclass of a field that is a section (its value holds knobs of its own), else None: a knob."""
+    return f.default_factory if dataclasses.is_dataclass(f.default_factory) else None
+
+
+def _environment(environ: Mapping[str, str], errors: list[ConfigError]) -> dict[tuple[str, ...], Any]:
+    """The knobs CHUNKCACHE_<SECTION>__<KEY> variables set, by key path, each value read as YAML ("0.2", "true",
+    "null", "4GiB", "[a, b]"; an empty value is null). A variable of that form naming no knob is appended to
+    `errors`: a misspelt one must not leave the server on the file's value unnoticed."""
+    knobs = {env_name((*path, f.name)): (*path, f.name) for path, _, fields in sections() for f in fields}
+    overrides = {}
+    for var, text in environ.items():
+        if not var.startswith(ENV_PREFIX) or "__" not in var:
+            continue
+        if var not in knobs:  # the nearest knob by the part after the prefix, which every variable shares
+            close = difflib.get_close_matches(var.removeprefix(ENV_PREFIX),
+                                              [known.removeprefix(ENV_PREFIX) for known in knobs], n=1)
+            errors.append(ConfigError(f"${var}", "names no config knob " + (
+                f"(did you mean ${ENV_PREFIX}{close[0]}?)" if close else "(docs/configuration.md)")))
+            continue
+        try:
+            overrides[knobs[var]] = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            reason = getattr(exc, "problem", None) or exc
+            errors.append(ConfigError(f"${var}", f"not a YAML value ({reason}): {text!r}"))
+    return overrides
+
+
+def _overlay(raw: dict[str, Any], knob_path: tuple[str, ...], value: Any) -> None:
+    """`value` as the file's value of the knob at `knob_path`; a section the file gives as no mapping is left for
+    `_build` to refuse."""
+    *path, name = knob_path
+    for section in path:
+        if raw.get(section) is None:
+            raw[section] = {}
+        raw = raw[section]
+        if not isinstance(raw, dict):
+            return
+    raw[name] = value
+
+
+def _build(cls: type, raw: dict[str, Any], where: _Where, errors: list[ConfigError]) -> Any:
     """`cls` from `raw`; a value of the wrong type is appended to `errors` (and its default kept, so that the rest
     is still checked), as is the first value `check()` refuses."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = set(raw) - set(fields)
+    here = ":".join((where.file, *where.section))
     if unknown:
-        raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; expected some of {sorted(fields)}")
+        raise ValueError(f"{here}: unknown key(s) {sorted(unknown)}; expected some of {sorted(fields)}")
     kwargs = {}
     for name, value in raw.items():
-        sub = fields[name].default_factory if fields[name].default_factory is not dataclasses.MISSING else None
-        if sub is not None and dataclasses.is_dataclass(sub):
+        if (sub := _section(fields[name])) is not None:
             if not isinstance(value, dict):
-                raise ValueError(f"{where}: '{name}' must be a mapping")
-            kwargs[name] = _build(sub, value, f"{where}:{name}", errors)
+                raise ValueError(f"{here}: '{name}' must be a mapping")
+            kwargs[name] = _build(sub, value, where.inside(name), errors)
             continue
         try:
-            kwargs[name] = _typed(value, fields[name].type, f"{where}:{name}")
+            kwargs[name] = _typed(value, fields[name].type, where.key(name))
         except ConfigError as exc:
             errors.append(exc)
     obj = cls(**kwargs)
@@ -337,7 +501,7 @@ def _build(cls: type, raw: dict[str, Any], where: str, errors: list[ConfigError]
         try:
             check()
         except ConfigError as exc:
-            errors.append(ConfigError(f"{where}:{exc.key}", exc.reason))
+            errors.append(ConfigError(where.key(exc.key), exc.reason))
     return obj
 
 
@@ -349,7 +513,9 @@ _TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "st
 
 def _typed(value: Any, annotation: Any, key: str) -> Any:
     """`value` checked against a field annotation such as "int | None", "list[str]" or "dict[str, Any]"; an int
-    given for a float field becomes a float."""
+    given for a float field becomes a float, a byte size ("Bytes") an int."""
+    if annotation == "Bytes":
+        return parse_bytes(value, key)
     if not isinstance(annotation, str):
         return value
     allowed: list[type] = []

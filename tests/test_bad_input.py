@@ -306,7 +306,7 @@ def test_cli_ingest(healthy, tmp_path, capsys, lines, args, message):
 
 def test_cli_serve_refuses_a_bad_config(healthy, tmp_path):
     path = tmp_path / "bad.yaml"
-    path.write_text("select: {selector: bogus}\nstore: {host_bytes: '2GB'}\nlimits: {max_spans: 0}\n")
+    path.write_text("select: {selector: bogus}\nstore: {host_bytes: '2 gigs'}\nlimits: {max_spans: 0}\n")
     out = subprocess.run([sys.executable, "-m", "sglang_patch.serve.cli", "serve", "--config", str(path)],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 2

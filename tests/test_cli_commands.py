@@ -1,7 +1,13 @@
 """`chunkcache bench` / `chunkcache eval` reach the harness through the `chunkcache.commands` entry points, so the
 SGLang glue never imports it (tests/test_import_graph.py); a missing harness is a clear error, not a traceback."""
 
+import json
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib.metadata import EntryPoint
+from pathlib import Path
 
 import pytest
 
@@ -69,3 +75,54 @@ def test_the_benchmarks_measure_the_selector_the_server_serves(capsys):
         text = " ".join(capsys.readouterr().out.split())
         selectors = text.split("--selectors SELECTORS", 2)[-1].split("--ratios")[0]
         assert f"default: {Config().select.selector}" in selectors or f",{Config().select.selector})" in selectors
+
+
+class _StoreServer(BaseHTTPRequestHandler):
+    """Answers chat requests as a chunkcache server does on documents it has seen: each document a miss the first
+    time, a hit after. A subclass per test holds the documents seen and the requests' bodies."""
+
+    seen: set[str]
+    bodies: list[dict]
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.bodies.append({"path": self.path, **body})
+        docs = body["chunkcache"]["documents"]
+        hits = sum(doc in self.seen for doc in docs)
+        self.seen.update(docs)
+        answer = json.dumps({"usage": {"chunkcache": {"chunk_hits": hits, "chunk_misses": len(docs) - hits}}})
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(answer.encode())
+
+    def log_message(self, *args):
+        pass
+
+
+def test_serve_prints_a_quick_start_that_reuses_the_documents_in_another_order():
+    """What `serve` prints once the server answers, pasted into a shell, sends the checkout's example documents, then
+    the same documents reversed, and prints each answer's chunk report: the second's hits."""
+    handler = type("Handler", (_StoreServer,), {"seen": set(), "bodies": []})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        usage = cli._usage(f"http://127.0.0.1:{server.server_port}")
+        command = usage[usage.index(sys.executable):]  # what a user pastes: the command and its program
+        out = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert out.returncode == 0, out.stderr
+    docs = [p.read_text() for p in sorted((Path(__file__).parents[1] / "examples" / "documents").glob("*.txt"))]
+    assert len(docs) == 5
+    assert [(b["path"], b["chunkcache"]["documents"]) for b in handler.bodies] == [
+        ("/v1/chat/completions", docs), ("/v1/chat/completions", docs[::-1])]
+    first, second = out.stdout.splitlines()
+    assert "'chunk_hits': 0, 'chunk_misses': 5" in first and "'chunk_hits': 5, 'chunk_misses': 0" in second
+
+
+def test_the_quick_start_asks_for_a_directory_where_there_is_no_checkout(monkeypatch, tmp_path):
+    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "sglang_patch" / "serve" / "cli.py"))
+    usage = cli._usage("http://127.0.0.1:30000")
+    assert f"{sys.executable} - DIR <<'PY'" in usage and "DIR a directory of .txt documents" in usage

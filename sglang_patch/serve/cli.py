@@ -4,13 +4,14 @@ the `chunkcache.commands` entry points (the benchmark harness: `bench` and `eval
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
+import shlex
 import signal
 import sys
 from collections.abc import Callable
 from importlib.metadata import entry_points
+from pathlib import Path
 
 from chunkcache.models import DEFAULT_MODEL, KNOWN_MODELS, ModelError, resolve_model
 
@@ -165,8 +166,24 @@ def ingest(args: argparse.Namespace) -> int:
 
 
 def _usage(base: str) -> str:
-    body = json.dumps({"text": "The capital of France is", "sampling_params": {"max_new_tokens": 16, "temperature": 0}})
-    return f"\nchunkcache server ready at {base}\ntry:\n  curl -s {base}/generate -H 'Content-Type: application/json' -d '{body}'\n"
+    """What `serve` prints once the server answers: README's quick start against it, a chat request with documents
+    sent twice in two orders, the second reading them from the store (its report's `chunk_hits`). The documents are
+    a directory's .txt files, a checkout's examples/documents where there is one (an installed wheel has none)."""
+    docs = Path(__file__).resolve().parents[2] / "examples" / "documents"
+    program = f"""import pathlib, sys, time, requests
+docs = [p.read_text() for p in sorted(pathlib.Path(sys.argv[1]).glob("*.txt"))]
+for order in (docs, docs[::-1]):
+    start = time.perf_counter()
+    answer = requests.post("{base}/v1/chat/completions", json={{
+        "messages": [{{"role": "user", "content": "Which day does the Amber market open?"}}],
+        "max_tokens": 1, "temperature": 0, "chunkcache": {{"documents": order}}}}).json()
+    report = answer["usage"].get("chunkcache", {{}})
+    print(f"{{time.perf_counter() - start:.2f}} s", {{key: report.get(key) for key in
+          ("chunk_hits", "chunk_misses", "reused_tokens", "recomputed_tokens", "fallback")}})"""
+    where, note = (shlex.quote(str(docs)), "") if docs.is_dir() else ("DIR", ", DIR a directory of .txt documents")
+    return (f"\nchunkcache server ready at {base}\nthe same documents twice, in another order: the second answer "
+            f"reuses their KV (usage.chunkcache: chunk_hits, reused_tokens; README 'Quick start'{note})\n\n"
+            f"{shlex.quote(sys.executable)} - {where} <<'PY'\n{program}\nPY\n")
 
 
 if __name__ == "__main__":
