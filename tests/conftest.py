@@ -1,6 +1,7 @@
 import contextlib
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -10,6 +11,7 @@ import pytest
 import requests
 import safetensors
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from sglang_patch.serve.server_process import ServerProcess, chunkcache_serve
 from sglang_patch.serve.shutdown import shutdown_engine
@@ -159,10 +161,14 @@ def server(tmp_path_factory, default_model):
 
 
 def metric(server, name: str, labels: str = "") -> float:
-    """A series' value on the server's /metrics (0 when absent)."""
-    for line in requests.get(server.url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith(name + labels + " ") or (not labels and line.startswith(name + "{")):
-            return float(line.rsplit(" ", 1)[1])
+    """The value on the server's /metrics of the first sample `name` whose labels include `labels` (written as in the
+    exposition, '{reason="bad_hint"}'; the others, model_name on every series among them, may be anything); 0 when
+    there is none."""
+    wanted = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+    for family in text_string_to_metric_families(requests.get(server.url + "/metrics", timeout=30).text):
+        for sample in family.samples:
+            if sample.name == name and wanted.items() <= sample.labels.items():
+                return sample.value
     return 0.0
 
 

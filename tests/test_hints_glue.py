@@ -246,12 +246,20 @@ def test_tokenizer_side_puts_the_dict_in_meta_info():
 
 # --- metrics ----------------------------------------------------------------------------------------------------------
 
+MODEL = "served-model"  # the model_name label every series carries in these tests (--served-model-name)
+
+
 @pytest.fixture
 def registry():
     r = CollectorRegistry()
-    metrics.start(True, registry=r)
+    metrics.start(True, model_name=MODEL, registry=r)
     yield r
     metrics.start(False)
+
+
+def values(registry):
+    """`registry`'s sample values by name and the labels after model_name."""
+    return lambda name, labels=None: registry.get_sample_value(name, {"model_name": MODEL, **(labels or {})})
 
 
 def stats(**fields):
@@ -262,7 +270,7 @@ def stats(**fields):
 
 def test_dropped_entries_and_disk_full_are_series(registry):
     """Corrupt entries and disk-full refusals are /metrics series."""
-    value = registry.get_sample_value
+    value = values(registry)
     assert value("chunkcache_store_corrupt_total") == 0 and value("chunkcache_store_disk_full_total") == 0
     metrics.set_store_stats(stats(corrupt=2, disk_full=1))
     metrics.set_store_stats(stats(corrupt=3, disk_full=1))
@@ -280,7 +288,7 @@ def test_cluster_nodes_are_series_of_their_own(registry):
     a, b = NodeStats("a:1", True, True, 5, 1, 0, 0, 0, 2), NodeStats("b:2", True, False, 3, 0, 4, 1, 7, 0)
     metrics.set_store_stats(stats(remote=remote(a, b)))
     metrics.set_store_stats(stats(remote=remote(NodeStats("a:1", True, True, 2, 1, 0, 0, 0, 2), b)))  # older: a no-op
-    value = registry.get_sample_value
+    value = values(registry)
     assert value("chunkcache_remote_node_up", {"node": "a:1"}) == 1
     assert value("chunkcache_remote_node_up", {"node": "b:2"}) == 0
     assert value("chunkcache_remote_node_hits_total", {"node": "a:1"}) == 5
@@ -292,7 +300,7 @@ def test_cluster_nodes_are_series_of_their_own(registry):
 def test_request_counters(registry):
     metrics.record_request(INFO)
     metrics.record_request({**INFO, "chunk_hits": 0, "chunk_misses": 3, "selector": "spec"})
-    value = registry.get_sample_value
+    value = values(registry)
     assert value("chunkcache_chunk_hits_total") == 2
     assert value("chunkcache_chunk_misses_total") == 4
     assert value("chunkcache_reused_tokens_total") == 1400
@@ -302,8 +310,17 @@ def test_request_counters(registry):
     assert value("chunkcache_blend_seconds_sum") == pytest.approx(0.4)
 
 
+def test_estimated_kl_counts_only_blends_with_an_estimate(registry):
+    """A model without a fitted estimator reports `fidelity: {"fitted_for": null}`: the blend is counted, no KL."""
+    metrics.record_request({**INFO, "fidelity": {"fitted_for": None}})
+    metrics.record_request({**INFO, "fidelity": {"kl": 0.02, "agree": 0.9, "fitted_for": "m"}})
+    value = values(registry)
+    assert value("chunkcache_chunk_hits_total") == 4
+    assert value("chunkcache_estimated_kl_count") == 1 and value("chunkcache_estimated_kl_sum") == 0.02
+
+
 def test_store_and_fallback_metrics(registry):
-    value = registry.get_sample_value
+    value = values(registry)
     assert value("chunkcache_store_bytes", {"tier": "host"}) == 0
     metrics.set_store_stats(stats(memory_bytes=100, disk_bytes=5, evictions=3))
     metrics.set_store_stats(stats(memory_bytes=80, disk_bytes=7, evictions=5))
@@ -324,7 +341,7 @@ def test_store_series_follow_the_store_without_a_request_report(registry):
         return ChunkEntry(f"{i:032x}", torch.arange(4), torch.zeros(1, 4, 1, 2), torch.zeros(1, 4, 1, 2), 0, "f" * 32)
 
     store = ChunkStore(host_bytes=entry(0).nbytes, on_change=metrics.set_store_stats)
-    value = registry.get_sample_value
+    value = values(registry)
     store.put(entry(0))
     assert value("chunkcache_store_bytes", {"tier": "host"}) == entry(0).nbytes
     old = store.stats()
@@ -336,9 +353,38 @@ def test_store_series_follow_the_store_without_a_request_report(registry):
 
 
 def samples(registry) -> dict:
-    """Every chunkcache sample of `registry`: (name, labels) -> value."""
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value for m in registry.collect() for s in m.samples
-            if s.name.startswith("chunkcache_")}
+    """Every chunkcache sample of `registry`: (name, labels after model_name) -> value."""
+    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+            for m in registry.collect() for s in m.samples if s.name.startswith("chunkcache_")}
+
+
+def test_every_series_carries_the_served_model_name(registry, monkeypatch):
+    """Each chunkcache family, once recorded, has `model_name` first, the served model's name as SGLang's own series
+    have it (the hook reads it where SGLang's collectors do: the serving config, resolved)."""
+    from chunkcache.store.endpoint import NodeStats
+    from chunkcache.store.link import LinkEstimate
+    from chunkcache.store.remote import RemoteStats
+
+    metrics.record_request({**INFO, "fidelity": {"kl": 0.01, "agree": 0.9, "fitted_for": "m"}})
+    metrics.record_exact("exact")
+    metrics.record_auto_lookup(2, 1, 0.01)
+    metrics.record_auto_learned(3, 1024, 0.05)
+    metrics.record_fallback("bad_hint")
+    link = LinkEstimate(0.001, 1e8, 3)
+    node = NodeStats("a:1", True, True, 5, 1, 0, 0, 0, 2, link=link)
+    remote = RemoteStats("redis+cluster://a:1", True, *range(1, 13), decode_s_per_mb=0.01, link=link, nodes=(node,))
+    metrics.set_store_stats(stats(memory_bytes=1, disk_bytes=1, evictions=1, corrupt=1, disk_full=1, remote=remote))
+    families = list(registry.collect())
+    assert all(f.samples for f in families), [f.name for f in families if not f.samples]  # every family recorded
+    assert {s.labels.get("model_name") for f in families for s in f.samples} == {MODEL}
+    assert all(next(iter(s.labels)) == "model_name" for f in families for s in f.samples)
+    started = []
+    monkeypatch.setattr(metrics, "start", lambda enabled, **kwargs: started.append((enabled, kwargs)))
+    monkeypatch.setattr(metrics, "get_serving", lambda: SimpleNamespace(served_model_name="qwen-rag"))
+    scheduler = SimpleNamespace(metrics_collector_context=SimpleNamespace(current_scheduler_metrics_enabled=True),
+                                server_args=SimpleNamespace(served_model_name=None))  # as the scheduler has it
+    metrics._on_scheduler_init(None, scheduler)
+    assert started == [(True, {"model_name": "qwen-rag"})]
 
 
 def test_metrics_off_is_a_no_op():
@@ -348,7 +394,7 @@ def test_metrics_off_is_a_no_op():
     from prometheus_client import REGISTRY
 
     earlier = CollectorRegistry()
-    metrics.start(True, registry=earlier)
+    metrics.start(True, model_name=MODEL, registry=earlier)
     metrics.record_request(INFO)
     before, exported = samples(earlier), samples(REGISTRY)
     assert before[("chunkcache_chunk_hits_total", ())] == INFO["chunk_hits"]  # recording reached it while on
@@ -398,7 +444,7 @@ def test_a_prompts_segments_are_stored_once_its_output_is_sent_from_the_slots_it
     from sglang_patch.scheduler import auto_chunks
 
     registry = CollectorRegistry()
-    metrics.start(True, registry=registry)
+    metrics.start(True, model_name=MODEL, registry=registry)
     reuse, scheduler, request, pool, slots = _learning_forward(after_outputs=[])
     token_bytes = 2 * 2 * 1 * 4 * 4  # K and V, 2 layers, 1 head of 4 float32
     assert request.rounds[-1]["learned"] == {"segments": 3, "tokens": 6, "bytes": 6 * token_bytes}

@@ -3,7 +3,9 @@
 import pytest
 import requests
 
+from chunkcache.blend import round_report
 from chunkcache.hints import ACTION_TYPE
+from conftest import metric
 
 pytestmark = pytest.mark.slow
 
@@ -74,6 +76,7 @@ def test_hinted_request_reports_chunk_reuse(server):
     report = r.json()["meta_info"].get("chunkcache")
     assert report is not None, "the blend did not report on a hinted request (did it run?)"
     assert REPORT_KEYS <= set(report) and report["selector"] == "epic"
+    assert round_report.validate(report) == "blended"  # docs/report-schema.md, as a client receives it
     assert report["chunk_hits"] + report["chunk_misses"] == len(CHUNKS)
 
 
@@ -83,11 +86,11 @@ def test_plain_request_has_no_report(server):
 
 
 def test_metrics_exposed(server):
+    """chunkcache's series sit beside SGLang's on /metrics under the same model_name label, the served model's."""
     generate(server, text=rag_prompt()[0], kv_hints=kv_hints({"char_spans": rag_prompt()[1]}))  # chunks stored
-    text = requests.get(server.url + "/metrics", timeout=30).text
-    for name in ("chunkcache_chunk_hits_total", "chunkcache_reused_tokens_total"):
-        assert name in text
+    model = f'model_name="{requests.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]}"'
+    assert metric(server, "sglang:prompt_tokens_total", f"{{{model}}}") > 0
+    assert sum(metric(server, name, f"{{{model}}}") for name in ("chunkcache_chunk_hits_total",
+                                                                  "chunkcache_chunk_misses_total")) > 0
     # the store's own updates (ChunkStore on_change, wired in sglang_patch.scheduler.cache)
-    host = [float(line.split()[-1]) for line in text.splitlines()
-            if line.startswith('chunkcache_store_bytes{tier="host"')]
-    assert host and host[0] > 0, text
+    assert metric(server, "chunkcache_store_bytes", f'{{{model},tier="host"}}') > 0

@@ -336,7 +336,7 @@ def test_remote_counters_reach_prometheus(valkey):
     from sglang_patch.scheduler import metrics
 
     registry = CollectorRegistry()
-    metrics.start(True, registry)
+    metrics.start(True, model_name="m", registry=registry)
     try:
         store = remote_store(valkey.url, remote_max_value_bytes=1 << 16)
         store.put(make_entry(key(1)))
@@ -345,7 +345,9 @@ def test_remote_counters_reach_prometheus(valkey):
         store.get(key(3))
         metrics.set_store_stats(store.stats())
         metrics.set_store_stats(store.stats())  # a second snapshot adds nothing: counters get increments
-        value = registry.get_sample_value
+        def value(name, labels=None):
+            return registry.get_sample_value(name, {"model_name": "m", **(labels or {})})
+
         assert value("chunkcache_remote_bytes_written_total") == store.stats().remote.bytes_written > 0
         assert value("chunkcache_remote_misses_total") == 1 and value("chunkcache_remote_up") == 1
         assert value("chunkcache_remote_skipped_total", {"reason": "oversize"}) == 1

@@ -18,8 +18,8 @@ modules, chunkcache.reference; SGLang's model runner, sglang_patch.scheduler.ble
              estimate meets it (chunkcache.blend.fidelity: no model pass); per-chunk features a selector kept go into
              the store with their entry
   recompute  the selected tokens of every request through all layers; its output is the engine's
-  record     each round's report, the same fields from both engines (`record`, `record_held`); the glue only
-             serialises it into meta_info, logs and /metrics
+  record     each round's report, the same fields from both engines (`record`, `record_held`), checked against its
+             shape's schema (chunkcache.blend.round_report); the glue only puts it in meta_info, logs and /metrics
 
 `run` is lookup through recompute for one batch (the engine's forward); the engine (`Engine`) runs the model.
 """
@@ -38,7 +38,7 @@ import torch
 from ..ranks import Ranks, all_hold
 from ..select.base import Selector, needs
 from ..store import ChunkEntry, ChunkStore, Lookup
-from . import fidelity
+from . import fidelity, round_report
 from .auto import AutoChunks, Segments
 from .cost import ComputeCost, Prediction
 from .features import DeviationJob, FeaturePasses, Models, RequestFeatures, check_deviation_args
@@ -381,7 +381,7 @@ def record(request: ChunkRequest, b: Blended, *, stages: dict[str, float] | None
     `detect` is the request's own) and `blend_s`/`select_s` (this request's share), the blend-or-full `prediction`
     when one was made, and the engine's `batch` (requests, forwards)."""
     plan = b.plan
-    return {
+    return round_report.to_json("blended", {
         **detection_fields(request),
         "chunk_hits": b.hits, "chunk_misses": len(plan.chunks) - b.hits, "reused_tokens": b.reused_tokens,
         "recomputed_tokens": len(b.recomputed), "attended_pairs": b.attended_pairs, "radix_tokens": plan.matched,
@@ -393,7 +393,7 @@ def record(request: ChunkRequest, b: Blended, *, stages: dict[str, float] | None
             "fidelity": {"kl": round(b.estimate.kl, 6), "agree": round(b.estimate.agree, 4),
                          "fitted_for": b.estimate.fitted_for}}),
         **_floor(b), "fetched": b.fetched, "computed_instead": b.computed_instead,
-    }
+    })
 
 
 def _floor(b: Blended) -> dict:
@@ -413,11 +413,12 @@ def _floor(b: Blended) -> dict:
 
 def record_held(request: ChunkRequest, plan: RequestPlan, computed: int) -> dict:
     """A round whose chunks the radix tree held entirely: computed exactly, nothing blended."""
-    return {**detection_fields(request), "chunk_hits": 0, "chunk_misses": 0, "reused_tokens": 0,
-            "recomputed_tokens": computed, "attended_pairs": 0, "radix_tokens": plan.matched,
-            "selector": plan.selector, "ratio": plan.ratio, "select_s": 0.0, "blend_s": 0.0,
-            "stages_s": _stages(request, None), "batch": dict(NO_BATCH), "admitted_compute": request.charged,
-            "feature_passes": []}
+    return round_report.to_json("held", {
+        **detection_fields(request), "chunk_hits": 0, "chunk_misses": 0, "reused_tokens": 0,
+        "recomputed_tokens": computed, "attended_pairs": 0, "radix_tokens": plan.matched, "selector": plan.selector,
+        "ratio": plan.ratio, "select_s": 0.0, "blend_s": 0.0, "stages_s": _stages(request, None),
+        "batch": dict(NO_BATCH), "admitted_compute": request.charged, "feature_passes": [], "fetched": 0,
+        "computed_instead": 0})
 
 
 def _stages(request: ChunkRequest, stages: dict[str, float] | None) -> dict[str, float]:

@@ -4,7 +4,9 @@ With `--enable-metrics` SGLang sets PROMETHEUS_MULTIPROC_DIR before it spawns th
 process) aggregates every process's files with prometheus_client's MultiProcessCollector. So metrics created in the
 scheduler need no exporter of their own. `start()` runs once per scheduler (hook on
 `Scheduler.init_metrics_collector`) with SGLang's own decision for that rank, so tensor-parallel ranks do not count
-the same request twice; until then, and when metrics are off, every function here is a no-op.
+the same request twice; until then, and when metrics are off, every function here is a no-op. Every series carries
+`model_name` (--served-model-name, by default the model path) as its first label, as SGLang's own series do, so one
+dashboard (docs/grafana/chunkcache.json) selects a served model across both.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import threading
 
 from sglang.srt.plugins.hook_registry import HookType
+from sglang.srt.runtime_context import get_serving
 
 TIERS = ("host", "disk")  # the chunk store's tiers, as `tier` label values
 # RemoteStats counters as chunkcache_remote_* series: field -> (series, help); the skip reasons share one series
@@ -32,76 +35,89 @@ KL_BUCKETS = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
+class _ModelSeries:
+    """A labelled series with its `model_name` already given: `labels` takes the labels after it."""
+
+    def __init__(self, metric, model_name: str):
+        self.metric, self.model_name = metric, model_name
+
+    def labels(self, *values: str):
+        return self.metric.labels(self.model_name, *values)
+
+
 class _Metrics:
-    def __init__(self, registry=None):
+    def __init__(self, model_name: str, registry=None):
         # Imported here, not at module level: prometheus_client picks single- or multi-process mode when it is
         # first imported, and this module is also imported by the main process before SGLang sets the directory.
         from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
-        r = registry or REGISTRY
-        self.requests = Counter("chunkcache_requests", "Requests served with chunk reuse, by selector",
-                                ["selector"], registry=r)
-        self.chunk_hits = Counter("chunkcache_chunk_hits", "Hinted chunks found in the chunk store", registry=r)
-        self.chunk_misses = Counter("chunkcache_chunk_misses", "Hinted chunks computed and inserted", registry=r)
-        self.reused_tokens = Counter("chunkcache_reused_tokens", "Prompt tokens whose KV was reused", registry=r)
-        self.recomputed_tokens = Counter("chunkcache_recomputed_tokens", "Prompt tokens recomputed by the blend",
-                                         registry=r)
-        self.select_seconds = Histogram("chunkcache_select_seconds", "Token selection time per request",
-                                        buckets=SECONDS_BUCKETS, registry=r)
-        self.blend_seconds = Histogram("chunkcache_blend_seconds", "Blended prefill time per request, selection "
-                                       "excluded", buckets=SECONDS_BUCKETS, registry=r)
-        self.estimated_kl = Histogram("chunkcache_estimated_kl", "Fidelity estimate per blended request: the upper "
-                                      "quantile of its first-token KL against full recompute, nats "
-                                      "(chunkcache/blend/fidelity.py)", buckets=KL_BUCKETS, registry=r)
+        def series(kind, name: str, doc: str, labels: tuple[str, ...] = (), **options):
+            """A series labelled `model_name` first, as SGLang's own are (a dashboard selects one served model across
+            both), then `labels`; recorded through the child of this server's name, or `_ModelSeries` with labels."""
+            metric = kind(name, doc, ["model_name", *labels], registry=registry or REGISTRY, **options)
+            return _ModelSeries(metric, model_name) if labels else metric.labels(model_name)
+
+        self.requests = series(Counter, "chunkcache_requests", "Requests served with chunk reuse, by selector",
+                               ("selector",))
+        self.chunk_hits = series(Counter, "chunkcache_chunk_hits", "Hinted chunks found in the chunk store")
+        self.chunk_misses = series(Counter, "chunkcache_chunk_misses", "Hinted chunks computed and inserted")
+        self.reused_tokens = series(Counter, "chunkcache_reused_tokens", "Prompt tokens whose KV was reused")
+        self.recomputed_tokens = series(Counter, "chunkcache_recomputed_tokens", "Prompt tokens recomputed by the "
+                                        "blend")
+        self.select_seconds = series(Histogram, "chunkcache_select_seconds", "Token selection time per request",
+                                     buckets=SECONDS_BUCKETS)
+        self.blend_seconds = series(Histogram, "chunkcache_blend_seconds", "Blended prefill time per request, "
+                                    "selection excluded", buckets=SECONDS_BUCKETS)
+        self.estimated_kl = series(Histogram, "chunkcache_estimated_kl", "Fidelity estimate per blended request: the "
+                                   "upper quantile of its first-token KL against full recompute, nats "
+                                   "(chunkcache/blend/fidelity.py)", buckets=KL_BUCKETS)
         # livesum: with data parallelism each scheduler has its own store, and the total is what is held
-        self.store_bytes = Gauge("chunkcache_store_bytes", "Bytes held by the chunk store, by tier", ["tier"],
-                                 multiprocess_mode="livesum", registry=r)
-        self.evictions = Counter("chunkcache_evictions", "Chunk store evictions (all tiers)", registry=r)
-        self.corrupt = Counter("chunkcache_store_corrupt", "Disk entries dropped on read: unreadable, failing "
-                               "verification or not fitting the model (each a counted miss)", registry=r)
-        self.disk_full = Counter("chunkcache_store_disk_full", "Disk-tier writes refused because the disk was full",
-                                 registry=r)
-        self.fallbacks = Counter("chunkcache_fallbacks", "Hinted requests computed in full, by reason", ["reason"],
-                                 registry=r)
-        self.exact = Counter("chunkcache_exact_requests", "Requests with a chunkcache payload computed by the model's "
-                             "own prefill at their asking, by reason (exact: `exact: true`; selector_full: "
-                             "`selector: full`)", ["reason"], registry=r)
-        self.remote = {field: Counter(name, doc, registry=r) for field, (name, doc) in REMOTE_COUNTERS.items()}
-        self.remote_skipped = Counter("chunkcache_remote_skipped", "Remote gets and puts not done, by reason (down: "
-                                      "outage in progress; oversize, full: puts the server cannot take; queue: "
-                                      "writer behind)", ["reason"], registry=r)
-        self.remote_up = Gauge("chunkcache_remote_up", "1 while the remote store works, 0 during an outage",
-                               multiprocess_mode="livemin", registry=r)
+        self.store_bytes = series(Gauge, "chunkcache_store_bytes", "Bytes held by the chunk store, by tier", ("tier",),
+                                  multiprocess_mode="livesum")
+        self.evictions = series(Counter, "chunkcache_evictions", "Chunk store evictions (all tiers)")
+        self.corrupt = series(Counter, "chunkcache_store_corrupt", "Disk entries dropped on read: unreadable, failing "
+                              "verification or not fitting the model (each a counted miss)")
+        self.disk_full = series(Counter, "chunkcache_store_disk_full", "Disk-tier writes refused because the disk was "
+                                "full")
+        self.fallbacks = series(Counter, "chunkcache_fallbacks", "Hinted requests computed in full, by reason",
+                                ("reason",))
+        self.exact = series(Counter, "chunkcache_exact_requests", "Requests with a chunkcache payload computed by the "
+                            "model's own prefill at their asking, by reason (exact: `exact: true`; selector_full: "
+                            "`selector: full`)", ("reason",))
+        self.remote = {field: series(Counter, name, doc) for field, (name, doc) in REMOTE_COUNTERS.items()}
+        self.remote_skipped = series(Counter, "chunkcache_remote_skipped", "Remote gets and puts not done, by reason "
+                                     "(down: outage in progress; oversize, full: puts the server cannot take; queue: "
+                                     "writer behind)", ("reason",))
+        self.remote_up = series(Gauge, "chunkcache_remote_up", "1 while the remote store works, 0 during an outage",
+                                multiprocess_mode="livemin")
         # cluster mode: one series per primary node (`node`: host:port)
-        self.node_up = Gauge("chunkcache_remote_node_up", "1 while a cluster node works, 0 during its outage",
-                             ["node"], registry=r)
-        self.node = {field: Counter(f"chunkcache_remote_node_{field}", f"Remote store {field} on one cluster node",
-                                    ["node"], registry=r) for field in NODE_COUNTERS}
+        self.node_up = series(Gauge, "chunkcache_remote_node_up", "1 while a cluster node works, 0 during its outage",
+                              ("node",))
+        self.node = {field: series(Counter, f"chunkcache_remote_node_{field}", f"Remote store {field} on one cluster "
+                                   "node", ("node",)) for field in NODE_COUNTERS}
         # each server's measured gets (the fetch-or-compute rule's inputs); `node`: host:port, or the one endpoint
-        self.link_latency = Gauge("chunkcache_remote_fetch_latency_seconds", "A remote get's measured fixed cost "
-                                  "(round trip), per server", ["node"], multiprocess_mode="livemax", registry=r)
-        self.link_rate = Gauge("chunkcache_remote_fetch_bytes_per_second", "A remote get's measured bandwidth, per "
-                               "server", ["node"], multiprocess_mode="livemin", registry=r)
-        self.decode_cost = Gauge("chunkcache_remote_decode_seconds_per_mb", "Decoding a fetched entry (verify, "
-                                 "dequantise) per MB fetched, the third input of the rule", multiprocess_mode="livemax",
-                                 registry=r)
-        self.auto_requests = Counter("chunkcache_auto_requests", "Requests without a hint seen by automatic chunk "
-                                     "detection, by outcome (blended: stored segments became its chunks; stock: too "
-                                     "few, served as stock)", ["outcome"], registry=r)
-        self.auto_hits = Counter("chunkcache_auto_segment_hits", "Prompt segments found in the chunk store by "
-                                 "automatic detection", registry=r)
-        self.auto_misses = Counter("chunkcache_auto_segment_misses", "Prompt segments looked up and not found",
-                                   registry=r)
-        self.auto_detect_seconds = Histogram("chunkcache_auto_detect_seconds", "Automatic detection time per request "
-                                             "(segmenting, radix match, store lookups)", buckets=SECONDS_BUCKETS,
-                                             registry=r)
-        self.auto_learned = Counter("chunkcache_auto_learned_segments", "Segments stored from prefilled prompts",
-                                    registry=r)
-        self.auto_learned_bytes = Counter("chunkcache_auto_learned_bytes", "Bytes of segments stored from prefilled "
-                                          "prompts", registry=r)
-        self.auto_learn_seconds = Histogram("chunkcache_auto_learn_seconds", "Storing one prompt's learned segments "
-                                            "(the KV read out of the pool, the store's puts), after its output is "
-                                            "sent", buckets=SECONDS_BUCKETS, registry=r)
+        self.link_latency = series(Gauge, "chunkcache_remote_fetch_latency_seconds", "A remote get's measured fixed "
+                                   "cost (round trip), per server", ("node",), multiprocess_mode="livemax")
+        self.link_rate = series(Gauge, "chunkcache_remote_fetch_bytes_per_second", "A remote get's measured "
+                                "bandwidth, per server", ("node",), multiprocess_mode="livemin")
+        self.decode_cost = series(Gauge, "chunkcache_remote_decode_seconds_per_mb", "Decoding a fetched entry "
+                                  "(verify, dequantise) per MB fetched, the third input of the rule",
+                                  multiprocess_mode="livemax")
+        self.auto_requests = series(Counter, "chunkcache_auto_requests", "Requests without a hint seen by automatic "
+                                    "chunk detection, by outcome (blended: stored segments became its chunks; stock: "
+                                    "too few, served as stock)", ("outcome",))
+        self.auto_hits = series(Counter, "chunkcache_auto_segment_hits", "Prompt segments found in the chunk store by "
+                                "automatic detection")
+        self.auto_misses = series(Counter, "chunkcache_auto_segment_misses", "Prompt segments looked up and not found")
+        self.auto_detect_seconds = series(Histogram, "chunkcache_auto_detect_seconds", "Automatic detection time per "
+                                          "request (segmenting, radix match, store lookups)", buckets=SECONDS_BUCKETS)
+        self.auto_learned = series(Counter, "chunkcache_auto_learned_segments", "Segments stored from prefilled "
+                                   "prompts")
+        self.auto_learned_bytes = series(Counter, "chunkcache_auto_learned_bytes", "Bytes of segments stored from "
+                                         "prefilled prompts")
+        self.auto_learn_seconds = series(Histogram, "chunkcache_auto_learn_seconds", "Storing one prompt's learned "
+                                         "segments (the KV read out of the pool, the store's puts), after its output "
+                                         "is sent", buckets=SECONDS_BUCKETS)
         # the store counts cumulatively, the counters get the increments: the totals already counted
         self.store_seen: dict[str, int] = {}
         # snapshots come from the scheduler and the forward thread, either one first
@@ -119,13 +135,17 @@ def hooks() -> list[tuple[str, object, HookType]]:
 
 
 def _on_scheduler_init(result, scheduler, *args, **kwargs) -> None:
-    start(scheduler.metrics_collector_context.current_scheduler_metrics_enabled)
+    # SGLang's own collectors read the name from the serving config, where it is resolved (the model path when not
+    # given); the scheduler's server_args keep the flag as passed, None by default
+    start(scheduler.metrics_collector_context.current_scheduler_metrics_enabled,
+          model_name=get_serving().served_model_name)
 
 
-def start(enabled: bool, registry=None) -> None:
-    """Create the metrics (in `registry`, default prometheus_client's) if `enabled`, else turn recording off."""
+def start(enabled: bool, *, model_name: str = "", registry=None) -> None:
+    """Create the metrics (in `registry`, default prometheus_client's), every series labelled `model_name` (the
+    server's --served-model-name, SGLang's label), if `enabled`; else turn recording off."""
     global _metrics
-    _metrics = _Metrics(registry) if enabled else None
+    _metrics = _Metrics(model_name, registry) if enabled else None
 
 
 def record_request(info: dict) -> None:
@@ -140,7 +160,7 @@ def record_request(info: dict) -> None:
     m.recomputed_tokens.inc(info["recomputed_tokens"])
     m.select_seconds.observe(info["select_s"])
     m.blend_seconds.observe(info["blend_s"])
-    if "fidelity" in info:
+    if "kl" in info.get("fidelity", {}):  # an uncalibrated model's blends report {"fitted_for": None}, no estimate
         m.estimated_kl.observe(info["fidelity"]["kl"])
 
 

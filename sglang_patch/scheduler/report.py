@@ -2,8 +2,10 @@
 full) added to its ChunkRequest, logged and counted in /metrics (sglang_patch.scheduler.metrics), returned as the
 response's `meta_info["chunkcache"]`.
 
-Each prefill round of the request adds one entry: `blended` (what the blend did, or that the radix tree already
-held every chunk), `exact`, `auto_stock` or `fallback` (computed in full, and why). SGLang already carries
+Each prefill round of the request adds one entry, of one of the shapes chunkcache.blend.round_report checks
+(docs/report-schema.md): `blended` (what the blend did, or that the radix tree already held every chunk), `exact`,
+`auto_stock` or `fallback` (computed in full, and why). Each round is one log line of key=value fields (`_line`): at
+DEBUG for a round served as asked (`--log-level debug` shows them), at WARNING for one computed in full. SGLang carries
 per-request extras to the TokenizerManager: `Req.customized_info` -> BatchTokenIDOutput -> detokenizer ->
 BatchStrOutput -> `TokenizerManager.update_request_meta_info`. The report rides on it through three hooks
 (plugin.hooks):
@@ -18,9 +20,10 @@ BatchStrOutput -> `TokenizerManager.update_request_meta_info`. The report rides 
 
 from __future__ import annotations
 
+import json
 import logging
 
-from chunkcache.blend import pipeline
+from chunkcache.blend import pipeline, round_report
 from chunkcache.blend.request import ChunkRequest
 
 from . import metrics
@@ -32,15 +35,14 @@ ATTR = "chunkcache"  # the Req attribute holding its ChunkRequest (request_hint.
 
 def blended(request: ChunkRequest, info: dict) -> None:
     """A round the pipeline recorded (chunkcache.blend.pipeline.record / record_held): logged, counted, reported. A
-    quality floor no rho met (every context token recomputed) is a fallback, said as one."""
-    if info.get("fallback") == "quality_floor":
-        log.warning("chunkcache: request %s computed in full (quality_floor): %s", request.rid, info["detail"])
-        metrics.record_fallback("quality_floor")
-    log.info("chunkcache: request %s blended by %s at rho %.2f: %d chunk hits, %d misses, %d tokens reused, %d "
-             "recomputed, %d held by the radix tree, %.3f s", request.rid, info["selector"], info["ratio"],
-             info["chunk_hits"], info["chunk_misses"], info["reused_tokens"], info["recomputed_tokens"],
-             info["radix_tokens"], info["blend_s"] + info["select_s"])
-    log.debug("chunkcache: request %s report %s", request.rid, info)
+    round that recomputed every context token after all (a quality floor no rho met) is a fallback, said as one."""
+    if "fallback" in info:
+        _warn_full(request, info["fallback"], info["detail"])
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug(_line("blended", request, selector=info["selector"], rho=info["ratio"], hits=info["chunk_hits"],
+                        misses=info["chunk_misses"], reused=info["reused_tokens"],
+                        recomputed=info["recomputed_tokens"], radix=info["radix_tokens"],
+                        s=info["blend_s"] + info["select_s"]))
     metrics.record_request(info)
     request.add_round(info)
 
@@ -48,27 +50,47 @@ def blended(request: ChunkRequest, info: dict) -> None:
 def auto_stock(request: ChunkRequest, *, radix: int, computed: int, learned: dict) -> None:
     """A request automatic detection served as stock (too few stored segments): what it computed and taught the
     store."""
-    log.info("chunkcache: request %s served as stock by automatic detection (too few stored segments); learned %s",
-             request.rid, learned)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug(_line("auto_stock", request, radix=radix, recomputed=computed, learned=learned["segments"]))
     auto = {"auto": True, "segments": 0, "detect_s": 0.0, **pipeline.detection_fields(request)}
-    request.add_round({**auto, "chunk_hits": 0, "reused_tokens": 0, "recomputed_tokens": computed,
-                       "radix_tokens": radix, "learned": learned})
+    request.add_round(round_report.to_json("auto_stock", {
+        **auto, "chunk_hits": 0, "reused_tokens": 0, "recomputed_tokens": computed, "radix_tokens": radix,
+        "learned": learned}))
 
 
 def exact(request: ChunkRequest, *, radix: int, computed: int) -> None:
     """A round computed by SGLang's own prefill because the request asked for exact KV (request_hint.exact_reason):
     no reused KV, its output stock's."""
-    log.info("chunkcache: request %s computed by the model's own prefill (%s)", request.rid, request.exact)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug(_line("exact", request, reason=request.exact, radix=radix, recomputed=computed))
     metrics.record_exact(request.exact)
-    request.add_round({"exact": True, "reason": request.exact, "selector": "full", "chunk_hits": 0,
-                       "reused_tokens": 0, "recomputed_tokens": computed, "radix_tokens": radix})
+    request.add_round(round_report.to_json("exact", {
+        "exact": True, "reason": request.exact, "selector": "full", "chunk_hits": 0, "reused_tokens": 0,
+        "recomputed_tokens": computed, "radix_tokens": radix}))
 
 
 def fallback(request: ChunkRequest, reason: str, detail: str, extra: dict | None = None) -> None:
-    """A round computed in full instead of blended: said in the log, a metric and its meta_info."""
-    log.warning("chunkcache: request %s computed in full (%s): %s", request.rid, reason, detail)
+    """A round computed in full instead of blended: logged, counted and reported, with why."""
+    _warn_full(request, reason, detail)
+    request.add_round(round_report.to_json("fallback", {"fallback": reason, "detail": detail, **(extra or {})}))
+
+
+def _warn_full(request: ChunkRequest, reason: str, detail: str) -> None:
+    """A WARNING, so that the default log level shows every round computed in full, and
+    chunkcache_fallbacks_total{reason}."""
+    log.warning(_line("fallback", request, reason=reason, detail=detail))
     metrics.record_fallback(reason)
-    request.add_round({"fallback": reason, "detail": detail, **(extra or {})})
+
+
+def _line(event: str, request: ChunkRequest, **fields) -> str:
+    """One request's log line, `chunkcache: EVENT rid=... key=value ...` (logfmt: text with spaces double-quoted),
+    for grep and log pipelines; floats rounded to 3 decimals."""
+    def text(value) -> str:
+        value = str(round(value, 3) if isinstance(value, float) else value)
+        return json.dumps(value) if not value or any(c in value for c in ' "=') else value
+
+    return " ".join([f"chunkcache: {event}", *(f"{key}={text(value)}" for key, value in
+                                                {"rid": request.rid, **fields}.items())])
 
 
 def _report(req) -> dict | None:

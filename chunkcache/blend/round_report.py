@@ -1,0 +1,240 @@
+"""The schema of a request's chunk report, one typed shape per kind of prefill round, and `to_json`, the one way a
+round becomes the dict a response carries (`meta_info["chunkcache"]`, `usage.chunkcache`, the reference blender's
+`BlendResult.report`). docs/report-schema.md is this schema in prose, key by key, with units.
+
+Each builder hands `to_json` the shape it builds: chunkcache.blend.pipeline's `record` (`blended`) and `record_held`
+(`held`: the radix tree held every chunk), and the rounds the glue reports without a blend,
+sglang_patch.scheduler.report (`exact`, `auto_stock`, `fallback`). `to_json` refuses a missing or unknown key and a
+value of another type, so no builder drifts from the schema unseen: every shape's builder runs in the tests.
+`validate` checks a report as a client receives it (one round, or several merged: ChunkRequest.report) and names its
+shape. The shapes are told apart by their keys alone (`shape_of`), so the wire carries no shape name.
+
+No `from __future__ import annotations` here: TypedDict reads `NotRequired` from evaluated annotations (Python 3.11).
+"""
+
+import functools
+import types
+from collections.abc import Mapping
+from typing import Literal, NotRequired, Required, TypedDict, get_args, get_origin, get_type_hints, is_typeddict
+
+from .request import STAGES, ChunkRequest
+
+
+class ReportError(ValueError):
+    """A report, or a round a builder made, that does not match the schema."""
+
+
+class Learned(TypedDict):
+    """The segments the request's prefill taught the store (automatic detection on), added to its last round."""
+
+    segments: int
+    tokens: int
+    bytes: int
+
+
+class Batch(TypedDict):
+    """The engine's batch the round ran in (pipeline.NO_BATCH: a round that blended nothing)."""
+
+    requests: int  # requests blended in it
+    plain: int  # rows computed exactly beside them
+    decodes: int  # decode rows mixed in (--enable-mixed-chunk)
+    forwards: int  # model forwards it took
+
+
+StageSeconds = TypedDict("StageSeconds", dict.fromkeys(STAGES, float))  # seconds per stage, request.STAGES' names
+
+
+class Fidelity(TypedDict, total=False):
+    """The fidelity estimate (chunkcache.blend.fidelity); only `fitted_for: None` when the model has no estimator."""
+
+    kl: float  # predicted upper quantile of the first-token KL against full recompute, nats
+    agree: float  # predicted chance its greedy first token is full recompute's
+    fitted_for: Required[str | None]  # the model whose cases the estimator was fitted on; None: no estimator
+
+
+class _Counted(TypedDict):
+    """What every round that prefilled the prompt counts."""
+
+    chunk_hits: int
+    reused_tokens: int
+    recomputed_tokens: int
+    radix_tokens: int
+    learned: NotRequired[Learned]
+
+
+class _Priced(TypedDict):
+    """The blend-or-full prediction (chunkcache.blend.cost.Prediction.report), when the server made one."""
+
+    choice: NotRequired[Literal["blend", "full"]]
+    predicted_blend_s: NotRequired[float]
+    predicted_full_s: NotRequired[float]
+
+
+class _Detected(TypedDict):
+    """What automatic detection did for the request (pipeline.detection_fields)."""
+
+    auto: Literal[True]
+    segments: int
+    detect_s: float
+    exact_carried: NotRequired[int]
+
+
+class _Blend(_Counted):
+    """What every round of a hinted request's prefill reports, blended or not (pipeline.record, record_held)."""
+
+    chunk_misses: int
+    attended_pairs: int
+    selector: str
+    ratio: float
+    select_s: float
+    blend_s: float
+    stages_s: StageSeconds
+    batch: Batch
+    admitted_compute: int | None
+    feature_passes: list[str]
+    fetched: int
+    computed_instead: int
+
+
+class HeldRound(_Blend):
+    """A round whose chunks the radix tree held entirely: computed exactly, nothing blended, no chunk looked up."""
+
+
+class BlendedRound(_Blend, _Priced):
+    """A round the blend served."""
+
+    fidelity: NotRequired[Fidelity]
+    max_kl: NotRequired[float]
+    fallback: NotRequired[Literal["quality_floor", "uncalibrated"]]  # every context token recomputed after all
+    detail: NotRequired[str]
+
+
+class DetectedHeldRound(HeldRound, _Detected):
+    """A held round of a request whose chunks automatic detection found."""
+
+
+class DetectedBlendedRound(BlendedRound, _Detected):
+    """A blended round of a request whose chunks automatic detection found."""
+
+
+class ExactRound(_Counted):
+    """A round the model's own prefill computed because the request asked for exact KV."""
+
+    exact: Literal[True]
+    reason: Literal["exact", "selector_full"]
+    selector: Literal["full"]
+
+
+class AutoStockRound(_Counted, _Detected):
+    """A request automatic detection served as stock (too few stored segments)."""
+
+
+class FallbackRound(_Priced):
+    """A round computed in full instead of blended, and why."""
+
+    fallback: str  # the reason, a short fixed token (the chunkcache_fallbacks_total `reason` label)
+    detail: str
+    learned: NotRequired[Learned]
+
+
+SHAPES = {"blended": BlendedRound, "held": HeldRound, "exact": ExactRound, "auto_stock": AutoStockRound,
+          "fallback": FallbackRound}
+# a blended or held round with `auto` is checked against its detected variant
+DETECTED = {BlendedRound: DetectedBlendedRound, HeldRound: DetectedHeldRound}
+
+
+def shape_of(fields: Mapping) -> str:
+    """Which shape a round is, from its keys: `exact` marks an exact round; a fallback round counts no chunks; an
+    auto-stock round names no selector; a held round found no chunk to look up (a blend has at least one)."""
+    if "exact" in fields:
+        return "exact"
+    if "chunk_hits" not in fields:
+        return "fallback"
+    if "selector" not in fields:
+        return "auto_stock"
+    return "held" if fields["chunk_hits"] + fields.get("chunk_misses", 0) == 0 else "blended"
+
+
+def to_json(shape: str, fields: Mapping) -> dict:
+    """The round a builder made, as the dict the response carries, once it matches `shape`'s schema."""
+    if shape_of(fields) != shape:
+        raise ReportError(f"a {shape} round with the keys of a {shape_of(fields)} one: {sorted(fields)}")
+    _check_round(fields, shape)
+    return dict(fields)
+
+
+def validate(report: Mapping) -> str:
+    """The shape of `report` as a response carries it, checked: one round, or several (`rounds`) merged as
+    ChunkRequest.report merges them."""
+    if "rounds" not in report:
+        return _check_round(report)
+    rounds = report["rounds"]
+    if not isinstance(rounds, list) or len(rounds) < 2:
+        raise ReportError(f"rounds: a list of at least two rounds, not {rounds!r}")
+    request = ChunkRequest(rid="validate")
+    for i, r in enumerate(rounds):
+        _check_round(r, f"rounds[{i}]")
+        request.add_round(dict(r))
+    if request.report != report:
+        raise ReportError("the report is not its rounds merged (the last round, an earlier fallback kept visible)")
+    return shape_of(rounds[-1])
+
+
+def _check_round(fields, where: str = "report") -> str:
+    if not isinstance(fields, Mapping):
+        raise ReportError(f"{where}: {fields!r} is not an object")
+    shape = shape_of(fields)
+    schema = SHAPES[shape]
+    _check(fields, DETECTED.get(schema, schema) if "auto" in fields else schema, where)
+    return shape
+
+
+@functools.cache
+def _hints(schema) -> dict:
+    return get_type_hints(schema)
+
+
+def _check(value, hint, where: str) -> None:
+    """Raise ReportError unless `value` is of `hint`: a TypedDict (its keys exactly), a union, a Literal, list[...],
+    int (never a bool), float (any JSON number), or a plain type."""
+    if is_typeddict(hint):
+        if not isinstance(value, Mapping):
+            raise ReportError(f"{where}: {value!r} is not an object")
+        hints = _hints(hint)
+        missing, unknown = hint.__required_keys__ - value.keys(), value.keys() - hints.keys()
+        if missing or unknown:
+            raise ReportError(f"{where}: missing {sorted(missing)}, unknown {sorted(unknown)}")
+        for key, item in value.items():
+            _check(item, hints[key], f"{where}.{key}")
+        return
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is types.UnionType:
+        if not any(_matches(value, arg, where) for arg in args):
+            raise ReportError(f"{where}: {value!r} is none of {hint}")
+        return
+    if origin is list:
+        if not isinstance(value, list):
+            raise ReportError(f"{where}: {value!r} is not a list")
+        for i, item in enumerate(value):
+            _check(item, args[0], f"{where}[{i}]")
+        return
+    if origin is Literal:
+        ok = any(value == arg and type(value) is type(arg) for arg in args)
+    elif hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif hint is type(None):
+        ok = value is None
+    else:
+        ok = isinstance(value, hint)
+    if not ok:
+        raise ReportError(f"{where}: {value!r} is not {hint}")
+
+
+def _matches(value, hint, where: str) -> bool:
+    try:
+        _check(value, hint, where)
+    except ReportError:
+        return False
+    return True
