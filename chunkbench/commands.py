@@ -38,7 +38,8 @@ def _workload_args(ap: argparse.ArgumentParser) -> None:
 
     ap.add_argument("--workload", default="shuffled", help="shuffled | musique[:PATH] | synthetic:TASK (tasks: "
                     f"{', '.join(TASKS)}); bench only: auto (automatic detection's own phases, --phase: "
-                    "`chunkcache bench --workload auto --help`)")
+                    "`chunkcache bench --workload auto --help`), rag (client styles at 1-2K tokens against stock "
+                    "and ContextPilot: `chunkcache bench --workload rag --help`)")
     ap.add_argument("--requests", type=int, help="requests (records, cases) per phase")
     ap.add_argument("--docs", type=int, help="documents per prompt")
     ap.add_argument("--words", type=int, help="words per document (musique: truncation)")
@@ -60,8 +61,13 @@ def bench(argv: list[str]) -> int:
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--workload")
-    if pre.parse_known_args(argv)[0].workload == "auto":  # its own phases and options: chunkbench/serving/auto_bench.py
+    workload = pre.parse_known_args(argv)[0].workload
+    if workload == "auto":  # its own phases and options: chunkbench/serving/auto_bench.py
         from .serving.auto_bench import main
+
+        return main(argv)
+    if workload == "rag":  # client styles at RAG sizes, ContextPilot beside: chunkbench/serving/rag_bench.py
+        from .serving.rag_bench import main
 
         return main(argv)
     ap = argparse.ArgumentParser(

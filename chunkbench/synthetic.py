@@ -83,7 +83,7 @@ def generate(task: str, seed: int, n_chunks: int = 6, length: tuple[int, int] = 
     for where, sentence in facts:
         chunk_facts.setdefault(where, []).append(sentence)
     if paragraphs is None:
-        chunks = [_passage(rng, rng.randint(*length), chunk_facts.get(i, []), count) for i in range(n_chunks)]
+        chunks = [filler_passage(rng, rng.randint(*length), chunk_facts.get(i, []), count) for i in range(n_chunks)]
     else:
         texts = rng.sample(list(paragraphs), n_chunks)
         chunks = [_prose(rng, text, rng.randint(*length), chunk_facts.get(i, []), count)
@@ -102,7 +102,7 @@ def prompt(case: Case, tokenizer) -> tuple[list[int], list[list[int]], list[int]
             enc(f"Question: {case.question}" + after))
 
 
-def _passage(rng: random.Random, tokens: int, facts: list[str], count: Callable[[str], int]) -> str:
+def filler_passage(rng: random.Random, tokens: int, facts: list[str], count: Callable[[str], int]) -> str:
     sentences: list[str] = []
     used = sum(count(" " + f) for f in facts)
     while used < tokens:

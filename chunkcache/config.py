@@ -269,6 +269,11 @@ class AutoConfig:
         "docs/bench/auto.md); this many tokens from the first stored segment's start are computed, and a segment "
         "they end inside is reused from there on (128 against 64: MuSiQue first-token KL -12 % and +28 %, 40 cases, "
         "docs/bench/speed.md)")
+    edge_tokens: int = knob(
+        8, "a segment that starts or ends a paragraph and is not stored is looked up again without up to this many "
+        "of its first (or last) tokens: a passage stored bare (ingest, the documents API, its own request) is found "
+        "inside a template that wraps it on the same line (`<document>...</document>`, `[1] ...`); 0: whole "
+        "segments only")
     learn: bool = knob(True, "keep the KV of segments this server prefills (hinted or not) for later requests")
     admit_after: int = knob(
         2, "once the host tier is full, a segment is learned only when seen in this many prefills (1: always; 2: "
@@ -280,6 +285,7 @@ class AutoConfig:
     def check(self) -> None:
         _at_least(self, "min_reuse_tokens", 1)
         _at_least(self, "exact_lead_tokens", 0)
+        _at_least(self, "edge_tokens", 0)
         _at_least(self, "segment_min_tokens", 8)  # the content-defined cut's hash window is 8 tokens
         m = self.segment_mean_tokens
         if m < 1 or m & (m - 1):

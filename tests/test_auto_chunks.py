@@ -143,6 +143,33 @@ def test_detect_leaves_the_first_tokens_after_the_exact_prefix_to_be_computed():
                        exact_until=46).plan(matched=60).chunks[0].span == (60, 76)  # a longer exact prefix wins
 
 
+
+@pytest.mark.parametrize("wrap", ["<document>{}</document>", "[2] {}", "Document 2: {}\n---"])
+def test_a_passage_stored_bare_is_found_inside_a_template_that_wraps_it_on_its_line(tok, auto, passages, wrap):
+    """Ingest and the documents API store a passage after a line break and before one ("Documents:\n\n" + passage
+    + "\n\n"); a client pasting it in tags or after a number has those on the same line. The segments inside
+    match whole; the first and the last, which here carry the wrapper's tokens, match trimmed: the detected chunks
+    cover >= 95 % of the passage's tokens (each token at most once) and nothing outside it."""
+    target, other = passages[4].replace("\n", " "), passages[5].replace("\n", " ")
+    stored_ids = chat(tok, "Documents:\n\n" + target + "\n\n" + other + "\n\nQuestion: x")
+    stored = set(auto.segments(stored_ids, "default", None).keys)
+    text = "Answer from these.\n" + "\n".join(wrap.format(p) for p in (other, target)) + "\nQuestion: y"
+    ids = chat(tok, text)
+    segs = auto.segments(ids, "default", None)
+    found = AutoChunks(AutoConfig(enabled=True, exact_lead_tokens=0), auto.segmenter.break_ids, FP).detect(
+        segs, len(ids), matched=0, stored=stored)
+    own = tok(target, add_special_tokens=False)["input_ids"]
+    at = next(i for i in range(len(ids)) if ids[i: i + len(own)] == own)
+    covered = [span for span in found.spans if at <= span[0] and span[1] <= at + len(own)]
+    assert sum(e - s for s, e in covered) >= 0.95 * len(own), (len(own), covered)
+    assert all(e <= s2 for (_, e), (s2, _) in zip(found.spans, found.spans[1:]))  # no token twice
+    trimmed = [span for span in found.spans if span not in segs.spans]
+    assert trimmed, "every segment matched whole: the wrapper was not on the passage's line"
+    # whole segments only (edge_tokens 0): the passage's first and last segments are lost
+    whole = AutoChunks(AutoConfig(enabled=True, exact_lead_tokens=0, edge_tokens=0), auto.segmenter.break_ids, FP)
+    bare = whole.detect(whole.segments(ids, "default", None), len(ids), matched=0, stored=stored)
+    assert sum(e - s for s, e in bare.spans if at <= s and e <= at + len(own)) < sum(e - s for s, e in covered)
+
 def test_learning_takes_computed_segments_the_store_lacks_and_when_crowded_only_those_seen_twice():
     config = AutoConfig(enabled=True, segment_min_tokens=8, segment_mean_tokens=1 << 20, admit_after=2)
     seg = AutoChunks(config, frozenset({0}), FP)

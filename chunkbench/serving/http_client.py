@@ -68,6 +68,32 @@ def generate(url: str, input_ids: list[int], max_new_tokens: int, kv_hints: dict
                    meta.get("cached_tokens", 0), report, tuple(last.get("output_ids") or ()))
 
 
+def chat(url: str, body: dict, timeout: float = 1800) -> Outcome:
+    """One streamed /v1/chat/completions request (greedy unless `body` says otherwise), timed like `generate`: TTFT
+    is the first chunk carrying generated text; the report is the last chunk's `usage.chunkcache`."""
+    body = {"model": "default", "temperature": 0, **body, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft, text, usage = None, "", {}
+    with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=timeout) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}/v1/chat/completions answered {r.status_code}: {r.text[:500]}")
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"{url}/v1/chat/completions streamed an error: {chunk['error']}")
+            for choice in chunk.get("choices") or ():
+                piece = (choice.get("delta") or {}).get("content") or ""
+                if piece and ttft is None:
+                    ttft = time.perf_counter() - t0
+                text += piece
+            usage = chunk.get("usage") or usage
+    latency = time.perf_counter() - t0
+    details = usage.get("prompt_tokens_details") or {}
+    return Outcome(latency if ttft is None else ttft, latency, text, usage.get("prompt_tokens", 0),
+                   usage.get("completion_tokens", 0), details.get("cached_tokens") or 0, usage.get("chunkcache"))
+
 def scored(url: str, input_ids: list[int], logprob_start: int, top_logprobs: int, token_ids: list[int] | None = None,
            kv_hints: dict | None = None, timeout: float = 1800) -> dict:
     """The meta_info of a one-token greedy /generate (not streamed) that returns SGLang's logprobs of the input

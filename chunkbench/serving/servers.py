@@ -10,11 +10,11 @@ from sglang_patch.serve.server_process import ServerProcess, chunkcache_serve
 
 
 def start_server(log_path: Path, *, chunk_reuse: bool, config: str | None = None, model: str | None = None,
-                 startup_timeout: float = 900, auto_chunks: bool = False) -> ServerProcess:
+                 startup_timeout: float = 900, auto_chunks: bool = False, extra: tuple[str, ...] = ()) -> ServerProcess:
     """`chunkcache serve` (stock SGLang prefix caching when chunk_reuse is False; `auto_chunks`: --auto-chunks),
-    healthy; a context manager that stops it."""
+    healthy; a context manager that stops it. `extra`: more flags for SGLang."""
     args = ["--enable-metrics"] + ([] if chunk_reuse else ["--no-chunk-reuse"])
-    args += ["--auto-chunks"] if auto_chunks else []
+    args += (["--auto-chunks"] if auto_chunks else []) + list(extra)
     # paths made absolute: the server runs in the log's directory
     if config:
         args += ["--config", str(config_file(config).resolve())]

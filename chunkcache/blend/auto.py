@@ -9,7 +9,7 @@ Contract:
   the positions they had there (`start_pos`): the same kind of deviation a hinted chunk has after other chunks,
   which the selector repairs.
 - `detect` is pure given the store's answer: the segments the store holds past the exact prefix, and before the
-  prompt's last token, become the hint's chunks when they add up to `min_reuse_tokens`; otherwise None and the
+  prompt's last token (whole, or else trimmed at a paragraph's edge: `Segments.edges`), become the hint's chunks when they add up to `min_reuse_tokens`; otherwise None and the
   request is served as stock. The first `exact_lead_tokens` from the first such segment's start are the lead
   (`Detected.exact_until`): the engine computes them after the exact prefix, and a segment the lead ends inside is
   reused from there on (its head is computed). The first text after a prompt's prefix is where a segment's KV,
@@ -36,10 +36,21 @@ AUTO_PREFIX = "auto-segment"  # never a prefix_key digest (those are 32 hex digi
 
 @dataclass(frozen=True)
 class Segments:
-    """One prompt's segments that may be reused: at least the segmenter's minimum length."""
+    """One prompt's segments that may be reused: at least the segmenter's minimum length. `edges[i]`: segment i's
+    trimmed forms (span, key), tried in order when the whole segment is not stored: a segment that starts a
+    paragraph without up to `edge_tokens` of its first tokens, one that ends a paragraph without up to that many of
+    its last (a passage stored bare, wrapped here by a template on its own line); never learned, only looked up."""
 
     spans: tuple[tuple[int, int], ...]
     keys: tuple[str, ...]
+    edges: tuple[tuple[tuple[tuple[int, int], str], ...], ...] = ()
+
+    def lookup_keys(self, matched: int) -> list[tuple[int, str]]:
+        """(tokens, key) of every form worth asking the store for: the segments, and their trimmed forms, that start
+        at or after `matched`."""
+        forms = [((s, e), k) for (s, e), k in zip(self.spans, self.keys)]
+        forms += [form for trimmed in self.edges for form in trimmed]
+        return [(e - s, k) for (s, e), k in forms if s >= matched]
 
 
 @dataclass(frozen=True)
@@ -61,14 +72,26 @@ class AutoChunks:
         ids = torch.as_tensor(token_ids, dtype=torch.long)
         spans = tuple((s, e) for s, e in self.segmenter.spans(ids.numpy())
                       if e - s >= self.config.segment_min_tokens)
-        keys = tuple(chunk_key(self.fingerprint, namespace, AUTO_PREFIX, ids[s:e], cache_salt) for s, e in spans)
-        return Segments(spans, keys)
+        key = lambda s, e: chunk_key(self.fingerprint, namespace, AUTO_PREFIX, ids[s:e], cache_salt)  # noqa: E731
+        return Segments(spans, tuple(key(s, e) for s, e in spans),
+                        tuple(tuple(((s, e), key(s, e)) for s, e in self._trimmed(ids, span)) for span in spans))
+
+    def _trimmed(self, ids: torch.Tensor, span: tuple[int, int]) -> list[tuple[int, int]]:
+        """Segment `span`'s trimmed forms: without its first 1..edge_tokens tokens when it starts a paragraph, then
+        without its last ones when it ends one; each at least segment_min_tokens long."""
+        (s, e), n, floor = span, len(ids), self.config.segment_min_tokens
+        breaks = self.segmenter.break_ids
+        starts = s == 0 or int(ids[s - 1]) in breaks
+        ends = e == n or int(ids[e]) in breaks
+        trims = self.config.edge_tokens
+        return ([(s + j, e) for j in range(1, trims + 1) if starts and e - s - j >= floor]
+                + [(s, e - j) for j in range(1, trims + 1) if ends and e - s - j >= floor])
 
     def detect(self, segments: Segments, n: int, matched: int, stored: set[str] | frozenset[str]) -> Detected | None:
         """The stored segments of a prompt of `n` tokens past its first `matched` (held exactly), ending before its
         last token, less the lead; None when they cover fewer than min_reuse_tokens past it."""
-        picked = [(span, key) for span, key in zip(segments.spans, segments.keys)
-                  if key in stored and span[0] >= matched and span[1] < n]
+        picked = [form for form in map(lambda i: _stored_form(segments, i, stored), range(len(segments.spans)))
+                  if form is not None and form[0][0] >= matched and form[0][1] < n]
         lead_end = picked[0][0][0] + self.config.exact_lead_tokens if picked else matched
         picked = [(span, key) for span, key in picked if span[1] > lead_end]
         tokens = sum(e - max(s, lead_end) for (s, e), _ in picked)
@@ -95,3 +118,11 @@ class AutoChunks:
         while len(self._seen) > self.config.seen_keys:
             self._seen.popitem(last=False)
         return n
+
+
+def _stored_form(segments: Segments, i: int, stored) -> tuple[tuple[int, int], str] | None:
+    """Segment i whole when stored, else its first stored trimmed form, else None."""
+    if segments.keys[i] in stored:
+        return segments.spans[i], segments.keys[i]
+    trimmed = segments.edges[i] if segments.edges else ()
+    return next(((span, key) for span, key in trimmed if key in stored), None)

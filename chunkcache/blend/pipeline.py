@@ -71,7 +71,7 @@ def detect(store: ChunkStore, auto: AutoChunks, token_ids: Sequence[int] | torch
     hole); the entries it returned for the hint's chunks are kept for the blend's lookup. A segment counts as
     stored only where every rank's store holds it (`ranks`)."""
     t0 = time.perf_counter()
-    wanted = [(e - s, k) for (s, e), k in zip(segments.spans, segments.keys) if s >= matched]
+    wanted = segments.lookup_keys(matched)
     costs = None if compute is None else {k: (n, compute.chunk_s(n)) for n, k in wanted}
     looked, everywhere = ranks.decide(
         lambda: store.lookup([k for _, k in wanted], costs) if wanted else Lookup({}, frozenset(), frozenset()),
