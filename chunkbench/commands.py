@@ -47,7 +47,7 @@ def _workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seed", type=int, default=0, help="synthetic: first seed; shuffled: the draws'; musique: 0 = each record's first documents, else drawn from its passages")
     ap.add_argument("--max-new-tokens", type=int)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--config", help="server YAML (chunkcache serve --config)")
+    ap.add_argument("--config", help="server YAML (chunkcache serve --chunkcache-config)")
 
 
 def _sized(args: argparse.Namespace, preset: dict) -> dict:

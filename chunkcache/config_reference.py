@@ -25,7 +25,7 @@ each knob's doc line is its field's: edit the doc there, then run
 Each source overrides the ones before it:
 
 1. the default (below), which the packaged `default` config (`chunkcache/configs/default.yaml`) states too;
-2. the config file: `chunkcache serve --config FILE|NAME` (a path, or a packaged name: `default`, `bench-cpu`,
+2. the config file: `chunkcache serve --chunkcache-config FILE|NAME` (a path, or a packaged name: `default`, `bench-cpu`,
    `eval-fp32`), else `$CHUNKCACHE_CONFIG`, else the packaged `default`; every key is optional;
 3. one environment variable per knob, `CHUNKCACHE_<SECTION>__<KEY>` (a double underscore before each key; the last
    column below), its value read as YAML: `CHUNKCACHE_SELECT__RATIO=0.2`, `CHUNKCACHE_STORE__HOST_BYTES=4GiB`,

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.workers):
             port = args.port + 1 + i
             cmd = [sys.executable, "-m", "sglang_patch.serve.cli", "serve", "--host", args.host, "--port", str(port),
-                   *(["--config", args.config] if args.config else []), *serve_args]
+                   *(["--chunkcache-config", args.config] if args.config else []), *serve_args]
             procs.append(ServerProcess(cmd, url=f"http://{args.host}:{port}", log_path=log_dir / f"server-{i}.log",
                                        env={REMOTE_URL_ENV: args.remote_url}))
         for proc in procs:

@@ -124,12 +124,12 @@ def start_server(log_path: Path, *args: str, env: dict | None = None) -> ServerP
     kills every descendant of the calling process, which would otherwise take the session's shared server down with
     it."""
     require_slow("starts a server")
-    if "--config" not in args:
+    if "--chunkcache-config" not in args:
         from chunkcache.config import config_file
 
         config = log_path.with_name("test-defaults.yaml")
         config.write_text(with_test_defaults(config_file("default").read_text()))
-        args = (*args, "--config", str(config))
+        args = (*args, "--chunkcache-config", str(config))
     return chunkcache_serve(*args, log_path=log_path, env=env, cwd=ROOT / "tests", detach=True, timeout=600)
 
 

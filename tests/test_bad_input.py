@@ -39,7 +39,7 @@ def srv(tmp_path_factory):
                       f"store: {{host_bytes: 0, disk_dir: {d / 'store'}}}\n"
                       f"limits: {{max_spans: {MAX_SPANS}, ingest_in_flight: {IN_FLIGHT}, "
                       f"ingest_max_documents: {MAX_DOCS}}}\n")
-    server = start_server(d / "server.log", "--config", str(config), "--enable-metrics")
+    server = start_server(d / "server.log", "--chunkcache-config", str(config), "--enable-metrics")
     server.store = d / "store"
     server.known_good = answer(server)
     yield server
@@ -307,7 +307,7 @@ def test_cli_ingest(healthy, tmp_path, capsys, lines, args, message):
 def test_cli_serve_refuses_a_bad_config(healthy, tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("select: {selector: bogus}\nstore: {host_bytes: '2 gigs'}\nlimits: {max_spans: 0}\n")
-    out = subprocess.run([sys.executable, "-m", "sglang_patch.serve.cli", "serve", "--config", str(path)],
+    out = subprocess.run([sys.executable, "-m", "sglang_patch.serve.cli", "serve", "--chunkcache-config", str(path)],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 2
     for key in ("select:selector", "store:host_bytes", "limits:max_spans"):

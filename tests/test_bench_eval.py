@@ -38,7 +38,7 @@ def fp32_server(tmp_path_factory, default_model):
 
     d = tmp_path_factory.mktemp("fp32")
     (d / "chunkcache.yaml").write_text("serve:\n  dtype: float32\n")
-    srv = start_server(d / "server.log", "--config", str(d / "chunkcache.yaml"))
+    srv = start_server(d / "server.log", "--chunkcache-config", str(d / "chunkcache.yaml"))
     yield srv
     srv.stop()
 

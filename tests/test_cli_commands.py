@@ -64,6 +64,19 @@ def test_serve_reads_the_model_and_the_config_that_sglang_will_serve(monkeypatch
     assert "select:ratio: must be in [0, 1], got 7" in capsys.readouterr().err
 
 
+
+def test_sglangs_own_config_passes_through_and_chunkcaches_has_its_own_flag(capsys, tmp_path):
+    """`--config` is SGLang's (a YAML of its flags, read as its launcher reads it: the checks before start judge what
+    it holds); chunkcache's file is `--chunkcache-config`."""
+    sglang_yaml = tmp_path / "sglang.yaml"
+    sglang_yaml.write_text("tp-size: 2\n")  # SmolLM2-135M's 9 query heads do not split over 2 ranks
+    assert cli.main(["serve", "--config", str(sglang_yaml)]) == 2
+    assert "heads that do not split evenly" in capsys.readouterr().err
+    ours = tmp_path / "chunkcache.yaml"
+    ours.write_text("select: {ratio: 7}\n")
+    assert cli.main(["serve", "--chunkcache-config", str(ours)]) == 2
+    assert "select:ratio: must be in [0, 1], got 7" in capsys.readouterr().err
+
 def test_the_benchmarks_measure_the_selector_the_server_serves(capsys):
     """Both harness commands' --help give the server's selector among their default selectors."""
     from chunkbench import commands

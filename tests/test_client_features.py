@@ -29,7 +29,7 @@ def srv(tmp_path_factory, default_model):
     config.write_text(with_test_defaults("serve:\n  dtype: float32\nselect:\n  selector: epic\n  ratio: 0.15\n"))
     # a scheduler that counts on running requests stopping early (SGLang's new-token ratio, 0.7 x 0.1) admits more
     # than the pool holds once they do not: the retraction test's memory pressure
-    server = start_server(d / "server.log", "--config", str(config), "--max-total-tokens", str(POOL),
+    server = start_server(d / "server.log", "--chunkcache-config", str(config), "--max-total-tokens", str(POOL),
                           "--schedule-conservativeness", "0.1")
     yield server
     server.stop()

@@ -93,7 +93,7 @@ def test_serve_refuses_a_bad_config_before_starting_sglang(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("select: {selector: bogus, ratio: 7}\nstore: {host_bytes: '2 gigs', disk_bytes: -5}\n")
     t0 = time.time()
-    out = subprocess.run([sys.executable, "-m", "sglang_patch.serve.cli", "serve", "--config", str(path),
+    out = subprocess.run([sys.executable, "-m", "sglang_patch.serve.cli", "serve", "--chunkcache-config", str(path),
                           "--port", "1"], capture_output=True, text=True, timeout=120, cwd=tmp_path,
                          env={**os.environ, "CHUNKCACHE_AUTO__ENABLD": "true"})
     assert out.returncode == 2, out.stdout + out.stderr

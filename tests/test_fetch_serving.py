@@ -40,7 +40,7 @@ def server(tmp_path_factory, link):
     config["store"].update(host_bytes=0, remote_url=link.url(), remote_timeout_s=5.0, remote_probe_s=PROBE_S)
     path = tmp / "fetch.yaml"
     path.write_text(with_test_defaults(yaml.safe_dump(config)))
-    srv = start_server(tmp / "server.log", "--enable-metrics", "--config", str(path))
+    srv = start_server(tmp / "server.log", "--enable-metrics", "--chunkcache-config", str(path))
     yield srv
     srv.stop()
 

@@ -54,7 +54,7 @@ class EvalConfig:
     analyses: bool = False  # layer-wise KV deviation and top-20 % Jaccard overlap (reference path)
     max_new_tokens: int = 24
     model: str = "smollm2-135m-instruct"  # server path with server_url: the server's model (for its tokenizer)
-    server_config: str | None = None  # server path: YAML for `chunkcache serve --config`
+    server_config: str | None = None  # server path: YAML for `chunkcache serve --chunkcache-config`
     server_url: str | None = None  # server path: a running chunkcache server to use instead of starting one
     top_logprobs: int = 20  # server path: KL over full's top-k first-token logprobs plus one bucket for the rest
     confidence: float = intervals.CONFIDENCE  # of every table cell's bootstrap interval

@@ -58,7 +58,7 @@ class BenchConfig:
     load_requests: int = 12  # requests per arrival rate
     max_new_tokens: int = 24
     model: str = "smollm2-135m-instruct"
-    server_config: str | None = None  # YAML for both servers (chunkcache serve --config)
+    server_config: str | None = None  # YAML for both servers (chunkcache serve --chunkcache-config)
     out: Path = Path("results/bench")
     resume: bool = False  # keep the (side, phase, configuration) runs already in out/requests.jsonl, run the rest
 

@@ -37,7 +37,7 @@ class ClosedConfig:
     blocks: int = 2  # (stock, chunkcache) block pairs per client count
     max_new_tokens: int = 16  # every request decodes exactly this many (ignore_eos)
     model: str = "smollm2-135m-instruct"
-    server_config: str | None = None  # YAML for both servers (chunkcache serve --config)
+    server_config: str | None = None  # YAML for both servers (chunkcache serve --chunkcache-config)
     out: Path = Path("results/closed")
 
 

@@ -256,7 +256,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=16, help="greedy answer length, for the agreement with the "
                     "oracle (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--config", help="the chunkcache server's YAML (chunkcache serve --config)")
+    ap.add_argument("--config", help="the chunkcache server's YAML (chunkcache serve --chunkcache-config)")
     ap.add_argument("--contextpilot-python", metavar="PYTHON", help="the Python of a venv with `pip install "
                     "contextpilot==0.5.0` (its pins clash with ours); without it the contextpilot arm is left out")
     ap.add_argument("--out", help="results directory (default results/rag-TIME)")

@@ -17,7 +17,7 @@ def start_server(log_path: Path, *, chunk_reuse: bool, config: str | None = None
     args += (["--auto-chunks"] if auto_chunks else []) + list(extra)
     # paths made absolute: the server runs in the log's directory
     if config:
-        args += ["--config", str(config_file(config).resolve())]
+        args += ["--chunkcache-config", str(config_file(config).resolve())]
     if model:
         args += ["--model", str(Path(model).resolve()) if Path(model).exists() else model]
     # cwd: not the repository root, whose package directories would shadow the installed ones

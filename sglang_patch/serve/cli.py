@@ -28,11 +28,10 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("serve", help="start SGLang's HTTP server with chunk reuse (CPU when no GPU is present)",
                        epilog="Any other flag goes to `python -m sglang.launch_server` as it is (e.g. --tp-size 2, "
-                       "--max-total-tokens 40000; README 'Parallelism' says which parallel modes chunk reuse serves). "
-                       "SGLang's own --config is not reachable through this command: start SGLang with "
-                       "--radix-cache-backend chunkcache instead.")
-    p.add_argument("--config", help="chunkcache's YAML config: a path, or a packaged name (default, bench-cpu, "
-                   "eval-fp32: chunkcache/configs/); $CHUNKCACHE_CONFIG when not given")
+                       "--max-total-tokens 40000, SGLang's own --config FILE; README 'Parallelism' says which parallel "
+                       "modes chunk reuse serves).")
+    p.add_argument("--chunkcache-config", dest="config", help="chunkcache's YAML config: a path, or a packaged name "
+                   "(default, bench-cpu, eval-fp32: chunkcache/configs/); $CHUNKCACHE_CONFIG when not given")
     p.add_argument("--model", "--model-path", dest="model", help=f"model name (`chunkcache model --help`) or HF "
                    f"directory (default: from config, else {DEFAULT_MODEL})")
     p.add_argument("--host")
@@ -153,7 +152,12 @@ def _sglang_args(model_dir, argv: list[str]) -> argparse.Namespace:
 
     parser = argparse.ArgumentParser(add_help=False)
     ServerArgs.add_cli_args(parser)
-    return parser.parse_known_args(["--model-path", str(model_dir), *argv])[0]
+    argv = ["--model-path", str(model_dir), *argv]
+    if "--config" in argv:  # SGLang's YAML of its flags, merged as its own launcher merges it
+        from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+
+        argv = ConfigArgumentMerger(parser).merge_config_with_args(argv)
+    return parser.parse_known_args(argv)[0]
 
 
 def ingest(args: argparse.Namespace) -> int:
