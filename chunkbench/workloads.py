@@ -19,8 +19,8 @@ from pathlib import Path
 from chunkcache.prompt import RagPrompt, build
 from . import synthetic
 
-# the MuSiQue file of the CacheBlend/LMCache benchmark, next to the repository (../shared/data)
-DEFAULT_MUSIQUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_dev.json"
+# the MuSiQue file of the CacheBlend/LMCache benchmark: 100 dev records, 10 passages each (chunkbench/data/README.md)
+DEFAULT_MUSIQUE = Path(__file__).resolve().parent / "data" / "musique_dev.json"
 SYSTEM = "You are a helpful assistant. Answer the question using only the given documents. Be brief."
 _WORDS = ("the river city north market council bridge winter harvest museum library station engineer doctor "
           "garden history mountain festival report village").split()

@@ -2,18 +2,18 @@
 detect / learn decisions (chunkcache.blend.auto), on the default model's tokenizer and MuSiQue passages."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
+from chunkbench.workloads import DEFAULT_MUSIQUE
 from chunkcache.blend.auto import AUTO_PREFIX, AutoChunks
 from chunkcache.blend.request import RequestHint
 from chunkcache.config import AutoConfig, Config, ConfigError
 from chunkcache.hashing import chunk_key, prefix_key
 from chunkcache.segment import Segmenter, break_ids
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_dev.json"
+DATA = DEFAULT_MUSIQUE
 FP = "f" * 32
 
 

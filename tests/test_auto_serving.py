@@ -4,14 +4,14 @@ documents of its own: what a request finds depends on what the store already hol
 
 import json
 import random
-from pathlib import Path
 
 import pytest
 import requests
+from chunkbench.workloads import DEFAULT_MUSIQUE
 from conftest import metric, start_server
 
 pytestmark = pytest.mark.slow
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_dev.json"
+DATA = DEFAULT_MUSIQUE
 
 
 @pytest.fixture(scope="module")

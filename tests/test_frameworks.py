@@ -13,11 +13,12 @@ import sys
 
 import pytest
 import requests
+from chunkbench.workloads import DEFAULT_MUSIQUE
 from conftest import ROOT, start_server
 from transformers import AutoTokenizer
 
 pytestmark = pytest.mark.slow
-DATA = ROOT.parent / "shared" / "data" / "musique_dev.json"
+DATA = DEFAULT_MUSIQUE
 CLIENTS = ["langchain", "llamaindex", "openai"]
 
 

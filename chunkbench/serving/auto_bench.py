@@ -1,6 +1,6 @@
 """Automatic chunk detection against stock prefix caching: `chunkcache bench --workload auto`.
 
-Documents are MuSiQue passages (../shared/data/musique_dev.json, 10 per record) pasted as plain text with the
+Documents are MuSiQue passages (chunkbench/data/musique_dev.json, 10 per record) pasted as plain text with the
 default templates of two RAG frameworks, alternating (LlamaIndex's text QA template, LangChain's stuff-documents
 prompt), as the user message of the model's chat template; no request carries a chunk hint. Two servers are up, an
 auto one (`--auto-chunks`) and a stock one (`--no-chunk-reuse`); requests go one at a time, so only one scheduler
@@ -38,11 +38,12 @@ from pathlib import Path
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from ..workloads import DEFAULT_MUSIQUE
 from .http_client import drain, fell_back, generate
 from .pyspy import print_top, sampled
 from .servers import start_server
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "musique_dev.json"
+DATA = DEFAULT_MUSIQUE
 PY_SPY_ATTACH_S = 0.5  # a profiled request is sent this long after py-spy starts, so its first samples are kept
 TEMPLATES = {
     # LlamaIndex's DEFAULT_TEXT_QA_PROMPT; nodes joined by "\n\n"
