@@ -1,7 +1,6 @@
 """SGLang's own server test kits (`sglang.test.kits`, the mixins and functions SGLang's CI runs against its servers)
-against servers on the default model: stock SGLang (`--no-chunk-reuse`) and chunkcache with automatic chunk
-detection (`--auto-chunks`), plus chunkcache without it under CHUNKCACHE_KITS=all (SERVERS). What passes on stock must
-pass on every chunkcache server.
+against three servers on the default model: stock SGLang (`--no-chunk-reuse`), chunkcache, and chunkcache with
+automatic chunk detection (`--auto-chunks`). What passes on stock must pass on both chunkcache servers.
 
 The mixins are unittest mixins reading `base_url`, `process` (its `poll()`), `model`, and some a size parameter;
 each kit method runs here as a test of its own, on a TestCase built around the mixin (`kit_case`), as SGLang's
@@ -16,7 +15,6 @@ tokens to reuse (every kit prompt but the cache-hit kit's).
 
 import functools
 import json
-import os
 import random
 import threading
 import unittest
@@ -34,12 +32,7 @@ from sglang.test.kits import (abort_timeout_kit, basic_api_contract_kit, basic_d
 
 pytestmark = pytest.mark.slow
 
-# stock and automatic detection in CI: every kit prompt reaches the auto server unmarked, where detection looks it
-# up, learns it, and blends it when enough of it is stored (the cache-hit kit), or serves it as stock. The plain
-# chunkcache server (no detection: an unmarked request takes SGLang's own path) joins them with CHUNKCACHE_KITS=all
-SERVERS = {"stock": ("--no-chunk-reuse",), "auto": ("--auto-chunks",)}
-if os.environ.get("CHUNKCACHE_KITS") == "all":
-    SERVERS["chunkcache"] = ()
+SERVERS = {"stock": ("--no-chunk-reuse",), "chunkcache": (), "auto": ("--auto-chunks",)}
 
 # each mixin's size parameters, smaller than SGLang's where it offers them (2 CPU cores)
 MIXINS = {
