@@ -49,18 +49,10 @@ def generate(url: str, input_ids: list[int], max_new_tokens: int, kv_hints: dict
         body["kv_hints"] = kv_hints
     t0 = time.perf_counter()
     ttft, last, report = None, None, None
-    with requests.post(url + "/generate", json=body, stream=True, timeout=timeout) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{url}/generate answered {r.status_code}: {r.text[:500]}")
-        for line in r.iter_lines():
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"{url}/generate streamed an error: {chunk['error']}")
-            ttft = ttft if ttft is not None else time.perf_counter() - t0
-            report = report or chunk["meta_info"].get("chunkcache")
-            last = chunk
+    for chunk in _streamed(url, "/generate", body, timeout):
+        ttft = ttft if ttft is not None else time.perf_counter() - t0
+        report = report or chunk["meta_info"].get("chunkcache")
+        last = chunk
     if last is None:
         raise RuntimeError(f"{url}/generate streamed no output")
     meta = last["meta_info"]
@@ -74,25 +66,33 @@ def chat(url: str, body: dict, timeout: float = 1800) -> Outcome:
     body = {"model": "default", "temperature": 0, **body, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     ttft, text, usage = None, "", {}
-    with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=timeout) as r:
+    for chunk in _streamed(url, "/v1/chat/completions", body, timeout):
+        for choice in chunk.get("choices") or ():
+            piece = (choice.get("delta") or {}).get("content") or ""
+            if piece and ttft is None:
+                ttft = time.perf_counter() - t0
+            text += piece
+        usage = chunk.get("usage") or usage
+    latency = time.perf_counter() - t0
+    details = usage.get("prompt_tokens_details") or {}
+    return Outcome(latency if ttft is None else ttft, latency, text, usage.get("prompt_tokens", 0),
+                   usage.get("completion_tokens", 0), details.get("cached_tokens") or 0, usage.get("chunkcache"))
+
+
+def _streamed(url: str, path: str, body: dict, timeout: float):
+    """The JSON chunks of a streamed (server-sent events) answer, as they arrive; an HTTP error or a streamed error
+    raises."""
+    with requests.post(url + path, json=body, stream=True, timeout=timeout) as r:
         if r.status_code != 200:
-            raise RuntimeError(f"{url}/v1/chat/completions answered {r.status_code}: {r.text[:500]}")
+            raise RuntimeError(f"{url}{path} answered {r.status_code}: {r.text[:500]}")
         for line in r.iter_lines():
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
             if "error" in chunk:
-                raise RuntimeError(f"{url}/v1/chat/completions streamed an error: {chunk['error']}")
-            for choice in chunk.get("choices") or ():
-                piece = (choice.get("delta") or {}).get("content") or ""
-                if piece and ttft is None:
-                    ttft = time.perf_counter() - t0
-                text += piece
-            usage = chunk.get("usage") or usage
-    latency = time.perf_counter() - t0
-    details = usage.get("prompt_tokens_details") or {}
-    return Outcome(latency if ttft is None else ttft, latency, text, usage.get("prompt_tokens", 0),
-                   usage.get("completion_tokens", 0), details.get("cached_tokens") or 0, usage.get("chunkcache"))
+                raise RuntimeError(f"{url}{path} streamed an error: {chunk['error']}")
+            yield chunk
+
 
 def scored(url: str, input_ids: list[int], logprob_start: int, top_logprobs: int, token_ids: list[int] | None = None,
            kv_hints: dict | None = None, timeout: float = 1800) -> dict:
