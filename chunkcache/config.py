@@ -1,5 +1,5 @@
 """Typed configuration, loaded from YAML (chunkcache/configs/*.yaml are packaged with the code: `default`, the one a
-server without --config runs on, and named variants), then from one environment variable per knob,
+server without --chunkcache-config runs on, and named variants), then from one environment variable per knob,
 CHUNKCACHE_<SECTION>__<KEY> (`env_name`). Every knob is a `knob(default, doc)`: its doc line is the field's metadata,
 which the reference page reads (chunkcache/config_reference.py writes docs/configuration.md).
 
@@ -321,6 +321,45 @@ class SpeCacheConfig:
 
 
 @dataclass
+class AuditConfig:
+    """The online audit (docs/request-contract.md "Quality floor"): a sample of blended requests recomputed in full
+    while the server is idle, each one's measured first-token KL judged against the bound it was served under; when
+    more than `promise` of the last `window` exceeded theirs, every later fidelity estimate is widened by a margin."""
+
+    rate: float = knob(
+        0.0, "share of the blended requests with a fidelity estimate that are audited, in [0, 1]; 0: off. Refused "
+        "under tensor parallelism (the full recompute would be a forward of every rank)")
+    keep: int = knob(
+        4, "sampled requests waiting for an idle turn at most, each holding its prompt and its served last-token "
+        "logits (a float32 vocabulary); one sampled while this many wait is not audited")
+    window: int = knob(20, "the last this many audited requests judge the promise")
+    promise: float = knob(
+        0.1, "the share of a window whose measured first-token KL may exceed its bound (the request's max_kl, else "
+        "its own estimate), in (0, 1); a window past it widens the margin, logged at WARNING")
+    margin: float = knob(
+        1.0, "the safety factor the server starts with: every fidelity estimate is multiplied by it, before a "
+        "quality floor compares it with max_kl and in the report; the audit widens it (at least doubling it, or as "
+        "far as the breaking window needed), so a restarted server may start from the last chunkcache_audit_margin")
+    max_margin: float = knob(64.0, "the widest margin the audit sets")
+    cases: str | None = knob(
+        None, "JSONL file every audited case is appended to (its rid, prompt tokens, selector, rho, bound, estimated "
+        "and measured KL, greedy agreement, margin); null: none")
+
+    def check(self) -> None:
+        if not 0.0 <= self.rate <= 1.0:
+            raise ConfigError("rate", f"must be in [0, 1], got {self.rate}")
+        _at_least(self, "keep", 1)
+        _at_least(self, "window", 1)
+        if not 0.0 < self.promise < 1.0:
+            raise ConfigError("promise", f"must be in (0, 1), got {self.promise}")
+        if not self.margin > 0:
+            raise ConfigError("margin", f"must be > 0, got {self.margin}")
+        if not self.max_margin >= self.margin:
+            raise ConfigError("max_margin", f"must be at least margin ({self.margin}), got {self.max_margin}")
+        _non_empty(self, "cases")
+
+
+@dataclass
 class DecodeConfig:
     """The server's decode step."""
 
@@ -337,6 +376,7 @@ class Config:
     store: StoreConfig = field(default_factory=StoreConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     auto: AutoConfig = field(default_factory=AutoConfig)
+    audit: AuditConfig = field(default_factory=AuditConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
 
     @classmethod
@@ -370,8 +410,8 @@ class Config:
 
 
 def config_file(name: str | Path | None) -> Path:
-    """The YAML file behind a --config value: a bare name (no directory, no suffix) is a packaged config,
-    chunkcache/configs/NAME.yaml; anything else is a path. None is `default`. A missing file is an error, never the
+    """The YAML file behind a --chunkcache-config (or a bench's --config) value: a bare name (no directory, no
+    suffix) is a packaged config, chunkcache/configs/NAME.yaml; anything else is a path. None is `default`. A missing file is an error, never the
     built-in defaults: a server must not start on other settings than the ones it was given."""
     path = Path("default" if name is None else name)
     if path.parent == Path(".") and not path.suffix:

@@ -20,7 +20,7 @@ from chunkcache.ranks import RanksFailed
 from . import lang
 from .decode import decode_attention, specache
 from .http import chat, hint_validation, ingest, usage
-from .scheduler import admission, auto_chunks, blend, metrics, report, request_hint
+from .scheduler import admission, audit, auto_chunks, blend, metrics, report, request_hint
 from .scheduler.cache import factory, reuse_of
 from .serve import shutdown
 from .serve.launcher import BACKEND_NAME, cpu_engine_for_stock_command, cpu_groups_without_nccl
@@ -71,6 +71,7 @@ def hooks() -> list[tuple[str, object, HookType]]:
         (f"{_SCHEDULER}._create_generation_req", _resolve_hint, AFTER),
         (f"{_SCHEDULER}.init_chunked_prefill", admission.adopt_budget, AFTER),
         (f"{_SCHEDULER}.init_chunked_prefill", auto_chunks.defer_learning, AFTER),
+        (f"{_SCHEDULER}.init_chunked_prefill", audit.start, AFTER),
         (f"{_SCHEDULER}.get_prefill_adder_class", admission.adder_class, AFTER),
         ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", _attach_batch, AFTER),
         ("sglang.srt.model_executor.runner.eager_runner.EagerRunner._execute_extend", _blend_extend, AROUND),
@@ -79,7 +80,8 @@ def hooks() -> list[tuple[str, object, HookType]]:
          _eager_for_blends, AFTER),
         # the prompts' learned segments stored once the batch's outputs are sent (sglang_patch.scheduler.auto_chunks)
         (f"{_SCHEDULER}.process_batch_result", auto_chunks.store_learned, AFTER),
-        # an idle scheduler measures the chunk deviations requests estimated (one per idle turn)
+        # an idle scheduler measures the chunk deviations requests estimated, else audits a blended request (one
+        # job per idle turn)
         (f"{_SCHEDULER}.on_idle", _measure_deferred, BEFORE),
         # the chunk report: scheduler -> detokenizer -> main process meta_info["chunkcache"]
         (f"{_STREAMER}._GenerationStreamAccumulator.accept", report.attach, BEFORE),
@@ -190,11 +192,15 @@ DEFER_AFTER_IDLE_S = 0.5
 
 def _measure_deferred(scheduler, *args, **kwargs) -> None:
     """The queue and the scheduler's idleness are the same on every tensor-parallel rank (replicas of one state
-    machine, chunkcache.ranks); the idle time is rank 0's, so that every rank enters the measurement's forward."""
+    machine, chunkcache.ranks); the idle time is rank 0's, so that every rank enters the measurement's forward. The
+    audit waits only where it runs, on one rank (sglang_patch.scheduler.audit refuses it under tensor parallelism)."""
     reuse = reuse_of(scheduler.tree_cache)
-    if (reuse is not None and reuse.deferred and scheduler.is_fully_idle()
+    if (reuse is not None and (reuse.deferred or audit.pending(reuse)) and scheduler.is_fully_idle()
             and reuse.ranks.agree(lambda: time.monotonic() - reuse.last_forward >= DEFER_AFTER_IDLE_S)):
-        reuse.measure_deferred()
+        if reuse.deferred:
+            reuse.measure_deferred()
+        else:
+            audit.of(reuse).run_one()
 
 
 def _report_state(result, controller, *args, **kwargs):

@@ -30,7 +30,7 @@ from chunkcache.blend.reuse import ChunkReuse
 from chunkcache.rope import Rotation
 from chunkcache.store import ChunkEntry
 
-from . import report, request_hint
+from . import audit, report, request_hint
 from ..forward.forward_pass import Pass, Row, Runner, batch_rows, input_logprob_tokens
 
 
@@ -101,6 +101,7 @@ def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
         report.blended(request, pipeline.record(request, b, stages=stages, blend_s=blend_s,
                                                 select_s=feature_s + b.select_s, batch=batch,
                                                 prediction=predictions[index]))
+        audit.offer(reuse, engine.runner, index, request.rid, b, done.output)  # a sample, recomputed when idle
     return done.output
 
 

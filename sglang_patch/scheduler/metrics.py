@@ -33,6 +33,8 @@ NODE_COUNTERS = ("hits", "misses", "errors", "outages", "skipped", "writes")  # 
 REMOTE_SKIPS = {"skipped": "down", "oversize": "oversize", "full": "full", "dropped": "queue"}  # field -> reason
 KL_BUCKETS = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# measured minus estimated first-token KL (nats): negative where the estimate held, positive where it promised less
+KL_ERROR_BUCKETS = (-1.0, -0.3, -0.1, -0.03, -0.01, -0.003, 0.0, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
 
 
 class _ModelSeries:
@@ -118,6 +120,21 @@ class _Metrics:
         self.auto_learn_seconds = series(Histogram, "chunkcache_auto_learn_seconds", "Storing one prompt's learned "
                                          "segments (the KV read out of the pool, the store's puts), after its output "
                                          "is sent", buckets=SECONDS_BUCKETS)
+        # the online audit (sglang_patch/scheduler/audit.py); its gauges are the widest of the schedulers'
+        self.audit_requests = series(Counter, "chunkcache_audit_requests", "Blended requests the online audit "
+                                     "recomputed in full (audit.rate)")
+        self.audit_unsafe = series(Counter, "chunkcache_audit_unsafe", "Audited requests whose measured first-token "
+                                   "KL exceeded their bound (max_kl, else their own estimate)")
+        self.audit_disagreements = series(Counter, "chunkcache_audit_disagreements", "Audited requests whose greedy "
+                                          "first token was not full recompute's")
+        self.audit_kl_error = series(Histogram, "chunkcache_audit_kl_error", "Measured minus estimated first-token KL "
+                                     "per audited request, nats", buckets=KL_ERROR_BUCKETS)
+        self.audit_seconds = series(Counter, "chunkcache_audit_seconds", "Seconds the audit's full recomputes took "
+                                    "(run while the scheduler is idle)")
+        self.audit_unsafe_share = series(Gauge, "chunkcache_audit_unsafe_share", "Share of the audit window's requests "
+                                         "over their bound, at the last audit", multiprocess_mode="livemax")
+        self.audit_margin = series(Gauge, "chunkcache_audit_margin", "The safety factor every fidelity estimate is "
+                                   "multiplied by (audit.margin, widened by the audit)", multiprocess_mode="livemax")
         # the store counts cumulatively, the counters get the increments: the totals already counted
         self.store_seen: dict[str, int] = {}
         # snapshots come from the scheduler and the forward thread, either one first
@@ -187,6 +204,25 @@ def record_auto_learned(segments: int, nbytes: int, seconds: float) -> None:
         _metrics.auto_learned.inc(segments)
         _metrics.auto_learned_bytes.inc(nbytes)
         _metrics.auto_learn_seconds.observe(seconds)
+
+
+def record_audit(kl_error: float, unsafe: bool, agree: bool, seconds: float, window_share: float) -> None:
+    """One audited request: its measured minus estimated KL, whether it was over its bound, whether its greedy first
+    token was full recompute's, the full recompute's seconds, and the audit window's share over their bounds."""
+    m = _metrics
+    if m is None:
+        return
+    m.audit_requests.inc()
+    m.audit_unsafe.inc(int(unsafe))
+    m.audit_disagreements.inc(int(not agree))
+    m.audit_kl_error.observe(kl_error)
+    m.audit_seconds.inc(seconds)
+    m.audit_unsafe_share.set(window_share)
+
+
+def set_audit_margin(factor: float) -> None:
+    if _metrics is not None:
+        _metrics.audit_margin.set(factor)
 
 
 def record_fallback(reason: str) -> None:

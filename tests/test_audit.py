@@ -1,0 +1,204 @@
+"""The online audit's arithmetic (chunkcache/blend/audit.py): the first-token KL and agreement of two logit vectors,
+the sample, each audited request's bound, and the margin a window that breaks the promise widens. The server's side
+(the full recompute when idle, /metrics, the widened estimates served) is tests/test_audit_serving.py."""
+
+import json
+import math
+import random
+import types
+
+import pytest
+import torch
+
+from chunkcache.blend import audit, fidelity
+from chunkcache.blend.fidelity import Linear, Model, Signals
+from chunkcache.config import Config
+
+
+def test_first_token_kl_and_agreement_by_hand():
+    full = torch.tensor([0.0, math.log(3.0), -1e9], dtype=torch.float64)  # p = (1/4, 3/4, 0)
+    served = torch.tensor([0.0, 0.0, -1e9])  # q = (1/2, 1/2, 0)
+    kl, agree = audit.first_token(full, served)
+    assert kl == pytest.approx(0.25 * math.log(0.25 / 0.5) + 0.75 * math.log(0.75 / 0.5), rel=1e-12)
+    assert agree is False  # full's argmax is token 1, served's token 0 (the first of a tie)
+    kl, agree = audit.first_token(full, full + 5.0)  # a shift of every logit is the same distribution
+    assert kl == pytest.approx(0.0, abs=1e-12) and agree is True
+
+
+def test_first_token_kl_matches_torch_on_a_vocabulary():
+    gen = torch.Generator().manual_seed(0)
+    full, served = torch.randn(49152, generator=gen) * 3, torch.randn(49152, generator=gen) * 3
+    expected = torch.nn.functional.kl_div(served.double().log_softmax(-1), full.double().log_softmax(-1),
+                                          log_target=True, reduction="sum")
+    kl, agree = audit.first_token(full, served)
+    assert kl == pytest.approx(float(expected), rel=1e-9)
+    assert agree == (int(full.argmax()) == int(served.argmax()))
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.25, 1.0])
+def test_the_sample_takes_its_rate_and_repeats(rate):
+    sampler, again = audit.Sampler(rate), audit.Sampler(rate)
+    draws = [sampler.take() for _ in range(4000)]
+    assert draws == [again.take() for _ in range(4000)]  # seeded: a run is repeatable
+    assert abs(sum(draws) / len(draws) - rate) < 0.03
+    if rate in (0.0, 1.0):
+        assert set(draws) == {bool(rate)}
+
+
+def test_an_outcome_is_judged_against_max_kl_else_its_own_estimate():
+    floor = audit.Outcome(estimated=0.02, max_kl=0.05, kl=0.04, agree=True)
+    assert floor.bound == 0.05 and not floor.unsafe and floor.error == pytest.approx(0.02)
+    plain = audit.Outcome(estimated=0.02, max_kl=None, kl=0.04, agree=False)
+    assert plain.bound == 0.02 and plain.unsafe
+    assert not audit.Outcome(estimated=0.02, max_kl=None, kl=0.02, agree=True).unsafe  # at the bound is within
+
+
+def outcome(ratio: float, estimated: float = 0.01) -> audit.Outcome:
+    """A request without max_kl whose measured KL is `ratio` times its estimate."""
+    return audit.Outcome(estimated=estimated, max_kl=None, kl=ratio * estimated, agree=True)
+
+
+def test_a_full_window_within_the_promise_keeps_the_margin():
+    margin = audit.Margin(1.0, window=20, promise=0.1, cap=64)
+    for i in range(60):  # 2 of every 20 over: 10 %, not more
+        judged = margin.observe(outcome(3.0 if i % 10 == 0 else 0.5))
+        assert not judged.broke
+    assert margin.factor == 1.0 and judged.share == pytest.approx(0.1)
+
+
+def test_a_window_past_the_promise_widens_the_margin_as_far_as_it_needed():
+    margin = audit.Margin(1.0, window=20, promise=0.1, cap=64)
+    ratios = [0.5] * 10 + [5.0, 3.0]
+    assert not any(margin.observe(outcome(r)).broke for r in ratios)
+    judged = margin.observe(outcome(4.0))  # the third of at most 20 over: the window cannot come back
+    assert judged.broke and (judged.over, judged.audited) == (3, 13)
+    # all but 2 (10 % of 20) within their bounds once each bound is 3x: the third largest ratio
+    assert margin.factor == pytest.approx(3.0)
+    assert not margin.window  # the next window judges the new factor
+    for r in (5.0, 3.0, 4.0):  # the same requests at 3x the estimate: only the 5x one is over
+        assert not margin.observe(outcome(r / 3.0)).broke
+
+
+def test_a_widening_at_least_doubles_and_stops_at_the_cap():
+    margin = audit.Margin(1.0, window=4, promise=0.1, cap=3.0)
+    assert margin.observe(outcome(1.1)).broke  # 1 of 4 over is past 10 %
+    assert margin.factor == pytest.approx(audit.WIDEN_AT_LEAST)
+    assert margin.observe(outcome(100.0)).broke
+    assert margin.factor == 3.0  # capped
+    assert margin.observe(outcome(100.0)).broke and margin.factor == 3.0
+
+
+def test_the_margin_brings_a_biased_estimator_back_within_the_promise():
+    """An estimator 8x too low: its estimates are 1/8 of each request's 0.9 quantile of KL (lognormal around it). The
+    audit widens until the share over their bounds, measured on new requests, is back within the promise."""
+    rng = random.Random(1)
+    sigma = 1.0
+    z90 = 1.2815515655446004
+
+    def request(factor: float) -> audit.Outcome:
+        q90 = math.exp(rng.uniform(-6, -2))  # the request's true 0.9 quantile of KL
+        kl = q90 * math.exp(sigma * (rng.gauss(0, 1) - z90))
+        return audit.Outcome(estimated=q90 * factor / 8, max_kl=None, kl=kl, agree=True)
+
+    margin = audit.Margin(1.0, window=20, promise=0.1, cap=64)
+    first = [request(margin.factor) for _ in range(20)]
+    assert sum(o.unsafe for o in first) / 20 > 0.5  # the biased estimator breaks its promise
+    for _ in range(400):
+        margin.observe(request(margin.factor))
+    assert 8.0 <= margin.factor <= 64.0  # at least the bias (the 0.9 quantile itself), at most the cap
+    fresh = [request(margin.factor) for _ in range(4000)]
+    assert sum(o.unsafe for o in fresh) / len(fresh) <= 0.1
+
+
+def model(margin: float = 0.35) -> Model:
+    return Model(quantile=0.9, kl=Linear(-1.0, {"deviation": 1.0}), margin=margin,
+                 agree=Linear(0.5, {"deviation": -1.0}), fitted_on="test", name="m")
+
+
+def test_the_margin_multiplies_the_estimate_the_report_and_the_floor_read():
+    s = Signals(ratio=0.15, mass_left=0.5, attention_left=0.5, deviation=0.2, deviation_left=0.1)
+    base, wide = fidelity.estimate(s, model()), fidelity.estimate(s, audit.with_margin(model(), 4.0))
+    assert wide.kl == pytest.approx(4.0 * base.kl) and wide.agree == base.agree
+    # a quality floor's rho: the bound met by the fitted estimate is missed by the widened one
+    assert fidelity.smallest_ratio(lambda rho: s, base.kl, model()) == fidelity.RATIOS[0]
+    assert fidelity.smallest_ratio(lambda rho: s, base.kl, audit.with_margin(model(), 4.0)) is None
+
+
+@pytest.mark.parametrize("body,message", [
+    ("audit: {rate: 1.5}", "audit:rate: must be in \\[0, 1\\]"),
+    ("audit: {promise: 0}", "audit:promise: must be in \\(0, 1\\)"),
+    ("audit: {window: 0}", "audit:window: must be at least 1"),
+    ("audit: {margin: 0}", "audit:margin: must be > 0"),
+    ("audit: {margin: 8, max_margin: 4}", "audit:max_margin: must be at least margin"),
+])
+def test_bad_audit_settings_are_refused(tmp_path, body, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(body)
+    with pytest.raises(ValueError, match=message):
+        Config.load(path)
+
+
+def test_the_audit_is_off_by_default():
+    assert Config().audit.rate == 0.0
+
+
+class FakeRunner:
+    """Runner's part the scheduler's audit uses: a pass over one kept-aside segment, logits out (`full`)."""
+
+    full: torch.Tensor
+    passes: list = []
+
+    def __init__(self, model_runner, forward_batch):
+        self.model_runner, self.forward_batch, self.device = model_runner, forward_batch, torch.device("cpu")
+
+    def run(self, p, logits=False):
+        FakeRunner.passes.append((p, self.forward_batch))
+        return types.SimpleNamespace(next_token_logits=FakeRunner.full[None])
+
+
+def test_the_scheduler_audit_measures_the_kept_logits_and_widens_what_the_blends_read(monkeypatch, tmp_path,
+                                                                                       caplog):
+    """sglang_patch.scheduler.audit with the model replaced: the served row's logits are kept, the full recompute
+    is one kept-aside segment of the whole prompt attending nothing of the pool, and a broken window replaces the
+    estimator the blends read, says so in the log and in /metrics."""
+    from prometheus_client import CollectorRegistry
+
+    from chunkcache.blend.fidelity import Estimate
+    from chunkcache.config import AuditConfig
+    from chunkcache.ranks import Ranks
+    from sglang_patch.scheduler import audit as glue, metrics
+
+    registry = CollectorRegistry()
+    metrics.start(True, model_name="m", registry=registry)
+    monkeypatch.setattr(glue, "Runner", FakeRunner)
+    FakeRunner.passes = []
+    config = AuditConfig(rate=1.0, window=2, margin=0.5, cases=str(tmp_path / "cases.jsonl"))
+    reuse = types.SimpleNamespace(fidelity=model(), config=types.SimpleNamespace(audit=config), ranks=Ranks())
+    a = glue.Audit(reuse, config)
+    assert reuse.fidelity.margin == pytest.approx(model().margin + math.log(0.5))
+    assert registry.get_sample_value("chunkcache_audit_margin", {"model_name": "m"}) == 0.5
+    served = torch.tensor([[0.0, 0.0, 0.0], [0.0, 2.0, 0.0]])  # the batch's rows; the request is row 1
+    full = torch.tensor([0.0, 0.0, 2.0])
+    FakeRunner.full = full
+    plan = types.SimpleNamespace(token_ids=torch.arange(7), n=7, max_kl=None, selector="mix")
+    b = types.SimpleNamespace(plan=plan, estimate=Estimate(kl=0.1, agree=0.9, fitted_for="m"), ratio=0.15)
+    batch = types.SimpleNamespace(seq_lens=torch.tensor([5, 7]), input_ids=torch.zeros(12, dtype=torch.long))
+    a.offer(FakeRunner(None, batch), 1, "r1", b, types.SimpleNamespace(next_token_logits=served))
+    with caplog.at_level("WARNING", logger=glue.__name__):
+        a.run_one()
+    (p, fb), = FakeRunner.passes
+    (segment,) = p.segments
+    assert not segment.to_pool and len(segment.ctx_slots) == 0 and segment.q_pos.tolist() == list(range(7))
+    assert torch.equal(torch.cat(p.ids), torch.arange(7)) and fb.seq_lens.tolist() == [7] and not fb.return_logprob
+    kl, agree = audit.first_token(full, served[1])
+    case = json.loads((tmp_path / "cases.jsonl").read_text())
+    assert case["kl"] == pytest.approx(kl) and case["agree"] is agree is False and case["unsafe"]
+    assert registry.get_sample_value("chunkcache_audit_unsafe_total", {"model_name": "m"}) == 1
+    assert registry.get_sample_value("chunkcache_audit_disagreements_total", {"model_name": "m"}) == 1
+    # one of at most 2 over is past 10 %: the factor grew to what that request needed
+    assert a.margin.factor == pytest.approx(0.5 * kl / 0.1)
+    assert reuse.fidelity.margin == pytest.approx(model().margin + math.log(a.margin.factor))
+    assert registry.get_sample_value("chunkcache_audit_margin", {"model_name": "m"}) == pytest.approx(a.margin.factor)
+    assert "1 of the last 1 audited requests exceeded" in caplog.text
+    assert f"the fidelity margin widens from 0.5 to {a.margin.factor:g}" in caplog.text
+    metrics.start(False)
