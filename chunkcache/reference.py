@@ -187,7 +187,7 @@ class ReferenceBlender:
         lacks, their KV (computed in this prompt's context, at these positions) taken from `result`, which must be
         a full prefill. Returns the segments stored."""
         ids = result.layout.token_ids
-        request = ChunkRequest(rid="reference", segments=auto.segments(ids, self.namespace, None))
+        request = ChunkRequest(rid="reference", segments=auto.segments(ids, self.namespace, None, edges=False))
         layers = [(k[0].transpose(0, 1), v[0].transpose(0, 1)) for k, v, *_ in result.past_key_values]  # [N, H, D]
 
         def read_kv(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,8 @@ Contract:
   the positions they had there (`start_pos`): the same kind of deviation a hinted chunk has after other chunks,
   which the selector repairs.
 - `detect` is pure given the store's answer: the segments the store holds past the exact prefix, and before the
-  prompt's last token (whole, or else trimmed at a paragraph's edge: `Segments.edges`), become the hint's chunks when they add up to `min_reuse_tokens`; otherwise None and the
+  prompt's last token (whole, or else trimmed at a paragraph's edge: `Segments.edges`), become the hint's chunks
+  when they add up to `min_reuse_tokens`; otherwise None and the
   request is served as stock. The first `exact_lead_tokens` from the first such segment's start are the lead
   (`Detected.exact_until`): the engine computes them after the exact prefix, and a segment the lead ends inside is
   reused from there on (its head is computed). The first text after a prompt's prefix is where a segment's KV,
@@ -68,13 +69,17 @@ class AutoChunks:
                                    max_tokens=config.segment_max_tokens)
         self._seen: OrderedDict[str, int] = OrderedDict()  # sightings per key, least recent first
 
-    def segments(self, token_ids: Sequence[int], namespace: str, cache_salt: str | None) -> Segments:
+    def segments(self, token_ids: Sequence[int], namespace: str, cache_salt: str | None,
+                 edges: bool = True) -> Segments:
+        """`edges`: with the trimmed forms detection looks up (a prompt that only teaches the store, a hinted one,
+        needs none)."""
         ids = torch.as_tensor(token_ids, dtype=torch.long)
         spans = tuple((s, e) for s, e in self.segmenter.spans(ids.numpy())
                       if e - s >= self.config.segment_min_tokens)
         key = lambda s, e: chunk_key(self.fingerprint, namespace, AUTO_PREFIX, ids[s:e], cache_salt)  # noqa: E731
-        return Segments(spans, tuple(key(s, e) for s, e in spans),
-                        tuple(tuple(((s, e), key(s, e)) for s, e in self._trimmed(ids, span)) for span in spans))
+        trimmed = tuple(tuple(((s, e), key(s, e)) for s, e in self._trimmed(ids, span)) for span in spans) if edges \
+            else ()
+        return Segments(spans, tuple(key(s, e) for s, e in spans), trimmed)
 
     def _trimmed(self, ids: torch.Tensor, span: tuple[int, int]) -> list[tuple[int, int]]:
         """Segment `span`'s trimmed forms: without its first 1..edge_tokens tokens when it starts a paragraph, then

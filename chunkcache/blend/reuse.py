@@ -115,9 +115,10 @@ class ChunkReuse:
             selector=parsed.selector or select.selector, ratio=select.ratio if parsed.ratio is None else parsed.ratio,
             namespace=namespace, max_kl=self._floor(parsed.max_kl, parsed.ratio))
 
-    def segments(self, token_ids: Sequence[int], cache_salt: str | None) -> Segments:
-        """The prompt's reusable segments under the server's namespace (auto detection must be on)."""
-        return self.auto.segments(token_ids, self.config.store.namespace, cache_salt)
+    def segments(self, token_ids: Sequence[int], cache_salt: str | None, edges: bool = True) -> Segments:
+        """The prompt's reusable segments under the server's namespace (auto detection must be on); `edges`: see
+        AutoChunks.segments."""
+        return self.auto.segments(token_ids, self.config.store.namespace, cache_salt, edges)
 
     @property
     def defaults(self) -> Defaults:

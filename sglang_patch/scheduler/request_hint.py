@@ -49,7 +49,7 @@ def attach(reuse: ChunkReuse | None, tree_cache, req, input_logprobs: bool = Fal
                 if reuse is not None:
                     request.hint = reuse.hint(payload, req.origin_input_ids, getattr(req, "cache_salt", None))
             if reuse is not None and reuse.auto is not None:
-                request.segments = reuse.segments(req.origin_input_ids, getattr(req, "cache_salt", None))
+                request.segments = reuse.segments(req.origin_input_ids, getattr(req, "cache_salt", None), edges=False)
         elif (reuse is not None and reuse.auto is not None and getattr(req, "to_finish", None) is None
               and reuse.config.select.selector != EXACT_SELECTOR):  # a server serving `full` blends nothing
             try:
