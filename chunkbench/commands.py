@@ -182,3 +182,14 @@ def evaluate(argv: list[str]) -> int:
     else:
         print(markdown(result))
     return 0
+
+
+def calibrate(argv: list[str]) -> int:
+    """Fit the fidelity estimate (max_kl) on your own model's cases and install it for the server."""
+    try:
+        from .quality.calibration import main
+    except ImportError as e:  # the fit's statistics are the harness's extra
+        print(f"chunkcache calibrate needs the harness's extra (pip install 'chunkcache[bench]'): {e}",
+              file=sys.stderr)
+        return 2
+    return main(argv)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -28,7 +29,7 @@ _WORDS = ("the river city north market council bridge winter harvest museum libr
 
 @dataclass(frozen=True)
 class WorkloadConfig:
-    spec: str = "shuffled"  # musique[:PATH] | synthetic:TASK | shuffled
+    spec: str = "shuffled"  # musique[:PATH] | synthetic:TASK | documents:PATH | shuffled
     requests: int = 30  # measured requests per phase
     docs: int = 6  # documents per prompt
     words: int = 150  # words per document (musique: truncation; synthetic: ~1.3 tokens per word)
@@ -60,9 +61,12 @@ def items(config: WorkloadConfig) -> list[Item]:
         return _musique(Path(arg) if arg else DEFAULT_MUSIQUE, config)
     if kind == "synthetic":
         return _synthetic(arg, config)
+    if kind == "documents" and arg:
+        return _documents(Path(arg), config)
     if kind == "shuffled" and not arg:
         return _shuffled_pool(config)
-    raise ValueError(f"unknown workload {config.spec!r}; expected musique[:PATH], synthetic:TASK or shuffled")
+    raise ValueError(f"unknown workload {config.spec!r}; expected musique[:PATH], synthetic:TASK, documents:PATH or "
+                     "shuffled")
 
 
 def phase(config: WorkloadConfig, pool: list[Item], k: int) -> list[Item]:
@@ -179,6 +183,45 @@ def _synthetic(task: str, config: WorkloadConfig) -> list[Item]:
         case = synthetic.generate(task, seed, n_chunks=config.docs, length=(tokens * 4 // 5, tokens * 6 // 5),
                                   paragraphs=prose)
         out.append(Item(f"{task}{seed}", tuple(case.chunks), f"Question: {case.question}", tuple(case.answers),
+                        synthetic.SYSTEM, synthetic.INSTRUCTION))
+    return out
+
+
+def _documents(path: Path, config: WorkloadConfig) -> list[Item]:
+    """A user's own documents. A JSONL file: one case per line, {"passages": [str, ...], "question": str, "answers":
+    [str, ...] (optional)}, its first `docs` passages cut at `words` words. A folder: its .txt and .md files'
+    paragraphs (blank-line separated, 40 words or more) as the prose of `synthetic:realkey` (multikey's needles hidden
+    at sentence boundaries of `docs` paragraphs drawn per seed), so needle accuracy is measured on the user's text."""
+    if path.is_file():
+        out = []
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                case = json.loads(line)
+                passages, question = case["passages"], case["question"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{n}: expected {{\"passages\": [...], \"question\": ...}}: {e}") from e
+            docs = tuple(" ".join(str(p).split()[: config.words]) for p in passages[: config.docs])
+            out.append(Item(f"documents{len(out)}", docs, f"Question: {question}\nAnswer:",
+                            tuple(case.get("answers", ()))))
+        if len(out) < config.seed + config.requests:
+            raise ValueError(f"{path} holds {len(out)} cases; {config.requests} from case {config.seed} asked")
+        return out[config.seed: config.seed + config.requests]
+    if not path.is_dir():
+        raise FileNotFoundError(f"documents:{path}: no such file or folder (a JSONL of cases or a folder of .txt/.md)")
+    paragraphs = [p for f in sorted(path.rglob("*")) if f.suffix in (".txt", ".md") and f.is_file()
+                  for p in (" ".join(block.split()) for block in re.split(r"\n\s*\n", f.read_text()))
+                  if len(p.split()) >= 40]
+    if len(paragraphs) < 2 * config.docs:
+        raise ValueError(f"documents:{path}: {len(paragraphs)} paragraphs of 40 words or more in its .txt/.md files; "
+                         f"at least {2 * config.docs} needed for {config.docs} passages per case")
+    tokens = round(1.3 * config.words)
+    out = []
+    for seed in range(config.seed, config.seed + config.requests):
+        case = synthetic.generate("realkey", seed, n_chunks=config.docs, length=(tokens * 4 // 5, tokens * 6 // 5),
+                                  paragraphs=paragraphs)
+        out.append(Item(f"documents{seed}", tuple(case.chunks), f"Question: {case.question}", tuple(case.answers),
                         synthetic.SYSTEM, synthetic.INSTRUCTION))
     return out
 

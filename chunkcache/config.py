@@ -162,8 +162,12 @@ class SelectConfig:
         "passes than in a plain prefill) can make it the slower one, up to 1.6x stock's time measured under churn")
     max_kl: float | None = knob(
         None, "the quality floor of a request that sends none (hints `max_kl`): the smallest rho whose estimated "
-        "first-token KL against full recompute (chunkcache/blend/fidelity.py) is at most this many nats; null: "
+        "KL against full recompute (over the answer tokens the estimator covers) (chunkcache/blend/fidelity.py) is at most this many nats; null: "
         "`ratio` as given")
+    calibration: str | None = knob(
+        None, "the file `chunkcache calibrate` writes a model's fidelity estimator to; the server estimates with the "
+        "one fitted on the served weights (same fingerprint) before any shipped one; null: fidelity.json in "
+        "chunkcache's home ($CHUNKCACHE_HOME, ~/.cache/chunkcache)")
     max_kl_cap: float = knob(
         0.4, "the largest rho a quality floor may choose, in (0, 1]; a request whose estimate misses its bound even "
         "there has every context token recomputed (reported as the fallback `quality_floor`)")

@@ -8,7 +8,7 @@
 `char_spans` instead, which the server maps to token spans with the tokenizer's offsets before the scheduler sees
 them. Optional payload keys: `namespace` (str of at most MAX_NAMESPACE_CHARS), `selector` (a registered selector
 name), `ratio` (float in [0, 1]), `exact` (bool), `max_kl` (float > 0: the quality floor, a bound on the blend's
-estimated first-token KL against full recompute, chunkcache.blend.fidelity). The server bounds the number of spans (config `limits.max_spans`).
+estimated KL against full recompute over the answer tokens its estimator covers, chunkcache.blend.fidelity). The server bounds the number of spans (config `limits.max_spans`).
 A request without a chunkcache action is not ours: it must be served exactly like stock SGLang.
 
 `exact: true` asks for no approximate KV at all: the request is computed by SGLang's own prefill, reusing only the

@@ -84,7 +84,8 @@ class ReferenceBlender:
         self._sandwich = hasattr(model.model.layers[0], "pre_feedforward_layernorm")
         self.models = Models(model_dir, lambda name, layers: load_draft(name, layers, "float32", self.device,
                                                                          target=self.model))
-        self.fidelity = fidelity.load().model(model_dir)  # this model's fidelity estimator; None: none was fitted
+        # this model's fidelity estimator (a calibration of its weights in chunkcache's home first); None: none fitted
+        self.fidelity = fidelity.coefficients().model(model_dir)
 
     @classmethod
     def from_pretrained(

@@ -13,6 +13,7 @@ from conftest import Rag, gen, hints, sglang_engine
 
 from chunkcache import architectures
 from chunkcache.architectures import FAMILIES, UnsupportedModel, check
+from chunkcache.blend import fidelity
 from chunkcache.models import TINY_ARCHITECTURES, tiny_model
 
 TINY = dict(initializer_range=0.1)  # random weights whose greedy continuation depends on the context
@@ -99,11 +100,21 @@ def test_chunkcache_serve_refuses_an_unsupported_model_before_starting_sglang():
 SERVED = [arch for arch, paths, _ in EXPECTED.values() if "sglang" in paths and arch != "llama"]  # llama: the default
 
 
+CALIBRATED = "qwen2"  # the served family `chunkcache calibrate` fits an estimator for, before its server starts
+
+
 @pytest.fixture(scope="module", params=SERVED)
 def family(request, tmp_path_factory):
     model = tiny_model(request.param, **TINY)
-    with sglang_engine(model, tmp_path_factory.mktemp("cfg"), "select:\n  ratio: 0.15\n", max_total_tokens=4000,
-                       dtype="float32") as engine:
+    config = tmp_path_factory.mktemp("cfg")
+    yaml = "select:\n  ratio: 0.15\n"
+    if request.param == CALIBRATED:
+        from chunkbench.quality import calibration
+
+        assert calibration.main(["--model", str(model), "--families", "multikey", "--cases", "6", "--covers", "4",
+                                 "--workdir", str(config / "work"), "--out", str(config / "fidelity.json")]) == 0
+        yaml += f"  calibration: {config / 'fidelity.json'}\n"
+    with sglang_engine(model, config, yaml, max_total_tokens=4000, dtype="float32") as engine:
         yield request.param, model, engine
 
 
@@ -170,14 +181,34 @@ def test_a_model_nobody_calibrated_gets_no_estimate_and_a_quality_floor_is_compu
     """No fidelity estimator was fitted for a tiny random model: mix's blends report none (`fitted_for: null`) rather
     than another model's, and a request bounded by max_kl is computed by the model's own forward, saying why."""
     arch, _, engine = family
+    if arch == CALIBRATED:
+        pytest.skip("calibrated before its server started: test_a_calibrated_model_is_estimated_with_its_own_fit")
     ids, spans = rag.build([2, 3, 1], "What is the code of document 1?")
     plain = gen(engine, ids, hints(spans, selector="mix", namespace="uncalibrated"), n=1)["meta_info"]["chunkcache"]
     assert "fallback" not in plain and plain["fidelity"] == {"fitted_for": None}, (arch, plain)
     ids, spans = rag.build([1, 2, 3], "What is the code of document 2?")
     bounded = gen(engine, ids, hints(spans, selector="mix", namespace="uncalibrated", max_kl=1e6), n=1)
     info = bounded["meta_info"]["chunkcache"]
-    assert info["fallback"] == "uncalibrated" and "fidelity_fit" in info["detail"], (arch, info)
+    assert info["fallback"] == "uncalibrated" and "chunkcache calibrate" in info["detail"], (arch, info)
     assert "ratio" not in info, info  # not blended at rho 1: SGLang's own forward
+
+
+@pytest.mark.slow
+def test_a_calibrated_model_is_estimated_with_its_own_fit(family, rag):
+    """`chunkcache calibrate` wrote an estimator for these weights into the file `select.calibration` names: the
+    server estimates with it (by the weights' fingerprint), so a max_kl request is bounded by it, not computed in full
+    as uncalibrated."""
+    arch, model, engine = family
+    if arch != CALIBRATED:
+        pytest.skip(f"only {CALIBRATED} is calibrated")
+    for order in ([2, 3, 1], [1, 2, 3]):  # the first stores the chunks, the second reuses them
+        ids, spans = rag.build(order, "What is the code of document 1?")
+        info = gen(engine, ids, hints(spans, selector="mix", namespace="calibrated", max_kl=0.05), n=1)
+    info = info["meta_info"]["chunkcache"]
+    assert info["chunk_hits"] == 3 and info.get("fallback") != "uncalibrated", info
+    assert info["fidelity"]["fitted_for"].startswith(f"{model.name}@") and info["fidelity"]["covers"] == 4, info
+    # the rho it chose is the estimate's: the smallest whose KL estimate meets the bound, else all recomputed
+    assert (info["ratio"] in fidelity.RATIOS) == (info.get("fallback") is None), info
 
 
 @pytest.mark.slow

@@ -112,7 +112,7 @@ def test_the_margin_brings_a_biased_estimator_back_within_the_promise():
 
 def model(margin: float = 0.35) -> Model:
     return Model(quantile=0.9, kl=Linear(-1.0, {"deviation": 1.0}), margin=margin,
-                 agree=Linear(0.5, {"deviation": -1.0}), fitted_on="test", name="m")
+                 agree=Linear(0.5, {"deviation": -1.0}), fitted_on="test", covers=1, fingerprint=None, name="m")
 
 
 def test_the_margin_multiplies_the_estimate_the_report_and_the_floor_read():
@@ -181,7 +181,7 @@ def test_the_scheduler_audit_measures_the_kept_logits_and_widens_what_the_blends
     full = torch.tensor([0.0, 0.0, 2.0])
     FakeRunner.full = full
     plan = types.SimpleNamespace(token_ids=torch.arange(7), n=7, max_kl=None, selector="mix")
-    b = types.SimpleNamespace(plan=plan, estimate=Estimate(kl=0.1, agree=0.9, fitted_for="m"), ratio=0.15)
+    b = types.SimpleNamespace(plan=plan, estimate=Estimate(kl=0.1, agree=0.9, fitted_for="m", covers=1), ratio=0.15)
     batch = types.SimpleNamespace(seq_lens=torch.tensor([5, 7]), input_ids=torch.zeros(12, dtype=torch.long))
     a.offer(FakeRunner(None, batch), 1, "r1", b, types.SimpleNamespace(next_token_logits=served))
     with caplog.at_level("WARNING", logger=glue.__name__):

@@ -12,6 +12,7 @@ import torch
 
 from chunkcache.blend import fidelity
 from chunkcache.blend.fidelity import Linear, Model, Signals
+from chunkcache.hashing import model_fingerprint
 from chunkcache.select import create
 from chunkcache.select.base import Layout
 
@@ -79,7 +80,7 @@ def test_at_ratios_is_the_selectors_pick():
 
 # the estimate is the share of score mass left itself: log KL = log(mass_left)
 IDENTITY = Model(quantile=0.9, kl=Linear(0.0, {"mass_left": 1.0}), margin=0.0, agree=Linear(0.0, {}),
-                 fitted_on="by hand", name="by-hand")
+                 fitted_on="by hand", covers=1, fingerprint=None, name="by-hand")
 BASE = Signals(ratio=0, mass_left=1, attention_left=0, deviation=1, deviation_left=0)
 # not monotone in rho (0.15 estimates more than 0.1): the choice must be monotone in the bound anyway
 LEFT = {0.05: 0.5, 0.1: 0.3, 0.15: 0.35, 0.25: 0.1, 0.4: 0.05}
@@ -139,6 +140,31 @@ def test_a_served_model_gets_its_own_estimator_and_none_pretends_to_be_another_m
     assert coefficients.model("/home/x/.chunkcache/models/own") is own  # a served directory, named after it
     assert coefficients.model("own") is own and coefficients.model(None) is other
     assert coefficients.model("/models/unknown") is None
+
+
+def test_a_calibration_matches_its_weights_only_and_a_name_never_stands_in_for_a_fingerprint(tmp_path):
+    from chunkcache.models import tiny_model
+
+    mine, other = tiny_model("llama"), tiny_model("llama", seed=1)
+    calibrated = replace(IDENTITY, fingerprint=model_fingerprint(mine), name="calibrated")
+    # an entry keyed by the served directory's name but fitted on other weights: not the served model's
+    stale = replace(IDENTITY, fingerprint="0" * 16, name=other.name)
+    coefficients = fidelity.Coefficients({"calibrated": calibrated, other.name: stale}, default="calibrated")
+    assert coefficients.model(mine) is calibrated and coefficients.model(other) is None
+    # the calibrations file comes before the shipped one, which stays; a damaged one is named
+    path = tmp_path / "fidelity.json"
+    assert fidelity.coefficients(path).models == fidelity.load().models  # none yet
+    data = json.loads(fidelity.PACKAGED.read_text())
+    data["models"] = {"calibrated": {**data["models"][data["default"]], "fingerprint": model_fingerprint(mine)}}
+    data["default"] = "calibrated"
+    path.write_text(json.dumps(data))
+    merged = fidelity.coefficients(path)
+    assert merged.model(mine).name == "calibrated" and merged.default == fidelity.load().default
+    assert set(fidelity.load().models) < set(merged.models)
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({**data, "default": "nobody"}))
+    with pytest.raises(ValueError, match="broken.json"):
+        fidelity.coefficients(broken)
 
 
 def test_a_coefficients_file_without_a_doc_line_is_refused():

@@ -40,7 +40,7 @@ def blend_of(r: ChunkRequest, **fields) -> pipeline.Blended:
 
 def built() -> list[tuple[str, dict]]:
     """(expected shape, round) for every variant the server's builders make."""
-    estimate = Estimate(kl=0.012, agree=0.97, fitted_for="SmolLM2-135M-Instruct")
+    estimate = Estimate(kl=0.012, agree=0.97, fitted_for="SmolLM2-135M-Instruct", covers=1)
     stages = dict.fromkeys(STAGES, 0.01)
     batch = {"requests": 2, "plain": 1, "decodes": 0, "forwards": 3}
     rounds = [

@@ -29,7 +29,7 @@ import argparse
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +44,7 @@ from chunkcache.select.mix import MixSelector
 from .. import intervals, scoring
 from ..serving.ab import first_line
 from ..workloads import Item, WorkloadConfig, items, to_request
-from .reference_path import greedy_ids, kl_logits, remember_deviations, split
+from .reference_path import blend_seconds, greedy_ids, kl_logits, remember_deviations, split
 from .rowlog import RowLog
 
 RATIOS = fidelity.RATIOS
@@ -105,7 +105,6 @@ def collect(args) -> None:
     family = FAMILIES[args.family]
     out = Path(args.out)
     evidence_dir = out.with_suffix(".evidence")
-    evidence_dir.mkdir(parents=True, exist_ok=True)
     identity = {"family": args.family, "model": args.model, "ratios": list(RATIOS), "options": DEFAULT,
                 "max_new_tokens": args.max_new_tokens, **({"draw": args.draw} if args.draw else {})}
     log = RowLog(out, identity, args.resume)
@@ -114,37 +113,51 @@ def collect(args) -> None:
     blender = ReferenceBlender.from_pretrained(args.model, store=ChunkStore(host_bytes=STORE_BYTES))
     for item in tqdm(cases, desc=f"{args.family} seed {args.seed}", unit="case"):
         file = evidence_dir / f"{item.id}.pt"
-        if file.is_file() and all(_key(family, item.id, r) in log for r in RATIOS):
-            continue
-        for row in measure(blender, item, file, family, args.max_new_tokens):
-            log.append(row)
+        if not measured_case(log, family.spec, item.id, file):
+            for row in measure(blender, item, file, family.spec, args.max_new_tokens):
+                log.append(row)
 
 
-def measure(blender, item: Item, file: Path, family: Family, max_new_tokens: int) -> list[dict]:
+def measured_case(log: RowLog, task: str, item: str, file: Path) -> bool:
+    """Whether a case's rows at every rho, with their signals or the evidence they come from, are on disk already
+    (a resumed run skips it)."""
+    keys = [(task, item, "mix", r, "reference") for r in RATIOS]
+    return all(k in log for k in keys) and (file.is_file() or all("signals" in log.rows[k] for k in keys))
+
+
+def measure(blender, item: Item, file: Path, task: str, max_new_tokens: int) -> list[dict]:
     """One case: full recompute; the chunks' deviations remembered from two other orders; a blend at rho 0 (the
-    forced tokens only: its features are the case's evidence, its logits naive reuse's); then a blend per rho."""
+    forced tokens only: its features are the case's evidence, its logits naive reuse's); then a blend per rho, its
+    KL against full's at each token of full's greedy answer (teacher-forced: row 0 is the first token's)."""
     parts = split(to_request(blender.tokenizer, item).prompt)
     full = blender.full_prefill(*parts)
     full_ids = blender.generate(full, max_new_tokens)
+    full_forced = blender.teacher_forced_logits(full, full_ids)
     full_line = first_line(blender.tokenizer.decode(full_ids, skip_special_tokens=True))
     selector = Recorded(MixSelector(**DEFAULT))
     remember_deviations(blender, parts, selector.inner, 0.0, {})
     naive = blender.blend(*parts, selector=selector, ratio=0.0)
     if "kv_deviation" in naive.passes:
         raise RuntimeError(f"{item.id}: the measured blend ran the deviation pass after the warm-up")
+    case_evidence = evidence(naive.layout, naive.scores, selector.values)
     rows, recomputed = [], {}
     for ratio in RATIOS:
         res = blender.blend(*parts, selector=selector, ratio=ratio)
         recomputed[ratio] = res.recomputed
-        line = first_line(blender.tokenizer.decode(greedy_ids(blender, res, full_ids, max_new_tokens)[0],
+        forced = blender.teacher_forced_logits(res, full_ids)
+        line = first_line(blender.tokenizer.decode(greedy_ids(blender, res, full_ids, max_new_tokens, forced)[0],
                                                    skip_special_tokens=True))
-        rows.append({"task": family.spec, "item": item.id, "selector": "mix", "ratio": ratio, "path": "reference",
+        rows.append({"task": task, "item": item.id, "selector": "mix", "ratio": ratio, "path": "reference",
                      "kl": kl_logits(full.logits, res.logits),
+                     "answer_kls": [round(kl_logits(f, b), 7) for f, b in zip(full_forced, forced)],
+                     "blend_s": round(blend_seconds(res), 5), "full_s": round(full.timings["total"], 5),
                      "agree": float(int(res.logits.argmax()) == int(full.logits.argmax())),
                      "contains": _contains(line, item.answers), "full_contains": _contains(full_line, item.answers),
                      "same": scoring.exact_match(line, full_line), "f1": scoring.best_f1(line, item.answers),
-                     "answer": line, "full_answer": full_line})
-    torch.save({"evidence": evidence(naive.layout, naive.scores, selector.values), "recomputed": recomputed,
+                     "answer": line, "full_answer": full_line,
+                     "signals": asdict(signals(case_evidence, res.recomputed))})
+    file.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"evidence": case_evidence, "recomputed": recomputed,
                 "naive_logits": naive.logits.half(), "naive_kl": kl_logits(full.logits, naive.logits)}, file)
     return rows
 
@@ -155,10 +168,6 @@ def _contains(line: str, answers) -> float:
     return float(all(scoring.normalize(a) in normalized for a in answers))
 
 
-def _key(family: Family, item: str, ratio: float) -> tuple:
-    return family.spec, item, "mix", ratio, "reference"
-
-
 @dataclass(frozen=True)
 class Point:
     """One measured blend: a case at one rho."""
@@ -166,31 +175,63 @@ class Point:
     family: str
     item: str
     signals: Signals
-    row: dict  # the collected row: kl, agree, contains, full_contains, same, f1
+    row: dict  # the collected row: kl, answer_kls, agree, contains, full_contains, same, f1
+
+
+def measured(row: dict, covers: int) -> float:
+    """The KL an estimator covering `covers` answer tokens bounds: the largest over the first `covers` tokens of
+    full's answer (row 0, the first token's, is `kl`; an answer shorter than `covers` counts the tokens it has)."""
+    return row["kl"] if covers == 1 else max(row["answer_kls"][:covers])
 
 
 def load_points(paths: list[str]) -> list[Point]:
-    """Every (case, rho) of the row files whose case has its evidence, signals computed by fidelity.signals."""
+    """Every (case, rho) of the row files with its signals: the row's own (`signals`, written at collection or by
+    `pack`), else computed by fidelity.signals from the case's evidence beside the file (a case with neither is
+    left out)."""
     points = []
     for path in map(Path, paths):
-        rows = [json.loads(line) for line in path.read_text().splitlines()[1:] if line.strip()]
-        by_item: dict[str, list[dict]] = {}
-        for r in rows:
-            by_item.setdefault(r["item"], []).append(r)
-        family = next(name for name, f in FAMILIES.items() if rows and f.spec == rows[0]["task"]) if rows else None
-        for item, rs in by_item.items():
-            file = path.with_suffix(".evidence") / f"{item}.pt"
-            if not file.is_file():
+        family = identity(path)["family"]
+        for item, rs in _by_item(path).items():
+            if all("signals" in r for r in rs):
+                points += [Point(family, item, Signals(**r["signals"]), r) for r in rs]
                 continue
-            case = torch.load(file, weights_only=False)
-            for r in rs:
-                points.append(Point(family, item, signals(case["evidence"], case["recomputed"][r["ratio"]]), r))
+            file = path.with_suffix(".evidence") / f"{item}.pt"
+            if file.is_file():
+                case = torch.load(file, weights_only=False)
+                points += [Point(family, item, signals(case["evidence"], case["recomputed"][r["ratio"]]), r)
+                           for r in rs]
     return points
+
+
+def _by_item(path: Path) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for line in path.read_text().splitlines()[1:]:
+        if line.strip():
+            row = json.loads(line)
+            out.setdefault(row["item"], []).append(row)
+    return out
+
+
+def pack(args) -> None:
+    """Write each row's signals into its file (from the evidence beside it), so the rows fit and judge on their own:
+    a file small enough to keep where the evidence is not."""
+    for path in map(Path, args.paths):
+        head = path.read_text().split("\n", 1)[0]
+        points = load_points([str(path)])
+        lines = [head] + [json.dumps({**p.row, "signals": asdict(p.signals)}) for p in points]
+        path.write_text("\n".join(lines) + "\n")
+        print(f"{path}: {len(points)} rows with their signals")
+
+
+def identity(path: str | Path) -> dict:
+    """A row file's identity line (rowlog.RowLog): the family, model and settings its cases were collected with."""
+    with open(path) as f:
+        return json.loads(f.readline())["identity"]
 
 
 def model_of(paths: list[str]) -> str:
     """The one model the row files were collected on (their identity lines)."""
-    names = {json.loads(Path(path).read_text().split("\n", 1)[0])["identity"]["model"] for path in paths}
+    names = {identity(path)["model"] for path in paths}
     if len(names) != 1:
         raise ValueError(f"the row files hold cases of {len(names)} models ({sorted(names)}): fit and judge one at a "
                          "time")
@@ -221,8 +262,8 @@ def design(points: list[Point], terms: tuple[str, ...]) -> np.ndarray:
     return np.array([[1.0] + [math.log(max(float(getattr(p.signals, t)), FLOOR)) for t in terms] for p in points])
 
 
-def log_kl(points: list[Point]) -> np.ndarray:
-    return np.array([math.log(max(p.row["kl"], FLOOR)) for p in points])
+def log_kl(points: list[Point], covers: int) -> np.ndarray:
+    return np.array([math.log(max(measured(p.row, covers), FLOOR)) for p in points])
 
 
 def quantile_regression(x: np.ndarray, y: np.ndarray, quantile: float) -> np.ndarray:
@@ -252,29 +293,31 @@ def choose(estimates: dict[float, float], bound: float, margin: float) -> float 
     return next((r for r in sorted(estimates) if estimates[r] + margin <= math.log(bound)), None)
 
 
-def held_out(cases: dict, terms: tuple[str, ...], quantile: float, folds: int) -> dict[tuple[str, str], dict]:
+def held_out(cases: dict, terms: tuple[str, ...], quantile: float, folds: int,
+             covers: int = 1) -> dict[tuple[str, str], dict]:
     """Each fit case's log-KL estimate per rho by a fit on the other folds (cases dealt to folds in turn)."""
     keys = sorted(cases)
     held: dict[tuple[str, str], dict[float, float]] = {}
     for f in range(folds):
         train = [p for i, k in enumerate(keys) if i % folds != f for p in cases[k].values()]
-        beta = quantile_regression(design(train, terms), log_kl(train), quantile)
+        beta = quantile_regression(design(train, terms), log_kl(train, covers), quantile)
         for i, k in enumerate(keys):
             if i % folds == f:
                 held[k] = {r: float(design([p], terms)[0] @ beta) for r, p in cases[k].items()}
     return held
 
 
-def calibrate(cases: dict, terms: tuple[str, ...], quantile: float, target: float, folds: int) -> float:
+def calibrate(cases: dict, terms: tuple[str, ...], quantile: float, target: float, folds: int,
+              covers: int = 1) -> float:
     """The smallest margin (log KL, steps of 0.05) at which choosing rho by the estimate lets at most `target` of each
     family's fit cases exceed the bound, at every bound of BOUNDS (the goal holds per bound, not pooled over them),
     every case estimated by a fit on the other folds. Choosing the smallest rho that meets a bound favours a rho the
     estimate underrates, so a quantile fitted over all rho alone exceeds the bound more often than 1 - quantile, and
     a fit pooled over families is looser on some than on others: the margin pays for both."""
-    held = held_out(cases, terms, quantile, folds)
+    held = held_out(cases, terms, quantile, folds, covers)
     families = {k[0] for k in cases}
     for margin in np.arange(0, 5, 0.05):
-        worst = max(_exceeded({k: c for k, c in cases.items() if k[0] == family}, held, margin, bound)
+        worst = max(_exceeded({k: c for k, c in cases.items() if k[0] == family}, held, margin, bound, covers)
                     for family in families for bound in BOUNDS)
         if worst <= target:
             return float(margin)
@@ -284,71 +327,84 @@ def calibrate(cases: dict, terms: tuple[str, ...], quantile: float, target: floa
 def compare(args) -> None:
     """Cross-validated pinball loss (lower is better) and coverage of each term set on the fit cases."""
     cases = {k: v for k, v in cases_of(load_points(args.paths)).items() if role(k[1]) == "fit"}
-    print(f"{len(cases)} fit cases; {args.folds}-fold cross-validation at quantile {args.quantile}\n")
+    print(f"{len(cases)} fit cases; {args.folds}-fold cross-validation at quantile {args.quantile}, KL over "
+          f"{args.covers} answer token(s)\n")
     print("| terms | pinball loss | share of blends over the estimate |\n|---|---|---|")
     for terms in (tuple(t.split(",")) for t in args.sets.split(";")):
-        held = held_out(cases, terms, args.quantile, args.folds)
-        residual = np.array([math.log(max(p.row["kl"], FLOOR)) - held[k][r] for k, c in cases.items()
+        held = held_out(cases, terms, args.quantile, args.folds, args.covers)
+        residual = np.array([math.log(max(measured(p.row, args.covers), FLOOR)) - held[k][r] for k, c in cases.items()
                              for r, p in c.items()])
         loss = np.mean(np.maximum(args.quantile * residual, (args.quantile - 1) * residual))
         print(f"| {', '.join(terms)} | {loss:.4f} | {np.mean(residual > 0):.3f} |")
 
 
-def _exceeded(cases: dict, estimates: dict, margin: float, bound: float) -> float:
+def _exceeded(cases: dict, estimates: dict, margin: float, bound: float, covers: int = 1) -> float:
     """Share of the cases whose rho chosen under `bound` has a measured KL over it."""
     chosen = [(k, choose(estimates[k], bound, margin)) for k in cases]
-    return sum(r is not None and cases[k][r].row["kl"] > bound for k, r in chosen) / len(chosen)
+    return sum(r is not None and measured(cases[k][r].row, covers) > bound for k, r in chosen) / len(chosen)
+
+
+@dataclass(frozen=True)
+class FitSettings:
+    terms: tuple[str, ...] = TERMS  # the Signals fields the estimate reads
+    quantile: float = 0.9
+    target: float = 0.1  # share of each family's fit cases allowed over each bound
+    folds: int = 5
+    covers: int = 1  # answer tokens the KL estimate bounds (fidelity.Model.covers)
+
+
+def fit_model(cases: dict, settings: FitSettings, fitted_on: str, fingerprint: str | None = None) -> dict:
+    """A coefficients file's model entry fitted on `cases` (cases_of: the fit cases only)."""
+    points = [p for case in cases.values() for p in case.values()]
+    terms = settings.terms
+    kl = quantile_regression(design(points, terms), log_kl(points, settings.covers), settings.quantile)
+    agree = logistic_regression(design(points, terms), np.array([p.row["agree"] for p in points]))
+    margin = calibrate(cases, terms, settings.quantile, settings.target, settings.folds, settings.covers)
+    return {
+        "quantile": settings.quantile,
+        "kl": {"intercept": round(float(kl[0]), 4), "weights": {t: round(float(w), 4) for t, w in zip(terms, kl[1:])}},
+        "margin": round(margin, 2),
+        "agree": {"intercept": round(float(agree[0]), 4),
+                  "weights": {t: round(float(w), 4) for t, w in zip(terms, agree[1:])}},
+        "fitted_on": fitted_on,
+        "covers": settings.covers,
+        "fingerprint": fingerprint,
+    }
+
+
+def fitted_on(cases: dict, model: str, settings: FitSettings) -> str:
+    """The entry's `fitted_on` line: model, engine, selector, grid and the cases by family."""
+    families = sorted({k[0] for k in cases})
+    where = "; ".join(f"{f} {sum(k[0] == f for k in cases)} cases "
+                      f"({_ids(sorted(_number(k[1]) for k in cases if k[0] == f))})" for f in families)
+    return (f"{model}, reference engine, float32; mix with the server defaults (stored deviations, overlap 0.15) at "
+            f"rho {', '.join(map(str, RATIOS))}; KL over {settings.covers} answer token(s); {where}: every third seed "
+            "/ record, chunkbench/quality/fidelity_fit.py role(); docs/bench/fidelity.md")
+
+
+def write_model(path: Path, name: str, entry: dict, settings: FitSettings) -> None:
+    """Write (or replace) `name`'s entry in the coefficients file at `path`, keeping its other models; the file's
+    doc lines are the shipped file's, the margin's naming these settings."""
+    known = json.loads(path.read_text()) if path.is_file() else {"default": name, "models": {}}
+    doc = dict(json.loads(fidelity.PACKAGED.read_text())["doc"])
+    doc["margin"] = (f"added to the log KL estimate: the smallest (steps of 0.05) at which choosing rho by "
+                     f"smallest_ratio let at most {settings.target:g} of each family's fit cases exceed the bound, "
+                     f"at each of the bounds {', '.join(map(str, BOUNDS))}, each case estimated by a fit on the other "
+                     f"{settings.folds - 1} of {settings.folds} folds")
+    out = {"doc": doc, "default": known["default"], "models": {**known["models"], name: entry}}
+    fidelity.parse(out)  # what the server will read
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
 
 
 def fit(args) -> None:
     cases = {k: v for k, v in cases_of(load_points(args.paths)).items() if role(k[1]) == "fit"}
     if not cases:
         raise SystemExit(f"no fit case (seed or record divisible by 3) measured at every rho in {args.paths}")
-    points = [p for case in cases.values() for p in case.values()]
-    terms = tuple(args.terms.split(","))
-    kl = quantile_regression(design(points, terms), log_kl(points), args.quantile)
-    agree = logistic_regression(design(points, terms), np.array([p.row["agree"] for p in points]))
-    margin = calibrate(cases, terms, args.quantile, args.target, args.folds)
-    counts = {f: sum(k[0] == f for k in cases) for f in FAMILIES}
-    where = "; ".join(f"{f} {n} cases ({_ids(sorted(_number(k[1]) for k in cases if k[0] == f))})"
-                      for f, n in counts.items() if n)
+    settings = FitSettings(tuple(args.terms.split(",")), args.quantile, args.target, args.folds, args.covers)
     name = model_of(args.paths)
-    fitted_on = (f"{name}, reference engine, float32; mix with the server defaults (stored deviations, overlap 0.15) "
-                 f"at rho {', '.join(map(str, RATIOS))}; {where}: every third seed / record, "
-                 "chunkbench/quality/fidelity_fit.py role(); docs/bench/fidelity.md")
-    path = Path(args.out)
-    known = json.loads(path.read_text()) if path.is_file() else {"default": name, "models": {}}
-    entry = {
-        "quantile": args.quantile,
-        "kl": {"intercept": round(float(kl[0]), 4), "weights": {t: round(float(w), 4) for t, w in zip(terms, kl[1:])}},
-        "margin": round(margin, 2),
-        "agree": {"intercept": round(float(agree[0]), 4),
-                  "weights": {t: round(float(w), 4) for t, w in zip(terms, agree[1:])}},
-        "fitted_on": fitted_on,
-    }
-    out = {
-        "doc": {
-            "default": "the model whose estimator serves a model with none of its own (the estimate names it: "
-                       "fitted_for)",
-            "models": "an estimator per model, by the name chunkcache knows it by (`chunkcache model`; a served "
-                      "model's directory is named after it)",
-            "quantile": "the share of blends whose first-token KL the kl estimate is meant to be at least (pinball "
-                        "loss at this quantile, fitted on the cases of fitted_on, all rho pooled)",
-            "kl": "log KL estimate = intercept + sum of weight * log(max(signal, 1e-6)) over the named Signals fields "
-                  "(quantile regression of the measured log first-token KL against full recompute)",
-            "margin": f"added to the log KL estimate: the smallest (steps of 0.05) at which choosing rho by "
-                      f"smallest_ratio let at most {args.target:g} of each family's fit cases exceed the bound, at "
-                      f"each of the bounds {', '.join(map(str, BOUNDS))}, each case estimated by a fit on the "
-                      f"other {args.folds - 1} of {args.folds} folds",
-            "agree": "logit of P(greedy first token = full recompute's) = intercept + sum of weight * log(max(signal, "
-                     "1e-6)) (logistic regression on the same cases and rho)",
-            "fitted_on": "the cases, selector, model and engine the coefficients come from",
-        },
-        "default": known["default"],
-        "models": {**known["models"], name: entry},
-    }
-    fidelity.parse(out)  # what the server will read
-    path.write_text(json.dumps(out, indent=1) + "\n")
+    entry = fit_model(cases, settings, fitted_on(cases, name, settings))
+    write_model(Path(args.out), name, entry, settings)
     print(json.dumps({name: entry}, indent=1))
 
 
@@ -369,6 +425,41 @@ def read_ttft(path: str) -> dict[float, float]:
     return {rho: t / float(stock.group(1)) for rho, t in sides.items()}
 
 
+def judge_table(cases: dict, model: fidelity.Model, ttft: dict[str, dict[float, float]],
+                bounds: tuple[float, ...] = BOUNDS, cost_label: str = "TTFT / stock's") -> list[str]:
+    """The calibration table: per family and bound, rho chosen by `model`'s estimate for each of `cases`, the share
+    whose KL (over the answer tokens the model covers) exceeds the bound with its Wilson interval, the mean rho, the
+    cost (`ttft`: family -> rho -> time over the baseline's, `cost_label`), needles and answers against full
+    recompute's."""
+    lines = [f"| family | bound | n | KL over {model.covers} token(s) > bound [95 % Wilson] | mean rho | in full | "
+             f"{cost_label} | best fixed rho | oracle mean rho | needle / full's | first token = full's | "
+             "same answer as full |", "|---" * 12 + "|"]
+    for family in sorted({k[0] for k in cases}, key=lambda f: (f not in FAMILIES, list(FAMILIES).index(f)
+                                                                 if f in FAMILIES else f)):
+        mine = [c for k, c in cases.items() if k[0] == family]
+        kl = (lambda row: measured(row, model.covers))
+        for bound in bounds:
+            picked = [(c, fidelity.smallest_ratio(lambda r, c=c: c[r].signals, bound, model, RATIOS, max(RATIOS)))
+                      for c in mine]
+            rows = [c[r].row if r is not None else None for c, r in picked]
+            full = [c[RATIOS[0]].row for c in mine]
+            n = len(mine)
+            over = sum(r is not None and kl(r) > bound for r in rows)
+            low, high = intervals.wilson(over, n)
+            rho = [1.0 if r is None else r for _, r in picked]
+            cost = f"{_mean(ttft[family][r] for r in rho):.2f}" if family in ttft else "-"
+            oracle = [next((r for r in RATIOS if kl(c[r].row) <= bound), 1.0) for c in mine]
+            fixed = next((r for r in RATIOS if sum(kl(c[r].row) > bound for c in mine) <= 0.1 * n), None)
+            needle = (f"{_mean(r['contains'] if r else f['full_contains'] for r, f in zip(rows, full)):.2f} / "
+                      f"{_mean(f['full_contains'] for f in full):.2f}" if family != "musique" else "")
+            lines.append(
+                f"| {family} | {bound} | {n} | {over / n:.3f} [{low:.3f}, {high:.3f}] | {_mean(rho):.3f} | "
+                f"{sum(r is None for _, r in picked)} | {cost} | {fixed if fixed is not None else '> 0.4'} | "
+                f"{_mean(oracle):.3f} | {needle} | {_mean(r['agree'] if r else 1.0 for r in rows):.2f} | "
+                f"{_mean(r['same'] if r else 1.0 for r in rows):.2f} |")
+    return lines
+
+
 def judge(args) -> None:
     name = model_of(args.paths)
     coefficients = fidelity.load(args.coefficients)
@@ -380,33 +471,7 @@ def judge(args) -> None:
     cases = {k: v for k, v in cases_of(load_points(args.paths)).items() if args.unseen or role(k[1]) == "judge"}
     print(f"cases judged: {'every case (collected after the fit)' if args.unseen else 'the held-out ones (role)'}\n")
     ttft = {family: read_ttft(path) for family, path in (t.split("=", 1) for t in args.ttft)}
-    lines = ["| family | bound | n | KL > bound [95 % Wilson] | mean rho | in full | TTFT / stock's | best fixed rho | "
-             "oracle mean rho | needle / full's | first token = full's | same answer as full |", "|---" * 12 + "|"]
-    for family in FAMILIES:
-        mine = [c for k, c in cases.items() if k[0] == family]
-        if not mine:
-            continue
-        for bound in BOUNDS:
-            picked = [(c, fidelity.smallest_ratio(lambda r, c=c: c[r].signals, bound, model, RATIOS, max(RATIOS)))
-                      for c in mine]
-            rows = [c[r].row if r is not None else None for c, r in picked]
-            full = [c[RATIOS[0]].row for c in mine]
-            n = len(mine)
-            over = sum(r is not None and r["kl"] > bound for r in rows)
-            low, high = intervals.wilson(over, n)
-            rho = [1.0 if r is None else r for _, r in picked]
-            cost = f"{_mean(ttft[family][r] for r in rho):.2f}" if family in ttft else "-"
-            oracle = [next((r for r in RATIOS if c[r].row["kl"] <= bound), 1.0) for c in mine]
-            fixed = next((r for r in RATIOS if sum(c[r].row["kl"] > bound for c in mine) <= 0.1 * n), None)
-            needle = (f"{_mean(r['contains'] if r else f['full_contains'] for r, f in zip(rows, full)):.2f} / "
-                      f"{_mean(f['full_contains'] for f in full):.2f}" if family != "musique" else "")
-            lines.append(
-                f"| {family} | {bound} | {n} | {over / n:.3f} [{low:.3f}, {high:.3f}] | {_mean(rho):.3f} | "
-                f"{sum(r is None for _, r in picked)} | {cost} | {fixed if fixed is not None else '> 0.4'} | "
-                f"{_mean(oracle):.3f} | "
-                f"{needle} | {_mean(r['agree'] if r else 1.0 for r in rows):.2f} | "
-                f"{_mean(r['same'] if r else 1.0 for r in rows):.2f} |")
-    print("\n".join(lines))
+    print("\n".join(judge_table(cases, model, ttft)))
 
 
 def _mean(values) -> float:
@@ -434,6 +499,8 @@ def main() -> None:
     f.add_argument("--quantile", type=float, default=0.9)
     f.add_argument("--target", type=float, default=0.1, help="share of fit cases allowed over each bound")
     f.add_argument("--folds", type=int, default=5)
+    f.add_argument("--covers", type=int, default=1, help="answer tokens the KL estimate bounds (the largest KL over "
+                   "the first COVERS tokens of full recompute's answer); 1: the first token")
     f.add_argument("--out", default=str(fidelity.PACKAGED), help="the coefficients file: the rows' model's entry is "
                    "written, the others kept")
     j = sub.add_parser("judge", help="choose rho by the estimate for the held-out cases, per family and bound")
@@ -448,8 +515,11 @@ def main() -> None:
     m.add_argument("--sets", required=True, help="term sets: 'a,b;a,c'")
     m.add_argument("--quantile", type=float, default=0.9)
     m.add_argument("--folds", type=int, default=5)
+    m.add_argument("--covers", type=int, default=1, help="answer tokens the KL bounds")
+    p = sub.add_parser("pack", help="write each row's signals into its file, so it needs no evidence files")
+    p.add_argument("paths", nargs="+")
     args = ap.parse_args()
-    {"collect": collect, "fit": fit, "judge": judge, "compare": compare}[args.cmd](args)
+    {"collect": collect, "fit": fit, "judge": judge, "compare": compare, "pack": pack}[args.cmd](args)
 
 
 if __name__ == "__main__":

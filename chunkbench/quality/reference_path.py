@@ -115,11 +115,14 @@ def answer(blender: ReferenceBlender, result: BlendResult, max_new_tokens: int) 
 
 
 def greedy_ids(blender: ReferenceBlender, result: BlendResult, reference: list[int],
-               max_new_tokens: int) -> tuple[list[int], list[int]]:
+               max_new_tokens: int, forced_logits: torch.Tensor | None = None) -> tuple[list[int], list[int]]:
     """(the blend's greedy answer, its argmax at each position of `reference` teacher-forced): `reference` itself
     when the two argmaxes agree at every position (greedy decoding would produce the same tokens, one pass instead
-    of one per token), else decoded step by step."""
-    forced = blender.teacher_forced_logits(result, reference).argmax(-1).tolist()
+    of one per token), else decoded step by step. `forced_logits`: the result's teacher_forced_logits on
+    `reference`, when the caller has them already."""
+    if forced_logits is None:
+        forced_logits = blender.teacher_forced_logits(result, reference)
+    forced = forced_logits.argmax(-1).tolist()
     ids = list(reference) if forced == list(reference) else blender.generate(result, max_new_tokens)
     return ids, forced
 

@@ -5,7 +5,8 @@ Everything the estimate reads is what the selector already read (`Evidence`: its
 attention and the chunks' KV deviation, memoised in the request's features), so the signals exist for every candidate
 rho without another model pass: `smallest_ratio` tries rho in ascending order, each a selector call over the memoised
 features, and the server recomputes once, at the rho it chose. The estimator's form and coefficients are in
-configs/fidelity.json (fitted by chunkbench/quality/fidelity_fit.py; the file's `doc` says on what).
+configs/fidelity.json (fitted by chunkbench/quality/fidelity_fit.py; the file's `doc` says on what) and, for a
+user's own model, the calibrations file `chunkcache calibrate` writes (`coefficients`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from ..config import home
+from ..hashing import model_fingerprint
 from ..select.base import Layout, Selector
 from .plan import recompute_set
 
@@ -118,7 +121,11 @@ class Model:
     margin: float  # added to the log KL: calibrated so choosing rho by the estimate keeps exceedance at `quantile`
     agree: Linear  # logit of the probability that the greedy first token is full recompute's
     fitted_on: str  # cases, selector and model the coefficients come from
-    name: str = ""  # the model whose cases it was fitted on (its key in the file)
+    # the answer tokens the kl estimate bounds: the largest KL over the first `covers` tokens of full recompute's
+    # answer, each scored on full's answer so far (teacher-forced); 1: the first token only
+    covers: int
+    fingerprint: str | None  # the weights it was fitted on (hashing.model_fingerprint); None: matched by name
+    name: str = ""  # its key in the file: the model's name, with `@` and the fingerprint's head for a calibration
 
 
 @dataclass(frozen=True)
@@ -129,17 +136,29 @@ class Coefficients:
     default: str
 
     def model(self, served: str | os.PathLike | None = None) -> Model | None:
-        """The estimator of `served` (a known model's name or its directory, which is named after it; None: the
-        default's); None when none was fitted for it: another model's coefficients are not calibrated for it (on
-        Gemma-3-270M's cases SmolLM2's estimate was exceeded in 10-16 % of requests: docs/bench/gemma.md)."""
-        return self.models.get(Path(str(served)).name if served is not None else self.default)
+        """The estimator of `served` (a model directory, or a known model's name; None: the default's): the one
+        fitted on its weights (same fingerprint: `chunkcache calibrate`), else the one keyed by its name that names no
+        fingerprint (the shipped ones; a directory is named after its model); None when none was fitted for it:
+        another model's coefficients are not calibrated for it (on Gemma-3-270M's cases SmolLM2's estimate was
+        exceeded in 10-16 % of requests: docs/bench/gemma.md)."""
+        if served is None:
+            return self.models.get(self.default)
+        path = Path(served)
+        if (path / "config.json").is_file():
+            weights = model_fingerprint(path)
+            mine = next((m for m in self.models.values() if m.fingerprint == weights), None)
+            if mine is not None:
+                return mine
+        named = self.models.get(path.name)
+        return named if named is not None and named.fingerprint is None else None
 
 
 @dataclass(frozen=True)
 class Estimate:
-    kl: float  # upper quantile (Model.quantile) of the first-token KL against full recompute, nats
+    kl: float  # upper quantile (Model.quantile) of the KL against full recompute over `covers` answer tokens, nats
     agree: float  # probability that the greedy first token is full recompute's
     fitted_for: str  # the model whose cases the estimator was fitted on (Model.name)
+    covers: int  # the answer tokens the kl bounds (Model.covers)
 
 
 def estimate(s: Signals, model: Model) -> Estimate | None:
@@ -147,7 +166,8 @@ def estimate(s: Signals, model: Model) -> Estimate | None:
     kl, agree = model.kl(s), model.agree(s)
     if kl is None or agree is None:
         return None
-    return Estimate(kl=math.exp(kl + model.margin), agree=1.0 / (1.0 + math.exp(-agree)), fitted_for=model.name)
+    return Estimate(kl=math.exp(kl + model.margin), agree=1.0 / (1.0 + math.exp(-agree)), fitted_for=model.name,
+                    covers=model.covers)
 
 
 def smallest_ratio(signals_at: Callable[[float], Signals], max_kl: float, model: Model,
@@ -169,10 +189,28 @@ FILE_FIELDS = ("default", "models")  # the file's own fields, beside `doc`; each
 MODEL_FIELDS = tuple(f.name for f in fields(Model) if f.name != "name")
 
 
+def calibrations(path: str | os.PathLike | None = None) -> Path:
+    """The file `chunkcache calibrate` writes its estimators to (select.calibration; None: under chunkcache's home)."""
+    return Path(path).expanduser() if path else home() / "fidelity.json"
+
+
 @cache
 def load(path: str | Path = PACKAGED) -> Coefficients:
     """The coefficients file, read once per path."""
     return parse(json.loads(Path(path).read_text()))
+
+
+def coefficients(calibrated: str | os.PathLike | None = None) -> Coefficients:
+    """The shipped estimators, and before them the calibrations file's (`calibrations(calibrated)`) when there is one:
+    what a server and the reference engine estimate with."""
+    shipped, path = load(), calibrations(calibrated)
+    if not path.is_file():
+        return shipped
+    try:
+        mine = load(path)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
+    return Coefficients({**mine.models, **shipped.models}, shipped.default)
 
 
 def parse(data: Mapping) -> Coefficients:
@@ -183,14 +221,15 @@ def parse(data: Mapping) -> Coefficients:
         raise ValueError(f"fidelity coefficients: expected fields {sorted(FILE_FIELDS)} and, per model, "
                          f"{sorted(MODEL_FIELDS)}, each with a doc line; got {sorted(set(data) - {'doc'})}, "
                          f"documented {sorted(documented)}")
-    models = {name: _model(name, part) for name, part in data["models"].items()}
+    models = {name: parse_model(name, part) for name, part in data["models"].items()}
     if data["default"] not in models:
         raise ValueError(f"fidelity coefficients: default {data['default']!r} is not one of the models "
                          f"{sorted(models)}")
     return Coefficients(models, data["default"])
 
 
-def _model(name: str, data: Mapping) -> Model:
+def parse_model(name: str, data: Mapping) -> Model:
+    """One model's entry of the file (Model's fields but `name`); ValueError naming what is wrong."""
     if set(data) != set(MODEL_FIELDS):
         raise ValueError(f"fidelity coefficients of {name}: expected fields {sorted(MODEL_FIELDS)}, got "
                          f"{sorted(data)}")
@@ -203,5 +242,8 @@ def _model(name: str, data: Mapping) -> Model:
             raise ValueError(f"fidelity coefficients of {name}: {key} needs an intercept and weights on Signals "
                              f"fields; unknown {sorted(unknown)}")
         linear[key] = Linear(float(part["intercept"]), {k: float(v) for k, v in part["weights"].items()})
+    if not isinstance(data["covers"], int) or data["covers"] < 1:
+        raise ValueError(f"fidelity coefficients of {name}: covers must be an integer >= 1, got {data['covers']!r}")
     return Model(quantile=float(data["quantile"]), kl=linear["kl"], margin=float(data["margin"]),
-                 agree=linear["agree"], fitted_on=str(data["fitted_on"]), name=name)
+                 agree=linear["agree"], fitted_on=str(data["fitted_on"]), covers=data["covers"],
+                 fingerprint=data["fingerprint"], name=name)

@@ -49,8 +49,7 @@ log = logging.getLogger(__name__)
 PASSES = ("query_attention", "kv_deviation")  # the features an engine computes with model passes
 NO_BATCH = {"requests": 0, "plain": 0, "decodes": 0, "forwards": 0}  # a round that blended nothing
 UNCALIBRATED = ("no fidelity estimator was fitted for this model, so no rho can be promised to meet max_kl: computed "
-                "in full (python -m chunkbench.quality.fidelity_fit collect, then fit, adds one: "
-                "docs/bench/fidelity.md)")
+                "in full (`chunkcache calibrate --model MODEL` fits one: docs/calibration.md)")
 
 
 @dataclass(frozen=True)
@@ -391,7 +390,7 @@ def record(request: ChunkRequest, b: Blended, *, stages: dict[str, float] | None
         **(prediction.report() if prediction is not None else {}),
         **({"fidelity": {"fitted_for": None}} if b.uncalibrated else {} if b.estimate is None else {
             "fidelity": {"kl": round(b.estimate.kl, 6), "agree": round(b.estimate.agree, 4),
-                         "fitted_for": b.estimate.fitted_for}}),
+                         "fitted_for": b.estimate.fitted_for, "covers": b.estimate.covers}}),
         **_floor(b), "fetched": b.fetched, "computed_instead": b.computed_instead,
     })
 
@@ -405,7 +404,7 @@ def _floor(b: Blended) -> dict:
         return {"max_kl": b.plan.max_kl}
     if b.uncalibrated:
         return {"max_kl": b.plan.max_kl, "fallback": "uncalibrated", "detail": UNCALIBRATED}
-    detail = (f"no rho up to select.max_kl_cap has an estimated first-token KL of at most {b.plan.max_kl}"
+    detail = (f"no rho up to select.max_kl_cap has an estimated KL of at most {b.plan.max_kl}"
               if b.estimate is not None else f"selector {b.plan.selector!r} gives no fidelity estimate (the estimator "
               f"reads mix's signals)") + ": every context token recomputed"
     return {"max_kl": b.plan.max_kl, "fallback": "quality_floor", "detail": detail}

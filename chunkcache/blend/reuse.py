@@ -58,12 +58,13 @@ class ChunkReuse:
         self.calibration = Calibration()  # this server's forwards against the rates' predictions
         self.compute = ComputeCost(lambda: self.rates, self.calibration)  # a chunk's cost here, against fetching it
         self.auto = AutoChunks(config.auto, self._break_ids(), self.fingerprint) if config.auto.enabled else None
-        self.fidelity = fidelity.load().model(model_path)  # this model's fidelity estimator; None: none was fitted
+        # this model's fidelity estimator; None: none was fitted
+        self.fidelity = fidelity.coefficients(config.select.calibration).model(model_path)
         if self.fidelity is None:
             log.warning("chunkcache: no fidelity estimator was fitted for %s: its blends report no estimate "
                         "(fidelity.fitted_for: null) and requests with max_kl are computed in full (fallback "
-                        "'uncalibrated'); fit one with `python -m chunkbench.quality.fidelity_fit collect` then `fit` "
-                        "(docs/bench/fidelity.md)", model_path)
+                        "'uncalibrated'); fit one with `chunkcache calibrate --model %s` (docs/calibration.md)",
+                        model_path, model_path)
 
     def measure_deferred(self) -> None:
         """Measure the oldest deferred deviation, if any, and write what its chunks remember through every tier. A

@@ -47,9 +47,10 @@ StageSeconds = TypedDict("StageSeconds", dict.fromkeys(STAGES, float))  # second
 class Fidelity(TypedDict, total=False):
     """The fidelity estimate (chunkcache.blend.fidelity); only `fitted_for: None` when the model has no estimator."""
 
-    kl: float  # predicted upper quantile of the first-token KL against full recompute, nats
+    kl: float  # predicted upper quantile of the KL against full recompute over `covers` answer tokens, nats
     agree: float  # predicted chance its greedy first token is full recompute's
     fitted_for: Required[str | None]  # the model whose cases the estimator was fitted on; None: no estimator
+    covers: int  # the answer tokens `kl` bounds (the largest KL over the first `covers` of full's answer)
 
 
 class _Counted(TypedDict):

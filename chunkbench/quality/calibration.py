@@ -1,0 +1,181 @@
+"""`chunkcache calibrate`: a fidelity estimator for the user's own model, fitted on cases measured on that model,
+judged on cases it did not fit, and written where the server finds it (the calibrations file, matched to the served
+weights by fingerprint: chunkcache.blend.fidelity.Coefficients.model).
+
+Cases come from the repository's data (synthetic multikey needles, realkey needles in MuSiQue prose, MuSiQue
+questions) or from the user's documents (`--documents`: a folder of .txt/.md files, whose paragraphs hide the needles,
+or a JSONL of passages and questions: chunkbench.workloads). Each case is measured on the reference engine as
+fidelity_fit.measure does (full recompute, then a `mix` blend at each rho of the grid, the KL against full's at each
+token of full's answer); every third case is fitted (fidelity_fit.role), the others judged. The work directory keeps
+each family's rows and evidence, so a run cut short goes on where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from chunkcache.blend import fidelity
+from chunkcache.config import home
+from chunkcache.hashing import model_fingerprint
+from ..workloads import Item, WorkloadConfig, items
+from .fidelity_fit import (BOUNDS, FAMILIES, RATIOS, STORE_BYTES, DEFAULT, FitSettings, Family, case_items, cases_of,
+                           fit_model, fitted_on, judge_table, load_points, measure, measured_case, role, write_model)
+from .rowlog import RowLog
+
+COVERS = 16  # answer tokens the fitted estimate bounds (fidelity.Model.covers): docs/calibration.md says why
+MAX_NEW_TOKENS = 24  # full recompute's answer, which the blends are scored on (at least COVERS)
+DOCUMENTS = Family("documents", 5, 120)  # a user's documents: passages per case and words per passage
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="chunkcache calibrate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example: chunkcache calibrate --model gemma-3-270m --cases 90   (then restart the server: it "
+               "estimates with the calibration of the weights it serves)")
+    ap.add_argument("--model", default="smollm2-135m-instruct",
+                    help="model name (`chunkcache model`) or a local HF model directory (default: %(default)s)")
+    ap.add_argument("--families", default=None,
+                    help=f"repository case families, comma-separated, of {', '.join(FAMILIES)} (default: all; with "
+                         "--documents: none)")
+    ap.add_argument("--documents", metavar="PATH",
+                    help="the user's documents as a family of cases: a folder of .txt/.md files (needles hidden in "
+                         "their paragraphs) or a JSONL of {\"passages\": [...], \"question\": ..., \"answers\": [...]}")
+    ap.add_argument("--cases", type=int, default=60,
+                    help="cases per family: a third fitted, the rest judged (default: %(default)s)")
+    ap.add_argument("--covers", type=int, default=COVERS,
+                    help="answer tokens the estimate bounds: the largest KL over the first COVERS tokens of full "
+                         "recompute's answer; 1: the first token only (default: %(default)s)")
+    ap.add_argument("--target", type=float, default=0.1,
+                    help="share of each family's fit cases allowed over each bound (default: %(default)s)")
+    ap.add_argument("--workdir", help="where the measured cases are kept (default: "
+                    "$CHUNKCACHE_HOME/calibration/MODEL-FINGERPRINT)")
+    ap.add_argument("--out", help="the calibrations file the estimator is written to (default: the server's, "
+                    "select.calibration: $CHUNKCACHE_HOME/fidelity.json)")
+    ap.add_argument("--fresh", action="store_true", help="measure every case again (default: go on from the "
+                    "work directory's cases)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = ap.parse_args(argv)
+    if args.cases < 3:
+        ap.error("--cases must be at least 3 (a third of them are fitted)")
+    if args.covers < 1:
+        ap.error("--covers must be at least 1")
+    if args.families is None:
+        args.families = "" if args.documents else ",".join(FAMILIES)
+    unknown = [f for f in args.families.split(",") if f and f not in FAMILIES]
+    if unknown:
+        ap.error(f"unknown families {unknown}; known: {', '.join(FAMILIES)}")
+    if not args.families and not args.documents:
+        ap.error("no cases: name --families or --documents")
+    return args
+
+
+def plan(args: argparse.Namespace) -> dict[str, tuple[Family, list[Item]]]:
+    """family name -> (its settings, its cases), built before anything is measured (bad documents fail here)."""
+    out = {}
+    for name in filter(None, args.families.split(",")):
+        family = FAMILIES[name]
+        first = 0 if family.spec == "musique" else 1000
+        out[name] = (family, case_items(family, first, min(args.cases, 100) if name == "musique" else args.cases))
+    if args.documents:
+        spec = f"documents:{Path(args.documents).expanduser().resolve()}"
+        family = Family(spec, DOCUMENTS.docs, DOCUMENTS.words)
+        seed = 1000 if Path(args.documents).is_dir() else 0
+        out["documents"] = (family, items(WorkloadConfig(spec, args.cases, family.docs, family.words, seed=seed)))
+    return out
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    try:
+        cases = plan(args)
+    except (ValueError, OSError) as e:
+        print(f"chunkcache calibrate: {e}", file=sys.stderr)
+        return 2
+    from chunkcache.models import resolve_model
+    from chunkcache.reference import ReferenceBlender
+    from chunkcache.store import ChunkStore
+
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    model_dir = resolve_model(args.model)
+    fingerprint = model_fingerprint(model_dir)
+    name = Path(model_dir).name
+    label = f"{name}@{fingerprint[:12]}"
+    workdir = Path(args.workdir).expanduser() if args.workdir else home() / "calibration" / label
+    out = fidelity.calibrations(args.out)
+    max_new_tokens = max(MAX_NEW_TOKENS, args.covers)
+    total = sum(len(c) for _, c in cases.values())
+    print(f"calibrating {name} ({model_dir}, fingerprint {fingerprint[:12]}): {total} cases "
+          f"({', '.join(f'{f} {len(c)}' for f, (_, c) in cases.items())}), {len(RATIOS)} blends each, KL over "
+          f"{args.covers} answer token(s); work directory {workdir}; the estimator goes to {out}", flush=True)
+
+    blender = ReferenceBlender.from_pretrained(model_dir, store=ChunkStore(host_bytes=STORE_BYTES))
+    logs, todo = {}, []
+    for fam, (family, its) in cases.items():
+        settings = {"family": fam, "model": name, "fingerprint": fingerprint, "ratios": list(RATIOS),
+                    "options": DEFAULT, "max_new_tokens": max_new_tokens, "task": family.spec}
+        logs[fam] = RowLog(workdir / f"{fam}.jsonl", settings, resume=not args.fresh)
+        todo.append([(fam, family, item) for item in its
+                     if args.fresh or not measured_case(logs[fam], family.spec, item.id, _evidence(workdir, fam, item))])
+    # the families' cases in turn: a run cut short has fit and judged cases of every family
+    todo = [case for turn in itertools.zip_longest(*todo) for case in turn if case is not None]
+    if todo:
+        print(f"{total - len(todo)} of {total} cases measured already; measuring {len(todo)}", flush=True)
+        bar = tqdm(todo, unit="case", file=sys.stderr)
+        for n, (fam, family, item) in enumerate(bar):
+            started = time.monotonic()
+            for row in measure(blender, item, _evidence(workdir, fam, item), family.spec, max_new_tokens):
+                logs[fam].append(row)
+            if n == 0 and len(todo) > 1:
+                took = time.monotonic() - started
+                bar.write(f"time estimate: {took:.0f} s for the first case, about "
+                          f"{took * (len(todo) - 1) / 60:.0f} min for the other {len(todo) - 1} on this host "
+                          "(interrupt at any time: the next run goes on from here)")
+    return report(args, logs, name, label, fingerprint, out)
+
+
+def _evidence(workdir: Path, family: str, item: Item) -> Path:
+    return workdir / f"{family}.evidence" / f"{item.id}.pt"
+
+
+def report(args, logs: dict[str, RowLog], name: str, label: str, fingerprint: str, out: Path) -> int:
+    """Fit on the fit cases, judge the others, print the table, write the estimator."""
+    measured = cases_of(load_points([str(log.path) for log in logs.values()]))
+    fit_cases = {k: v for k, v in measured.items() if role(k[1]) == "fit"}
+    judged = {k: v for k, v in measured.items() if role(k[1]) == "judge"}
+    settings = FitSettings(target=args.target, covers=args.covers)
+    try:
+        entry = fit_model(fit_cases, settings, fitted_on(fit_cases, name, settings), fingerprint)
+    except RuntimeError as e:
+        print(f"chunkcache calibrate: the fit failed on {len(fit_cases)} fit cases: {e}; measure more cases "
+              "(--cases)", file=sys.stderr)
+        return 1
+    model = fidelity.parse_model(label, entry)
+    cost = {fam: _time_over_full(v for k, v in measured.items() if k[0] == fam) for fam in logs}
+    print(f"\nfitted on {len(fit_cases)} cases, judged on {len(judged)} it did not see (KL over {args.covers} answer "
+          "token(s); time: the blend's over full recompute's on the reference engine):\n")
+    print("\n".join(judge_table(judged, model, cost, cost_label="time / full's")))
+    write_model(out, label, entry, settings)
+    print(f"\nwrote {label} to {out}: a server serving these weights estimates with it from its next start "
+          f"(report: fidelity.fitted_for = {label!r})")
+    return 0
+
+
+def _time_over_full(cases) -> dict[float, float]:
+    """rho -> median over the cases of the blend's time over full recompute's on the reference engine (rho 1: a
+    request computed in full)."""
+    cases = list(cases)
+    ratio = {r: statistics.median(c[r].row["blend_s"] / c[r].row["full_s"] for c in cases) for r in RATIOS}
+    return {**ratio, 1.0: 1.0}
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,160 @@
+"""`chunkcache calibrate` on tiny random-weight models of two families: it measures cases on the reference engine,
+fits on a third, judges the rest, writes an estimator the server's lookup finds by the weights' fingerprint (and no
+other model's), goes on from its work directory, reads a user's documents, and refuses bad input with a message."""
+
+import json
+import shutil
+
+import pytest
+
+from chunkbench.quality import calibration, fidelity_fit
+from chunkbench.quality.fidelity_fit import BOUNDS, measured
+from chunkbench.workloads import WorkloadConfig, items
+from chunkcache.blend import fidelity
+from chunkcache.hashing import model_fingerprint
+from chunkcache.models import tiny_model
+
+TINY = dict(initializer_range=0.1)  # random weights whose greedy continuation depends on the context
+SMALL = ["--families", "multikey", "--cases", "6", "--covers", "4", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama", **TINY)
+
+
+@pytest.fixture(scope="module")
+def calibrated(llama, tmp_path_factory):
+    """One run of the command on the tiny llama: (its work directory, the calibrations file, what it printed)."""
+    root = tmp_path_factory.mktemp("calibrate")
+    work, out = root / "work", root / "fidelity.json"
+    import contextlib
+    import io
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert calibration.main(["--model", str(llama), *SMALL, "--workdir", str(work), "--out", str(out)]) == 0
+    return work, out, printed.getvalue()
+
+
+def test_calibrate_writes_an_estimator_the_lookup_finds_by_fingerprint(calibrated, llama, tmp_path):
+    _, out, printed = calibrated
+    data = json.loads(out.read_text())
+    fidelity.parse(data)  # what a server reads
+    (label, entry), = data["models"].items()
+    assert entry["fingerprint"] == model_fingerprint(llama) and label.endswith("@" + entry["fingerprint"][:12])
+    assert entry["covers"] == 4 and "KL over 4 answer token(s)" in entry["fitted_on"]
+    found = fidelity.coefficients(out).model(llama)
+    assert found is not None and found.name == label and found.covers == 4
+    # the same weights under another directory name: found by their fingerprint
+    renamed = shutil.copytree(llama, tmp_path / "my-finetune")
+    assert fidelity.coefficients(out).model(renamed).name == label
+    # other weights: none, not this one's, though the shipped ones stay (looked up by name)
+    assert fidelity.coefficients(out).model(tiny_model("llama", seed=1, **TINY)) is None
+    assert fidelity.coefficients(out).model("smollm2-135m-instruct").name == "smollm2-135m-instruct"
+    # the table: one line per bound, judged on the cases not fitted (4 of 6: seeds 1001, 1002, 1004, 1005)
+    lines = [line for line in printed.splitlines() if line.startswith("| multikey |")]
+    assert [float(line.split("|")[2]) for line in lines] == list(BOUNDS)
+    assert all(line.split("|")[3].strip() == "4" for line in lines)
+
+
+def test_the_rows_hold_the_kl_at_each_token_of_fulls_answer(calibrated):
+    work, _, _ = calibrated
+    rows = [json.loads(line) for line in (work / "multikey.jsonl").read_text().splitlines()[1:]]
+    assert len(rows) == 6 * len(fidelity.RATIOS)
+    for row in rows:
+        kls = row["answer_kls"]
+        assert 1 <= len(kls) <= calibration.MAX_NEW_TOKENS and min(kls) >= 0
+        assert kls[0] == pytest.approx(row["kl"], rel=1e-4, abs=1e-7)  # row 0 is the first token's distribution
+        assert measured(row, 1) == row["kl"] and measured(row, 3) == max(kls[:3])
+        assert row["blend_s"] > 0 and row["full_s"] > 0
+
+
+def test_a_second_run_goes_on_from_its_work_directory(calibrated, llama, monkeypatch, capsys):
+    work, out, _ = calibrated
+
+    def measure(*args):
+        raise AssertionError("a measured case was measured again")
+
+    monkeypatch.setattr(calibration, "measure", measure)
+    again = out.parent / "again.json"
+    assert calibration.main(["--model", str(llama), *SMALL, "--workdir", str(work), "--out", str(again)]) == 0
+    assert "measuring" not in capsys.readouterr().out
+    assert json.loads(again.read_text())["models"] == json.loads(out.read_text())["models"]  # the same fit
+
+
+def test_a_users_documents_calibrate_another_family(tmp_path):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    words = "the river carried grain and timber past the old mill toward the harbour every spring".split()
+    for f in range(3):
+        paragraphs = [" ".join(" ".join(words[(i + j + k) % len(words)] for j in range(12)) + "." for k in range(5))
+                      for i in range(4)]
+        (folder / f"notes{f}.txt").write_text("\n\n".join(paragraphs))
+    cases = items(WorkloadConfig(f"documents:{folder}", requests=3, docs=3, words=50, seed=1000))
+    assert [c.id for c in cases] == ["documents1000", "documents1001", "documents1002"]
+    for case in cases:  # a needle hidden in the user's paragraphs, asked for
+        assert len(case.documents) == 3 and case.answers and any(case.answers[0] in d for d in case.documents)
+    qwen = tiny_model("qwen2", **TINY)
+    out = tmp_path / "fidelity.json"
+    assert calibration.main(["--model", str(qwen), "--documents", str(folder), "--cases", "6", "--covers", "2",
+                             "--workdir", str(tmp_path / "work"), "--out", str(out), "--threads", "1"]) == 0
+    assert fidelity.coefficients(out).model(qwen).fingerprint == model_fingerprint(qwen)
+
+
+def test_a_jsonl_of_passages_and_questions_is_read_as_given(tmp_path):
+    path = tmp_path / "cases.jsonl"
+    path.write_text(json.dumps({"passages": ["alpha " * 80, "beta gamma"], "question": "Which?", "answers": ["a"]})
+                    + "\n\n" + json.dumps({"passages": ["delta"], "question": "What?"}) + "\n")
+    first, second = items(WorkloadConfig(f"documents:{path}", requests=2, docs=4, words=10))
+    assert first.documents == (" ".join(["alpha"] * 10), "beta gamma") and first.answers == ("a",)
+    assert second.question == "Question: What?\nAnswer:" and second.answers == ()
+    path.write_text('{"passages": ["x"]}\n')
+    with pytest.raises(ValueError, match=r"cases.jsonl:1: expected"):
+        items(WorkloadConfig(f"documents:{path}", requests=1))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--cases", "2"], "at least 3"),
+    (["--families", "multikey,nonsense"], "unknown families"),
+])
+def test_bad_arguments_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        calibration.main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("make", ["missing", "few paragraphs"])
+def test_documents_that_cannot_make_cases_are_refused_before_anything_runs(make, tmp_path, capsys, monkeypatch):
+    folder = tmp_path / "docs"
+    if make == "few paragraphs":
+        folder.mkdir()
+        (folder / "a.txt").write_text("too short")
+    monkeypatch.setattr(fidelity_fit, "measure", None)  # nothing is measured
+    assert calibration.main(["--documents", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("chunkcache calibrate: ") and ("no such file" in err or "paragraphs" in err)
+
+
+def test_the_rows_signals_are_their_evidences_and_pack_writes_them(calibrated, tmp_path):
+    """Rows carry the signals fidelity.signals computes from the case's evidence, so they fit and judge without it;
+    `pack` writes them into rows collected without."""
+    from types import SimpleNamespace
+
+    from chunkbench.quality.fidelity_fit import load_points, pack
+
+    work, _, _ = calibrated
+    path = work / "multikey.jsonl"
+    of = (lambda paths: {(p.item, p.row["ratio"]): p.signals for p in load_points(paths)})
+    from_rows = of([str(path)])
+    assert len(from_rows) == 6 * len(fidelity.RATIOS)
+    bare = tmp_path / "multikey.jsonl"
+    head, *rows = path.read_text().splitlines()
+    bare.write_text("\n".join([head, *(json.dumps({k: v for k, v in json.loads(r).items() if k != "signals"})
+                                       for r in rows)]) + "\n")
+    assert of([str(bare)]) == {}  # neither signals nor evidence
+    shutil.copytree(work / "multikey.evidence", tmp_path / "multikey.evidence")
+    assert of([str(bare)]) == from_rows
+    pack(SimpleNamespace(paths=[str(bare)]))
+    shutil.rmtree(tmp_path / "multikey.evidence")
+    assert of([str(bare)]) == from_rows
