@@ -21,7 +21,8 @@ def _installed(monkeypatch, *eps: EntryPoint) -> None:
 def test_the_harness_commands_are_installed_entry_points():
     from chunkbench import commands as harness
 
-    assert cli.installed_commands() == {"bench": harness.bench, "eval": harness.evaluate}
+    assert cli.installed_commands() == {"bench": harness.bench, "eval": harness.evaluate,
+                                        "calibrate": harness.calibrate}
 
 
 def record(argv: list[str]) -> int:
