@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from chunkbench.quality import calibration, fidelity_fit
-from chunkbench.quality.fidelity_fit import BOUNDS, measured
+from chunkbench.quality.fidelity_fit import measured
 from chunkbench.workloads import WorkloadConfig, items
 from chunkcache.blend import fidelity
 from chunkcache.hashing import model_fingerprint
@@ -54,7 +54,7 @@ def test_calibrate_writes_an_estimator_the_lookup_finds_by_fingerprint(calibrate
     assert fidelity.coefficients(out).model("smollm2-135m-instruct").name == "smollm2-135m-instruct"
     # the table: one line per bound, judged on the cases not fitted (4 of 6: seeds 1001, 1002, 1004, 1005)
     lines = [line for line in printed.splitlines() if line.startswith("| multikey |")]
-    assert [float(line.split("|")[2]) for line in lines] == list(BOUNDS)
+    assert [float(line.split("|")[2]) for line in lines] == list(calibration.ANSWER_BOUNDS)  # covers > 1
     assert all(line.split("|")[3].strip() == "4" for line in lines)
 
 
@@ -81,6 +81,11 @@ def test_a_second_run_goes_on_from_its_work_directory(calibrated, llama, monkeyp
     assert calibration.main(["--model", str(llama), *SMALL, "--workdir", str(work), "--out", str(again)]) == 0
     assert "measuring" not in capsys.readouterr().out
     assert json.loads(again.read_text())["models"] == json.loads(out.read_text())["models"]  # the same fit
+    # more cases asked than measured, measuring none: the measured ones fitted and judged
+    more = [*SMALL[:3], "9", *SMALL[4:]]
+    assert calibration.main(["--model", str(llama), *more, "--workdir", str(work), "--out", str(again),
+                             "--measured-only"]) == 0
+    assert "6 of 9 cases measured; fitting and judging those" in capsys.readouterr().out
 
 
 def test_a_users_documents_calibrate_another_family(tmp_path):
@@ -117,6 +122,9 @@ def test_a_jsonl_of_passages_and_questions_is_read_as_given(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--cases", "2"], "at least 3"),
     (["--families", "multikey,nonsense"], "unknown families"),
+    (["--bounds", "0.1,x"], "--bounds: comma-separated numbers"),
+    (["--bounds", "0,0.1"], "--bounds must be > 0"),
+    (["--fresh", "--measured-only"], "give one"),
 ])
 def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit) as e:

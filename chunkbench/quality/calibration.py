@@ -30,6 +30,9 @@ from .fidelity_fit import (BOUNDS, FAMILIES, RATIOS, STORE_BYTES, DEFAULT, FitSe
 from .rowlog import RowLog
 
 COVERS = 16  # answer tokens the fitted estimate bounds (fidelity.Model.covers): docs/calibration.md says why
+# the bounds an estimate over several answer tokens is calibrated at: the largest KL over 16 tokens runs about ten
+# times the first token's on SmolLM2's cases (docs/calibration.md)
+ANSWER_BOUNDS = (0.05, 0.1, 0.2, 0.3, 0.5, 1.0)
 MAX_NEW_TOKENS = 24  # full recompute's answer, which the blends are scored on (at least COVERS)
 DOCUMENTS = Family("documents", 5, 120)  # a user's documents: passages per case and words per passage
 
@@ -52,6 +55,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--covers", type=int, default=COVERS,
                     help="answer tokens the estimate bounds: the largest KL over the first COVERS tokens of full "
                          "recompute's answer; 1: the first token only (default: %(default)s)")
+    ap.add_argument("--bounds", default=None, help="the max_kl bounds the margin is calibrated and judged at, "
+                    f"comma-separated (default: {','.join(map(str, BOUNDS))}, and "
+                    f"{','.join(map(str, ANSWER_BOUNDS))} with --covers above 1)")
     ap.add_argument("--target", type=float, default=0.1,
                     help="share of each family's fit cases allowed over each bound (default: %(default)s)")
     ap.add_argument("--workdir", help="where the measured cases are kept (default: "
@@ -60,12 +66,23 @@ def parse(argv: list[str]) -> argparse.Namespace:
                     "select.calibration: $CHUNKCACHE_HOME/fidelity.json)")
     ap.add_argument("--fresh", action="store_true", help="measure every case again (default: go on from the "
                     "work directory's cases)")
+    ap.add_argument("--measured-only", action="store_true", help="measure nothing: fit and judge the cases the work "
+                    "directory holds (another --covers or --target on the same cases, or a run cut short)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args(argv)
+    if args.fresh and args.measured_only:
+        ap.error("--fresh measures every case again, --measured-only none: give one")
     if args.cases < 3:
         ap.error("--cases must be at least 3 (a third of them are fitted)")
     if args.covers < 1:
         ap.error("--covers must be at least 1")
+    try:
+        args.bounds = (tuple(sorted(float(b) for b in args.bounds.split(","))) if args.bounds
+                       else ANSWER_BOUNDS if args.covers > 1 else BOUNDS)
+    except ValueError:
+        ap.error(f"--bounds: comma-separated numbers, got {args.bounds!r}")
+    if any(b <= 0 for b in args.bounds):
+        ap.error("--bounds must be > 0")
     if args.families is None:
         args.families = "" if args.documents else ",".join(FAMILIES)
     unknown = [f for f in args.families.split(",") if f and f not in FAMILIES]
@@ -127,7 +144,9 @@ def main(argv: list[str]) -> int:
                      if args.fresh or not measured_case(logs[fam], family.spec, item.id, _evidence(workdir, fam, item))])
     # the families' cases in turn: a run cut short has fit and judged cases of every family
     todo = [case for turn in itertools.zip_longest(*todo) for case in turn if case is not None]
-    if todo:
+    if todo and args.measured_only:
+        print(f"{total - len(todo)} of {total} cases measured; fitting and judging those", flush=True)
+    elif todo:
         print(f"{total - len(todo)} of {total} cases measured already; measuring {len(todo)}", flush=True)
         bar = tqdm(todo, unit="case", file=sys.stderr)
         for n, (fam, family, item) in enumerate(bar):
@@ -151,7 +170,7 @@ def report(args, logs: dict[str, RowLog], name: str, label: str, fingerprint: st
     measured = cases_of(load_points([str(log.path) for log in logs.values()]))
     fit_cases = {k: v for k, v in measured.items() if role(k[1]) == "fit"}
     judged = {k: v for k, v in measured.items() if role(k[1]) == "judge"}
-    settings = FitSettings(target=args.target, covers=args.covers)
+    settings = FitSettings(target=args.target, covers=args.covers, bounds=args.bounds)
     try:
         entry = fit_model(fit_cases, settings, fitted_on(fit_cases, name, settings), fingerprint)
     except RuntimeError as e:
@@ -162,7 +181,7 @@ def report(args, logs: dict[str, RowLog], name: str, label: str, fingerprint: st
     cost = {fam: _time_over_full(v for k, v in measured.items() if k[0] == fam) for fam in logs}
     print(f"\nfitted on {len(fit_cases)} cases, judged on {len(judged)} it did not see (KL over {args.covers} answer "
           "token(s); time: the blend's over full recompute's on the reference engine):\n")
-    print("\n".join(judge_table(judged, model, cost, cost_label="time / full's")))
+    print("\n".join(judge_table(judged, model, cost, args.bounds, cost_label="time / full's")))
     write_model(out, label, entry, settings)
     print(f"\nwrote {label} to {out}: a server serving these weights estimates with it from its next start "
           f"(report: fidelity.fitted_for = {label!r})")

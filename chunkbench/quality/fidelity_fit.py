@@ -308,7 +308,7 @@ def held_out(cases: dict, terms: tuple[str, ...], quantile: float, folds: int,
 
 
 def calibrate(cases: dict, terms: tuple[str, ...], quantile: float, target: float, folds: int,
-              covers: int = 1) -> float:
+              covers: int = 1, bounds: tuple[float, ...] = BOUNDS) -> float:
     """The smallest margin (log KL, steps of 0.05) at which choosing rho by the estimate lets at most `target` of each
     family's fit cases exceed the bound, at every bound of BOUNDS (the goal holds per bound, not pooled over them),
     every case estimated by a fit on the other folds. Choosing the smallest rho that meets a bound favours a rho the
@@ -318,7 +318,7 @@ def calibrate(cases: dict, terms: tuple[str, ...], quantile: float, target: floa
     families = {k[0] for k in cases}
     for margin in np.arange(0, 5, 0.05):
         worst = max(_exceeded({k: c for k, c in cases.items() if k[0] == family}, held, margin, bound, covers)
-                    for family in families for bound in BOUNDS)
+                    for family in families for bound in bounds)
         if worst <= target:
             return float(margin)
     raise RuntimeError("no margin below 5 keeps the fit cases' exceedance at the target")
@@ -351,6 +351,7 @@ class FitSettings:
     target: float = 0.1  # share of each family's fit cases allowed over each bound
     folds: int = 5
     covers: int = 1  # answer tokens the KL estimate bounds (fidelity.Model.covers)
+    bounds: tuple[float, ...] = BOUNDS  # the max_kl bounds the margin is calibrated at
 
 
 def fit_model(cases: dict, settings: FitSettings, fitted_on: str, fingerprint: str | None = None) -> dict:
@@ -359,7 +360,8 @@ def fit_model(cases: dict, settings: FitSettings, fitted_on: str, fingerprint: s
     terms = settings.terms
     kl = quantile_regression(design(points, terms), log_kl(points, settings.covers), settings.quantile)
     agree = logistic_regression(design(points, terms), np.array([p.row["agree"] for p in points]))
-    margin = calibrate(cases, terms, settings.quantile, settings.target, settings.folds, settings.covers)
+    margin = calibrate(cases, terms, settings.quantile, settings.target, settings.folds, settings.covers,
+                       settings.bounds)
     return {
         "quantile": settings.quantile,
         "kl": {"intercept": round(float(kl[0]), 4), "weights": {t: round(float(w), 4) for t, w in zip(terms, kl[1:])}},
@@ -389,8 +391,8 @@ def write_model(path: Path, name: str, entry: dict, settings: FitSettings) -> No
     doc = dict(json.loads(fidelity.PACKAGED.read_text())["doc"])
     doc["margin"] = (f"added to the log KL estimate: the smallest (steps of 0.05) at which choosing rho by "
                      f"smallest_ratio let at most {settings.target:g} of each family's fit cases exceed the bound, "
-                     f"at each of the bounds {', '.join(map(str, BOUNDS))}, each case estimated by a fit on the other "
-                     f"{settings.folds - 1} of {settings.folds} folds")
+                     f"at each of the bounds {', '.join(map(str, settings.bounds))}, each case estimated by a fit on "
+                     f"the other {settings.folds - 1} of {settings.folds} folds")
     out = {"doc": doc, "default": known["default"], "models": {**known["models"], name: entry}}
     fidelity.parse(out)  # what the server will read
     path.parent.mkdir(parents=True, exist_ok=True)
