@@ -1,6 +1,7 @@
-"""`chunkcache calibrate` on tiny random-weight models of two families: it measures cases on the reference engine,
-fits on a third, judges the rest, writes an estimator the server's lookup finds by the weights' fingerprint (and no
-other model's), goes on from its work directory, reads a user's documents, and refuses bad input with a message."""
+"""`chunkcache calibrate` on a tiny random-weight llama (a qwen2 is calibrated before its server starts:
+tests/test_architectures.py): it measures cases on the reference engine, fits on a third, judges the rest, writes an
+estimator the server's lookup finds by the weights' fingerprint (and no other model's), goes on from its work
+directory, reads a user's documents, and refuses bad input with a message."""
 
 import json
 import shutil
@@ -88,7 +89,7 @@ def test_a_second_run_goes_on_from_its_work_directory(calibrated, llama, monkeyp
     assert "6 of 9 cases measured; fitting and judging those" in capsys.readouterr().out
 
 
-def test_a_users_documents_calibrate_another_family(tmp_path):
+def test_a_users_documents_make_needle_cases(tmp_path):
     folder = tmp_path / "docs"
     folder.mkdir()
     words = "the river carried grain and timber past the old mill toward the harbour every spring".split()
@@ -100,11 +101,11 @@ def test_a_users_documents_calibrate_another_family(tmp_path):
     assert [c.id for c in cases] == ["documents1000", "documents1001", "documents1002"]
     for case in cases:  # a needle hidden in the user's paragraphs, asked for
         assert len(case.documents) == 3 and case.answers and any(case.answers[0] in d for d in case.documents)
-    qwen = tiny_model("qwen2", **TINY)
-    out = tmp_path / "fidelity.json"
-    assert calibration.main(["--model", str(qwen), "--documents", str(folder), "--cases", "6", "--covers", "2",
-                             "--workdir", str(tmp_path / "work"), "--out", str(out), "--threads", "1"]) == 0
-    assert fidelity.coefficients(out).model(qwen).fingerprint == model_fingerprint(qwen)
+    # what the command measures with --documents (a tiny qwen2 is calibrated end to end in test_architectures)
+    planned = calibration.plan(calibration.parse(["--documents", str(folder), "--cases", "6"]))
+    (family, cases), = planned.values()
+    assert list(planned) == ["documents"] and family.spec == f"documents:{folder.resolve()}"
+    assert [c.id for c in cases] == [f"documents{n}" for n in range(1000, 1006)]
 
 
 def test_a_jsonl_of_passages_and_questions_is_read_as_given(tmp_path):
