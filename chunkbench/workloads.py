@@ -161,6 +161,11 @@ def _musique(path: Path, config: WorkloadConfig) -> list[Item]:
     return out
 
 
+def musique_records(path: Path = DEFAULT_MUSIQUE) -> int:
+    """How many records the MuSiQue file holds: the most cases a `musique` workload has."""
+    return len(json.loads(path.read_text()))
+
+
 def musique_paragraphs(path: Path) -> list[str]:
     """Every distinct MuSiQue paragraph of the file, "title\ntext", in file order (the real prose `synthetic:realkey`
     hides its needles in)."""

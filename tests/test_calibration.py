@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from chunkbench.quality import calibration, fidelity_fit
+from chunkbench.quality import calibration
 from chunkbench.quality.fidelity_fit import measured
 from chunkbench.workloads import WorkloadConfig, items
 from chunkcache.blend import fidelity
@@ -87,6 +87,10 @@ def test_a_second_run_goes_on_from_its_work_directory(calibrated, llama, monkeyp
     assert calibration.main(["--model", str(llama), *more, "--workdir", str(work), "--out", str(again),
                              "--measured-only"]) == 0
     assert "6 of 9 cases measured; fitting and judging those" in capsys.readouterr().out
+    # a family with nothing measured: a message, not a traceback
+    assert calibration.main(["--model", str(llama), "--families", "realkey", "--cases", "6", "--workdir", str(work),
+                             "--out", str(again), "--measured-only"]) == 1
+    assert "0 fit and 0 judged cases measured" in capsys.readouterr().err
 
 
 def test_a_users_documents_make_needle_cases(tmp_path):
@@ -139,7 +143,7 @@ def test_documents_that_cannot_make_cases_are_refused_before_anything_runs(make,
     if make == "few paragraphs":
         folder.mkdir()
         (folder / "a.txt").write_text("too short")
-    monkeypatch.setattr(fidelity_fit, "measure", None)  # nothing is measured
+    monkeypatch.setattr(calibration, "measure", None)  # nothing is measured
     assert calibration.main(["--documents", str(folder)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("chunkcache calibrate: ") and ("no such file" in err or "paragraphs" in err)

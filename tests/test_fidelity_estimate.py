@@ -161,6 +161,12 @@ def test_a_calibration_matches_its_weights_only_and_a_name_never_stands_in_for_a
     merged = fidelity.coefficients(path)
     assert merged.model(mine).name == "calibrated" and merged.default == fidelity.load().default
     assert set(fidelity.load().models) < set(merged.models)
+    # an entry of the file under a shipped model's name is the one used, not the shipped one
+    shipped = fidelity.load().default
+    data["models"][shipped] = {**data["models"]["calibrated"], "fingerprint": None, "margin": 9.0}
+    clash = tmp_path / "clash.json"
+    clash.write_text(json.dumps(data))
+    assert fidelity.coefficients(clash).model(shipped).margin == 9.0
     broken = tmp_path / "broken.json"
     broken.write_text(json.dumps({**data, "default": "nobody"}))
     with pytest.raises(ValueError, match="broken.json"):

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from chunkcache.blend import fidelity
 from chunkcache.config import home
 from chunkcache.hashing import model_fingerprint
-from ..workloads import Item, WorkloadConfig, items
+from ..workloads import Item, WorkloadConfig, items, musique_records
 from .fidelity_fit import (BOUNDS, FAMILIES, RATIOS, STORE_BYTES, DEFAULT, FitSettings, Family, case_items, cases_of,
                            fit_model, fitted_on, judge_table, load_points, measure, measured_case, role, write_model)
 from .rowlog import RowLog
@@ -99,7 +99,8 @@ def plan(args: argparse.Namespace) -> dict[str, tuple[Family, list[Item]]]:
     for name in filter(None, args.families.split(",")):
         family = FAMILIES[name]
         first = 0 if family.spec == "musique" else 1000
-        out[name] = (family, case_items(family, first, min(args.cases, 100) if name == "musique" else args.cases))
+        cases = min(args.cases, musique_records()) if name == "musique" else args.cases
+        out[name] = (family, case_items(family, first, cases))
     if args.documents:
         spec = f"documents:{Path(args.documents).expanduser().resolve()}"
         family = Family(spec, DOCUMENTS.docs, DOCUMENTS.words)
@@ -171,6 +172,10 @@ def report(args, logs: dict[str, RowLog], name: str, label: str, fingerprint: st
     fit_cases = {k: v for k, v in measured.items() if role(k[1]) == "fit"}
     judged = {k: v for k, v in measured.items() if role(k[1]) == "judge"}
     settings = FitSettings(target=args.target, covers=args.covers, bounds=args.bounds)
+    if len(fit_cases) < 2 or not judged:  # each case's held-out estimate is fitted on the others
+        print(f"chunkcache calibrate: {len(fit_cases)} fit and {len(judged)} judged cases measured; the fit needs two "
+              "fit cases and the judgement one: measure more (--cases, without --measured-only)", file=sys.stderr)
+        return 1
     try:
         entry = fit_model(fit_cases, settings, fitted_on(fit_cases, name, settings), fingerprint)
     except RuntimeError as e:
@@ -178,7 +183,8 @@ def report(args, logs: dict[str, RowLog], name: str, label: str, fingerprint: st
               "(--cases)", file=sys.stderr)
         return 1
     model = fidelity.parse_model(label, entry)
-    cost = {fam: _time_over_full(v for k, v in measured.items() if k[0] == fam) for fam in logs}
+    families = {k[0] for k in measured}
+    cost = {fam: _time_over_full(v for k, v in measured.items() if k[0] == fam) for fam in families}
     print(f"\nfitted on {len(fit_cases)} cases, judged on {len(judged)} it did not see (KL over {args.covers} answer "
           "token(s); time: the blend's over full recompute's on the reference engine):\n")
     print("\n".join(judge_table(judged, model, cost, args.bounds, cost_label="time / full's")))

@@ -436,8 +436,8 @@ def judge_table(cases: dict, model: fidelity.Model, ttft: dict[str, dict[float, 
     lines = [f"| family | bound | n | KL over {model.covers} token(s) > bound [95 % Wilson] | mean rho | in full | "
              f"{cost_label} | best fixed rho | oracle mean rho | needle / full's | first token = full's | "
              "same answer as full |", "|---" * 12 + "|"]
-    for family in sorted({k[0] for k in cases}, key=lambda f: (f not in FAMILIES, list(FAMILIES).index(f)
-                                                                 if f in FAMILIES else f)):
+    order = list(FAMILIES)  # the repository's families first, in their order, then a user's
+    for family in sorted({k[0] for k in cases}, key=lambda f: order.index(f) if f in order else len(order)):
         mine = [c for k, c in cases.items() if k[0] == family]
         kl = (lambda row: measured(row, model.covers))
         for bound in bounds:

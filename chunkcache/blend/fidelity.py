@@ -210,7 +210,7 @@ def coefficients(calibrated: str | os.PathLike | None = None) -> Coefficients:
         mine = load(path)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
-    return Coefficients({**mine.models, **shipped.models}, shipped.default)
+    return Coefficients({**shipped.models, **mine.models}, shipped.default)
 
 
 def parse(data: Mapping) -> Coefficients:
