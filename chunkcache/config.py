@@ -348,6 +348,10 @@ class AuditConfig:
     cases: str | None = knob(
         None, "JSONL file every audited case is appended to (its rid, prompt tokens, selector, rho, bound, estimated "
         "and measured KL, greedy agreement, margin); null: none")
+    keep_prompts: bool = knob(
+        False, "with `cases`, each audited case's prompt token ids and chunk spans are written too, so `chunkcache "
+        "calibrate --served FILE` can fit the estimator on this traffic (docs/calibration.md); off: prompts are the "
+        "users' data")
 
     def check(self) -> None:
         if not 0.0 <= self.rate <= 1.0:
@@ -361,6 +365,8 @@ class AuditConfig:
         if not self.max_margin >= self.margin:
             raise ConfigError("max_margin", f"must be at least margin ({self.margin}), got {self.max_margin}")
         _non_empty(self, "cases")
+        if self.keep_prompts and not self.cases:
+            raise ConfigError("keep_prompts", "writes the prompts into the cases file: set audit.cases too")
 
 
 @dataclass

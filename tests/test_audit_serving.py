@@ -44,7 +44,7 @@ def server(tmp_path_factory):
     # mix measuring each request's deviation in the request: a prompt's estimate depends on the prompt alone, not
     # on which chunks' deviations earlier requests stored, so the same prompt served again shows the margin's change
     config = {"audit": {"rate": 1.0, "window": WINDOW, "keep": KEEP, "margin": MARGIN,
-                        "cases": str(tmp / "cases.jsonl")},
+                        "cases": str(tmp / "cases.jsonl"), "keep_prompts": True},
               "select": {"options": {"mix": {"stored_deviation": False}}}}
     path = tmp / "audit.yaml"
     path.write_text(with_test_defaults(yaml.safe_dump(config)))
@@ -99,20 +99,23 @@ def flush(server) -> None:
         time.sleep(0.1)
 
 
-def blended_and_exact(server, rag: Rag, order) -> tuple[dict, dict]:
+def blended_and_exact(server, rag: Rag, order) -> tuple[dict, dict, list[int], list]:
     """The prompt of `order`, first computed exactly (its top first-token logprobs), then blended (its logprobs of
-    those tokens)."""
+    those tokens); and the prompt's ids and hinted spans."""
     ids, spans = rag.build(order, "What is the code of document 1?")
     exact = generate(server, ids, kv_hints=hints(spans, exact=True), return_logprob=True, top_logprobs_num=TOP)
     top = exact["meta_info"]["output_top_logprobs"][0]
     blended = generate(server, ids, kv_hints=hints(spans), return_logprob=True,
                        token_ids_logprob=[tid for _, tid, _ in top])
     assert "fallback" not in blended["meta_info"]["chunkcache"], blended["meta_info"]["chunkcache"]
-    return blended, exact
+    return blended, exact, ids, spans
 
 
-def check_against_exact(case: dict, blended: dict, exact: dict) -> None:
-    """The audit's measurement of one request against SGLang's own prefill of its prompt."""
+def check_against_exact(case: dict, blended: dict, exact: dict, ids: list[int], spans) -> None:
+    """The audit's measurement of one request against SGLang's own prefill of its prompt, and the prompt it kept
+    (audit.keep_prompts): the request's ids, each chunk it reused inside one of the hinted spans."""
+    assert case["prompt_ids"] == ids and case["chunk_spans"]
+    assert all(any(hs <= s < e <= he for hs, he in spans) for s, e in case["chunk_spans"]), (case["chunk_spans"], spans)
     assert case["agree"] == (blended["output_ids"][0] == exact["output_ids"][0]), case
     full = exact["meta_info"]["output_top_logprobs"][0]
     served = blended["meta_info"]["output_token_ids_logprobs"][0]
@@ -130,10 +133,10 @@ def test_a_wrong_estimator_is_caught_and_the_margin_widens_until_the_promise_hol
     margins, unsafe, rids = [], [], []  # after each audited request
     caught = stable = False
     for i in range(MAX_REQUESTS):
-        blended, exact = blended_and_exact(server, rag, next(orders))
+        blended, exact, ids, spans = blended_and_exact(server, rag, next(orders))
         wait_audited(server, i + 1)
         rids.append(blended["meta_info"]["id"])
-        check_against_exact(cases(server)[rids[-1]], blended, exact)
+        check_against_exact(cases(server)[rids[-1]], blended, exact, ids, spans)
         margins.append(metric(server, "chunkcache_audit_margin"))
         unsafe.append(metric(server, "chunkcache_audit_unsafe_total"))
         if not caught and margins[-1] > MARGIN:
@@ -179,3 +182,29 @@ def test_a_request_arriving_while_audits_wait_is_served_before_they_drain(server
     assert at_answer <= at_send + 2, (before, at_send, at_answer)
     assert at_answer < before + queued, "the waiting audits all ran before the request was served"
     wait_audited(server, before + queued + 1)  # and then every one, the late request's too
+
+
+def test_the_audited_prompts_feed_calibrate(server, tmp_path, capsys):
+    """audit.keep_prompts: the cases file is what `chunkcache calibrate --served` measures. The tiny llama shares the
+    default model's tokenizer, so it fits on the served prompts in seconds (no answers: no needle column)."""
+    from chunkbench.quality import calibration
+    from chunkcache.models import tiny_model
+
+    kept = [c for c in cases(server).values() if "prompt_ids" in c]
+    assert len(kept) >= 5, f"{len(kept)} audited cases kept their prompt"
+    parsed = calibration.served_cases(server.cases, limit=len(kept))
+    for case, served in zip(kept, parsed):
+        prefix, chunks, query = served.parts
+        assert prefix + sum(chunks, []) + query == case["prompt_ids"]
+        assert [len(prefix) + sum(map(len, chunks[:i])) for i in range(len(chunks))] == \
+            [s for s, _ in case["chunk_spans"]]
+    work, out = tmp_path / "work", tmp_path / "fidelity.json"
+    assert calibration.main(["--model", str(tiny_model("llama", initializer_range=0.1)), "--served",
+                             str(server.cases), "--cases", "5", "--covers", "4", "--threads", "1", "--workdir",
+                             str(work), "--out", str(out)]) == 0
+    lines = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| served |")]
+    assert len(lines) == len(calibration.ANSWER_BOUNDS) and all(cells[3].strip() == "3" for cells in lines)
+    assert all(cells[10].strip() == "" for cells in lines)  # needle / full's: nobody knows a served answer
+    rows = [json.loads(line) for line in (work / "served.jsonl").read_text().splitlines()[1:]]
+    assert len(rows) == 5 * len(calibration.RATIOS) and all(r["contains"] is None and r["f1"] is None for r in rows)
+    assert json.loads(out.read_text())["models"]

@@ -171,3 +171,28 @@ def test_the_rows_signals_are_their_evidences_and_pack_writes_them(calibrated, t
     pack(SimpleNamespace(paths=[str(bare)]))
     shutil.rmtree(tmp_path / "multikey.evidence")
     assert of([str(bare)]) == from_rows
+
+
+def served_line(ids: list[int], spans) -> str:
+    """A line of a server's audit.cases file written with audit.keep_prompts (sglang_patch.scheduler.audit)."""
+    return json.dumps({"rid": "r", "kl": 0.01, "prompt_ids": ids, "chunk_spans": [list(s) for s in spans]})
+
+
+def test_a_servers_audited_prompts_are_split_at_the_chunks_it_blended(tmp_path):
+    path = tmp_path / "cases.jsonl"
+    ids = list(range(100, 120))
+    path.write_text("\n".join([json.dumps({"rid": "no prompt kept", "kl": 0.01}),
+                               served_line(ids, [(3, 8), (10, 15)]), ""]) + "\n")
+    (case,) = calibration.served_cases(path, limit=5)
+    prefix, chunks, query = case.parts
+    # the separator between the chunks goes with the chunk before it: the blend reuses none of it either way
+    assert (prefix, chunks, query) == (ids[:3], [ids[3:10], ids[10:15]], ids[15:]) and case.id == "served0"
+    assert prefix + sum(chunks, []) + query == ids
+    for spans in ([(3, 8), (7, 15)], [(3, 20)], [(5, 5)], []):
+        path.write_text(served_line(ids, spans) + "\n")
+        with pytest.raises(ValueError, match=r"cases.jsonl:1: chunk_spans"):
+            calibration.served_cases(path, limit=5)
+    path.write_text(json.dumps({"rid": "r"}) + "\n")
+    with pytest.raises(ValueError, match="audit.keep_prompts"):
+        calibration.served_cases(path, limit=5)
+

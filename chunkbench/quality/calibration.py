@@ -3,8 +3,10 @@ judged on cases it did not fit, and written where the server finds it (the calib
 weights by fingerprint: chunkcache.blend.fidelity.Coefficients.model).
 
 Cases come from the repository's data (synthetic multikey needles, realkey needles in MuSiQue prose, MuSiQue
-questions) or from the user's documents (`--documents`: a folder of .txt/.md files, whose paragraphs hide the needles,
-or a JSONL of passages and questions: chunkbench.workloads). Each case is measured on the reference engine as
+questions), from the user's documents (`--documents`: a folder of .txt/.md files, whose paragraphs hide the needles,
+or a JSONL of passages and questions: chunkbench.workloads), or from the server's own traffic (`--served`: the cases
+file of its online audit, written with `audit.keep_prompts`: each prompt split at its chunks as the server blended it,
+without answers, so its rows have no needle column). Each case is measured on the reference engine as
 fidelity_fit.measure does (full recompute, then a `mix` blend at each rho of the grid, the KL against full's at each
 token of full's answer); every third case is fitted (fidelity_fit.role), the others judged. The work directory keeps
 each family's rows and evidence, so a run cut short goes on where it stopped.
@@ -14,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
@@ -26,7 +30,8 @@ from chunkcache.config import home
 from chunkcache.hashing import model_fingerprint
 from ..workloads import Item, WorkloadConfig, items, musique_records
 from .fidelity_fit import (BOUNDS, FAMILIES, RATIOS, STORE_BYTES, DEFAULT, FitSettings, Family, case_items, cases_of,
-                           fit_model, fitted_on, judge_table, load_points, measure, measured_case, role, write_model)
+                           fit_model, fitted_on, judge_table, load_points, measure, measure_parts, measured_case, role,
+                           write_model)
 from .rowlog import RowLog
 
 COVERS = 16  # answer tokens the fitted estimate bounds (fidelity.Model.covers): docs/calibration.md says why
@@ -35,6 +40,46 @@ COVERS = 16  # answer tokens the fitted estimate bounds (fidelity.Model.covers):
 ANSWER_BOUNDS = (0.05, 0.1, 0.2, 0.3, 0.5, 1.0)
 MAX_NEW_TOKENS = 24  # full recompute's answer, which the blends are scored on (at least COVERS)
 DOCUMENTS = Family("documents", 5, 120)  # a user's documents: passages per case and words per passage
+
+
+@dataclass(frozen=True)
+class Served:
+    """A request a server's audit kept with its prompt (audit.keep_prompts), split into the (prefix, chunks, query)
+    ids the reference engine blends: the prefix before its first chunk, each chunk with the tokens after it up to
+    the next one (the separators the server recomputed), the query after its last chunk."""
+
+    id: str
+    parts: tuple[list[int], list[list[int]], list[int]]
+
+
+def served_cases(path: str | Path, limit: int) -> list[Served]:
+    """The first `limit` audited cases of a server's `audit.cases` file that hold their prompt."""
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                case = json.loads(line)
+                ids, spans = case.get("prompt_ids"), case.get("chunk_spans")
+                flat = [int(x) for span in spans or () for x in span]
+            except (ValueError, AttributeError, TypeError):
+                raise ValueError(f"{path}:{n}: not an audited case (a JSON object per line)") from None
+            if ids is None:
+                continue  # written without audit.keep_prompts
+            if (not spans or len(flat) != 2 * len(spans) or flat != sorted(flat) or flat[0] < 0
+                    or flat[-1] >= len(ids) or any(s == e for s, e in spans)):
+                raise ValueError(f"{path}:{n}: chunk_spans {spans} are not sorted, disjoint spans before the last of "
+                                 f"its {len(ids)} prompt tokens")
+            starts = [s for s, _ in spans]
+            chunks = [ids[s:t] for s, t in zip(starts, starts[1:])] + [ids[spans[-1][0]:spans[-1][1]]]
+            out.append(Served(f"served{len(out)}", (ids[: starts[0]], chunks, ids[spans[-1][1]:])))
+            if len(out) == limit:
+                break
+    if not out:
+        raise ValueError(f"{path}: no audited case holds its prompt: serve with audit.keep_prompts: true beside "
+                         "audit.cases (and audit.rate > 0) to collect them")
+    return out
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -50,6 +95,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--documents", metavar="PATH",
                     help="the user's documents as a family of cases: a folder of .txt/.md files (needles hidden in "
                          "their paragraphs) or a JSONL of {\"passages\": [...], \"question\": ..., \"answers\": [...]}")
+    ap.add_argument("--served", metavar="FILE",
+                    help="the server's own traffic as a family of cases: its online audit's cases file, written with "
+                         "audit.keep_prompts: true (docs/calibration.md)")
     ap.add_argument("--cases", type=int, default=60,
                     help="cases per family: a third fitted, the rest judged (default: %(default)s)")
     ap.add_argument("--covers", type=int, default=COVERS,
@@ -84,16 +132,16 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if any(b <= 0 for b in args.bounds):
         ap.error("--bounds must be > 0")
     if args.families is None:
-        args.families = "" if args.documents else ",".join(FAMILIES)
+        args.families = "" if args.documents or args.served else ",".join(FAMILIES)
     unknown = [f for f in args.families.split(",") if f and f not in FAMILIES]
     if unknown:
         ap.error(f"unknown families {unknown}; known: {', '.join(FAMILIES)}")
-    if not args.families and not args.documents:
-        ap.error("no cases: name --families or --documents")
+    if not args.families and not args.documents and not args.served:
+        ap.error("no cases: name --families, --documents or --served")
     return args
 
 
-def plan(args: argparse.Namespace) -> dict[str, tuple[Family, list[Item]]]:
+def plan(args: argparse.Namespace) -> dict[str, tuple[Family, list[Item] | list[Served]]]:
     """family name -> (its settings, its cases), built before anything is measured (bad documents fail here)."""
     out = {}
     for name in filter(None, args.families.split(",")):
@@ -106,6 +154,9 @@ def plan(args: argparse.Namespace) -> dict[str, tuple[Family, list[Item]]]:
         family = Family(spec, DOCUMENTS.docs, DOCUMENTS.words)
         seed = 1000 if Path(args.documents).is_dir() else 0
         out["documents"] = (family, items(WorkloadConfig(spec, args.cases, family.docs, family.words, seed=seed)))
+    if args.served:
+        path = Path(args.served).expanduser().resolve()
+        out["served"] = (Family(f"served:{path}", 0, 0), served_cases(path, args.cases))
     return out
 
 
@@ -152,7 +203,10 @@ def main(argv: list[str]) -> int:
         bar = tqdm(todo, unit="case", file=sys.stderr)
         for n, (fam, family, item) in enumerate(bar):
             started = time.monotonic()
-            for row in measure(blender, item, _evidence(workdir, fam, item), family.spec, max_new_tokens):
+            file = _evidence(workdir, fam, item)
+            rows = (measure_parts(blender, item.parts, item.id, (), file, family.spec, max_new_tokens)
+                    if isinstance(item, Served) else measure(blender, item, file, family.spec, max_new_tokens))
+            for row in rows:
                 logs[fam].append(row)
             if n == 0 and len(todo) > 1:
                 took = time.monotonic() - started
@@ -162,7 +216,7 @@ def main(argv: list[str]) -> int:
     return report(args, logs, name, label, fingerprint, out)
 
 
-def _evidence(workdir: Path, family: str, item: Item) -> Path:
+def _evidence(workdir: Path, family: str, item: Item | Served) -> Path:
     return workdir / f"{family}.evidence" / f"{item.id}.pt"
 
 

@@ -129,7 +129,14 @@ def measure(blender, item: Item, file: Path, task: str, max_new_tokens: int) -> 
     """One case: full recompute; the chunks' deviations remembered from two other orders; a blend at rho 0 (the
     forced tokens only: its features are the case's evidence, its logits naive reuse's); then a blend per rho, its
     KL against full's at each token of full's greedy answer (teacher-forced: row 0 is the first token's)."""
-    parts = split(to_request(blender.tokenizer, item).prompt)
+    return measure_parts(blender, split(to_request(blender.tokenizer, item).prompt), item.id, item.answers, file, task,
+                         max_new_tokens)
+
+
+def measure_parts(blender, parts, item: str, answers: tuple[str, ...], file: Path, task: str,
+                  max_new_tokens: int) -> list[dict]:
+    """`measure` on a prompt already split into (prefix, chunks, query) ids; without `answers` (a served request's
+    prompt: nobody knows its answer) a row's needle and F1 columns are None."""
     full = blender.full_prefill(*parts)
     full_ids = blender.generate(full, max_new_tokens)
     full_forced = blender.teacher_forced_logits(full, full_ids)
@@ -138,7 +145,7 @@ def measure(blender, item: Item, file: Path, task: str, max_new_tokens: int) -> 
     remember_deviations(blender, parts, selector.inner, 0.0, {})
     naive = blender.blend(*parts, selector=selector, ratio=0.0)
     if "kv_deviation" in naive.passes:
-        raise RuntimeError(f"{item.id}: the measured blend ran the deviation pass after the warm-up")
+        raise RuntimeError(f"{item}: the measured blend ran the deviation pass after the warm-up")
     case_evidence = evidence(naive.layout, naive.scores, selector.values)
     rows, recomputed = [], {}
     for ratio in RATIOS:
@@ -147,13 +154,14 @@ def measure(blender, item: Item, file: Path, task: str, max_new_tokens: int) -> 
         forced = blender.teacher_forced_logits(res, full_ids)
         line = first_line(blender.tokenizer.decode(greedy_ids(blender, res, full_ids, max_new_tokens, forced)[0],
                                                    skip_special_tokens=True))
-        rows.append({"task": task, "item": item.id, "selector": "mix", "ratio": ratio, "path": "reference",
+        rows.append({"task": task, "item": item, "selector": "mix", "ratio": ratio, "path": "reference",
                      "kl": kl_logits(full.logits, res.logits),
                      "answer_kls": [round(kl_logits(f, b), 7) for f, b in zip(full_forced, forced)],
                      "blend_s": round(blend_seconds(res), 5), "full_s": round(full.timings["total"], 5),
                      "agree": float(int(res.logits.argmax()) == int(full.logits.argmax())),
-                     "contains": _contains(line, item.answers), "full_contains": _contains(full_line, item.answers),
-                     "same": scoring.exact_match(line, full_line), "f1": scoring.best_f1(line, item.answers),
+                     "contains": _contains(line, answers), "full_contains": _contains(full_line, answers),
+                     "same": scoring.exact_match(line, full_line),
+                     "f1": scoring.best_f1(line, answers) if answers else None,
                      "answer": line, "full_answer": full_line,
                      "signals": asdict(signals(case_evidence, res.recomputed))})
     file.parent.mkdir(parents=True, exist_ok=True)
@@ -162,8 +170,10 @@ def measure(blender, item: Item, file: Path, task: str, max_new_tokens: int) -> 
     return rows
 
 
-def _contains(line: str, answers) -> float:
-    """RULER-style: every gold answer appears in the reply's first line."""
+def _contains(line: str, answers) -> float | None:
+    """RULER-style: every gold answer appears in the reply's first line (None without answers)."""
+    if not answers:
+        return None
     normalized = scoring.normalize(line)
     return float(all(scoring.normalize(a) in normalized for a in answers))
 
@@ -453,7 +463,8 @@ def judge_table(cases: dict, model: fidelity.Model, ttft: dict[str, dict[float, 
             oracle = [next((r for r in RATIOS if kl(c[r].row) <= bound), 1.0) for c in mine]
             fixed = next((r for r in RATIOS if sum(kl(c[r].row) > bound for c in mine) <= 0.1 * n), None)
             needle = (f"{_mean(r['contains'] if r else f['full_contains'] for r, f in zip(rows, full)):.2f} / "
-                      f"{_mean(f['full_contains'] for f in full):.2f}" if family != "musique" else "")
+                      f"{_mean(f['full_contains'] for f in full):.2f}"
+                      if family != "musique" and all(f["full_contains"] is not None for f in full) else "")
             lines.append(
                 f"| {family} | {bound} | {n} | {over / n:.3f} [{low:.3f}, {high:.3f}] | {_mean(rho):.3f} | "
                 f"{sum(r is None for _, r in picked)} | {cost} | {fixed if fixed is not None else '> 0.4'} | "

@@ -8,7 +8,8 @@ one job per idle turn, so a request that arrives waits for one audit forward at 
 layer of SGLang's model as a segment kept aside, attending nothing of the KV pool and writing none of it (the
 request's slots are freed or another request's by then), its last-token logits against the served ones. Its outcome
 goes to /metrics, to the margin (whose widening replaces the estimator the blends read, `ChunkReuse.fidelity`, and is
-logged at WARNING) and, with `audit.cases`, to a JSONL file.
+logged at WARNING) and, with `audit.cases`, to a JSONL file (with `audit.keep_prompts`, the prompt too:
+`chunkcache calibrate --served` fits on it).
 
 Under tensor parallelism the audit is refused at start-up: its forward would be a collective every rank must enter
 with the same prompt, and nothing here agrees the sample, the queue and the outcome over the ranks.
@@ -44,6 +45,7 @@ class Sampled:
 
     rid: str
     prompt: torch.Tensor  # [N] int64 on the host: the whole prompt
+    chunk_spans: tuple[tuple[int, int], ...]  # the reused chunks' token ranges in it
     served: torch.Tensor  # [V] float32 on the host: the logits its first token was sampled from
     estimate: fidelity.Estimate  # what its report promised (the margin of its time applied)
     max_kl: float | None
@@ -67,7 +69,8 @@ class Audit:
         if b.estimate is None or len(self.waiting) >= self.config.keep or not self.sampler.take():
             return
         self.waiting.append(Sampled(
-            rid, b.plan.token_ids.detach().cpu().clone(), output.next_token_logits[row].detach().float().cpu().clone(),
+            rid, b.plan.token_ids.detach().cpu().clone(), tuple(b.plan.layout().chunk_spans),
+            output.next_token_logits[row].detach().float().cpu().clone(),
             b.estimate, b.plan.max_kl, b.ratio, b.plan.selector,
             Runner(runner.model_runner, _one_row(runner.forward_batch, b.plan.n))))
 
@@ -112,6 +115,8 @@ class Audit:
                 "selector": s.selector, "ratio": s.ratio, "max_kl": s.max_kl, "bound": outcome.bound,
                 "estimated_kl": outcome.estimated, "estimated_agree": s.estimate.agree, "margin": margin,
                 "kl": outcome.kl, "agree": outcome.agree, "unsafe": outcome.unsafe}
+        if self.config.keep_prompts:  # what `chunkcache calibrate --served` measures again
+            case |= {"prompt_ids": s.prompt.tolist(), "chunk_spans": [list(span) for span in s.chunk_spans]}
         try:
             with open(self.config.cases, "a") as f:
                 f.write(json.dumps(case) + "\n")
