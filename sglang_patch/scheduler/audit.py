@@ -45,7 +45,7 @@ class Sampled:
 
     rid: str
     prompt: torch.Tensor  # [N] int64 on the host: the whole prompt
-    chunk_spans: tuple[tuple[int, int], ...]  # the reused chunks' token ranges in it
+    chunk_spans: tuple[tuple[int, int], ...]  # the reused chunks' token ranges in it (kept with audit.keep_prompts)
     served: torch.Tensor  # [V] float32 on the host: the logits its first token was sampled from
     estimate: fidelity.Estimate  # what its report promised (the margin of its time applied)
     max_kl: float | None
@@ -69,7 +69,7 @@ class Audit:
         if b.estimate is None or len(self.waiting) >= self.config.keep or not self.sampler.take():
             return
         self.waiting.append(Sampled(
-            rid, b.plan.token_ids.detach().cpu().clone(), tuple(b.plan.layout().chunk_spans),
+            rid, b.plan.token_ids.detach().cpu().clone(), tuple(b.plan.layout().chunk_spans) if self.config.keep_prompts else (),
             output.next_token_logits[row].detach().float().cpu().clone(),
             b.estimate, b.plan.max_kl, b.ratio, b.plan.selector,
             Runner(runner.model_runner, _one_row(runner.forward_batch, b.plan.n))))
