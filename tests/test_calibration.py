@@ -1,7 +1,8 @@
 """`chunkcache calibrate` on a tiny random-weight llama (a qwen2 is calibrated before its server starts:
 tests/test_architectures.py): it measures cases on the reference engine, fits on a third, judges the rest, writes an
 estimator the server's lookup finds by the weights' fingerprint (and no other model's), goes on from its work
-directory, reads a user's documents, and refuses bad input with a message."""
+directory, reads a user's documents and a server's audited prompts (the end-to-end run of those:
+tests/test_audit_serving.py), and refuses bad input with a message."""
 
 import json
 import shutil
@@ -195,4 +196,3 @@ def test_a_servers_audited_prompts_are_split_at_the_chunks_it_blended(tmp_path):
     path.write_text(json.dumps({"rid": "r"}) + "\n")
     with pytest.raises(ValueError, match="audit.keep_prompts"):
         calibration.served_cases(path, limit=5)
-

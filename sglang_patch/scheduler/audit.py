@@ -68,8 +68,9 @@ class Audit:
         estimate (a selector other than mix, a model without an estimator) has no bound to judge."""
         if b.estimate is None or len(self.waiting) >= self.config.keep or not self.sampler.take():
             return
+        spans = tuple(b.plan.layout().chunk_spans) if self.config.keep_prompts else ()
         self.waiting.append(Sampled(
-            rid, b.plan.token_ids.detach().cpu().clone(), tuple(b.plan.layout().chunk_spans) if self.config.keep_prompts else (),
+            rid, b.plan.token_ids.detach().cpu().clone(), spans,
             output.next_token_logits[row].detach().float().cpu().clone(),
             b.estimate, b.plan.max_kl, b.ratio, b.plan.selector,
             Runner(runner.model_runner, _one_row(runner.forward_batch, b.plan.n))))
