@@ -154,8 +154,9 @@ class SelectConfig:
         "overlap off)")
     full_when_slower: bool = knob(
         True, "CPU: a request that teaches the store nothing (every chunk stored) is computed in full when blending "
-        "it is predicted slower, from rates measured once on this host (chunkcache/blend/cost.py); reported as the "
-        "fallback `predicted_slower`")
+        "it is predicted slower, from rates measured once on this host and a fixed time per forward and a scale per "
+        "side learned from this server's own forwards (chunkcache/blend/cost.py); reported as the fallback "
+        "`predicted_slower`")
     blend_margin: float = knob(
         0.1, "... and unless it is predicted at least this fraction faster, in [0, 1): where the two predictions are "
         "close, the blend saves little and the prediction's error (a long exact lead runs slower in the blend's "

@@ -2,7 +2,7 @@
 are all stored is priced both ways at this host's measured rates, scaled by what the server's own forwards took."""
 
 import pytest
-from conftest import WORDS, Rag, gen, hints, sglang_engine
+from conftest import WORDS, Rag, flush, gen, hints, sglang_engine
 
 pytestmark = pytest.mark.slow
 
@@ -48,3 +48,34 @@ def test_a_request_mostly_reused_blends_and_reports_both_predictions(engine, rag
     info = gen(engine, ids, hints(spans, selector="epic", namespace="faster"), n=1)["meta_info"]["chunkcache"]
     assert "fallback" not in info and info["choice"] == "blend", info
     assert info["predicted_blend_s"] < info["predicted_full_s"]
+
+
+def test_a_short_prompts_blend_pays_a_forwards_fixed_time_and_is_computed_in_full(default_model, tmp_path):
+    """Two ~40-token passages and a short question: at the rates alone blending looks faster (it skips most of the
+    passages' tokens), but every forward also takes a fixed time (SGLang's Python per layer, the scheduler) and the
+    blend runs two (its query pass and its recompute) where a full prefill runs one. The server reads that time off
+    its blends' query passes (chunkcache.blend.cost.Calibration); once it has, such a request is computed in full,
+    with stock's output."""
+    from transformers import AutoTokenizer
+
+    from chunkcache.blend.cost import Calibration
+
+    rag = Rag(AutoTokenizer.from_pretrained(default_model), n_docs=2, words=30, seed=3)
+    ids, spans = rag.build([0, 1], "Code of document 1?")
+    # a server of its own: one that has seen no forward yet
+    with sglang_engine(default_model, tmp_path, "select:\n  full_when_slower: true\n", max_total_tokens=6000) as eng:
+        gen(eng, ids, hints(spans), n=4)  # stores the chunks
+        reports = []
+        for _ in range(6):
+            flush(eng)  # no radix match: the chunks come from the store each time
+            reports.append(gen(eng, ids, hints(spans), n=4)["meta_info"]["chunkcache"])
+        first = reports[0]  # before the server had seen any of its blends' forwards: the rates alone
+        assert first["chunk_hits"] == 2 and first["choice"] == "blend", first
+        assert first["predicted_blend_s"] < first["predicted_full_s"], first
+        state = eng.get_server_info()["internal_states"][0]["chunkcache"]["calibration"]
+        assert state["fixed_s"] > 0 and state["observed"]["probe"] >= Calibration.MIN_OBSERVED, state
+        flush(eng)
+        out = gen(eng, ids, hints(spans), n=4)
+        info = out["meta_info"]["chunkcache"]
+        assert info["fallback"] == "predicted_slower" and info["predicted_blend_s"] > info["predicted_full_s"], info
+        assert out["output_ids"] == gen(eng, ids, n=4)["output_ids"]

@@ -4,7 +4,8 @@ from types import SimpleNamespace
 
 import torch
 
-from chunkcache.blend.cost import Calibration, ComputeCost, ModelShape, Rates, host_rates, predict, work
+from chunkcache.blend.cost import (Calibration, ComputeCost, ModelShape, Prediction, Rates, full_s, host_rates, predict,
+                                   work)
 from chunkcache.blend.plan import plan_request
 from chunkcache.select import REGISTRY
 from chunkcache.select.base import QUERY_PASS_TOKENS
@@ -83,25 +84,50 @@ def test_the_measurement_gives_positive_rates():
     assert r.token_s > 0 and r.pair_s > 0 and r.copy_s > 0
 
 
-def test_calibration_scales_each_side_by_what_its_forwards_took():
-    from chunkcache.blend.cost import Calibration, Prediction, full_s
+def _served(calibration: Calibration, fixed: float, scale: dict[str, float], query: float, recompute: float,
+            full: float) -> None:
+    """One blend and one full prefill on a server whose every forward takes `fixed` plus its side's `scale` of the
+    rates' price: the blend's query pass (a probe) and recompute, and the full prefill."""
+    calibration.observe("probe", query, fixed + scale["blend"] * query)
+    calibration.observe("blend", recompute, fixed + scale["blend"] * recompute)
+    calibration.observe("full", full, fixed + scale["full"] * full)
 
+
+def test_calibration_learns_the_fixed_time_per_forward_and_each_sides_scale():
     c = Calibration()
-    p = Prediction(blend_s=1.0, stock_s=1.2)
-    assert c.apply(p).blend and c.factor == {"blend": 1.0, "full": 1.0}
-    for _ in range(Calibration.MIN_OBSERVED):  # one side observed only: its factor alone would bias the choice
-        c.observe("blend", 1.0, 2.0)
-    assert c.apply(p) == p
-    for _ in range(Calibration.WINDOW):  # blends take 2x what the rates predict, full prefills what they predict
-        c.observe("blend", 1.0, 2.0)
-        c.observe("full", 1.0, 1.0)
-    assert c.factor == {"blend": 2.0, "full": 1.0}
-    assert not c.apply(p).blend and c.apply(p).blend_s == 2.0
-    c.observe("blend", 1.0, 1000.0)  # one stalled forward: the median does not move
-    assert c.factor["blend"] == 2.0
-    c.observe("full", 0.01, 0.2)  # a short forward's fixed costs say nothing of the rates
-    assert c.factor["full"] == 1.0 and c.observed["full"] == Calibration.WINDOW
+    short = Prediction(blend_s=0.05, stock_s=0.08, stages={"query": 0.01, "recompute": 0.035, "copy": 0.005})
+    assert c.apply(short) == short and c.state()["fixed_s"] is None and c.scale("blend") == 1.0  # nothing seen
+    # forwards of 60 ms beyond their price, both sides at the rates: sizes vary, the fit is exact
+    for query, recompute, full in [(0.01, 0.04, 0.08), (0.02, 0.3, 1.0), (0.015, 0.1, 0.3)]:
+        _served(c, 0.06, {"blend": 1.0, "full": 1.0}, query, recompute, full)
+    for _ in range(5):  # one-token extends (a prompt the radix tree holds): their time is the fixed part and noise
+        c.observe("full", 0.0005, 0.065)
+    fixed, scale = c.fit()
+    assert abs(fixed - 0.06) < 1e-9 and scale == {"blend": 1.0, "full": 1.0}
+    # a short prompt: the blend saves 30 ms of priced work but runs one forward more than the full prefill
+    assert short.blend and not c.apply(short).blend
+    calibrated = c.apply(short)
+    assert abs(calibrated.blend_s - (2 * 0.06 + 0.045 + 0.005)) < 1e-9 and abs(calibrated.stock_s - 0.14) < 1e-9
+    long = Prediction(blend_s=0.4, stock_s=1.2, stages={"query": 0.03, "recompute": 0.35, "copy": 0.02})
+    assert c.apply(long).blend  # a long one still blends
+    c.observe("blend", 0.2, 1000.0)  # one stalled forward: the medians do not move
+    assert c.fit() == (fixed, scale)
     assert full_s(10, 5, Rates(1.0, 1.0, 0.0)) == 10 + (15 * 16 - 5 * 6) / 2
+
+
+def test_each_side_is_scaled_by_its_own_forwards_and_an_unseen_side_by_the_others():
+    c = Calibration()
+    for _ in range(Calibration.MIN_OBSERVED):  # blends only, at twice the rates, no fixed time
+        c.observe("blend", 0.5, 1.0)
+    p = Prediction(blend_s=1.0, stock_s=1.2, stages={"recompute": 1.0})
+    # the full side, never observed, takes the blend's scale: scaling one side alone would bias the choice
+    assert c.fit() == (0.0, {"blend": 2.0, "full": 2.0}) and c.apply(p).blend and c.apply(p).stock_s == 2.4
+    c.observe("full", 0.01, 0.06)  # a one-token extend: too short to scale by (no probe: under MIN_PRICED_S)
+    for priced in (0.3, 0.5, 1.0):  # full prefills at the rates
+        c.observe("full", priced, priced)
+    assert c.fit() == (0.0, {"blend": 2.0, "full": 1.0}) and not c.apply(p).blend
+    assert c.state() == {"fixed_s": 0.0, "scale": {"blend": 2.0, "full": 1.0},
+                         "observed": {"probe": 0, "blend": 3, "full": 4}}
 
 
 def test_a_chunks_compute_cost_is_the_fills_measured_rate_else_the_rates_else_unknown():

@@ -13,7 +13,9 @@ the causal kernel's rate per (query, key) pair (chunkcache.blend.attention's sta
 
 P_blend assumes the picks spread evenly over the reused context (what a pick attends is its position). The rates
 (`Rates`) are measured once per host and model shape and kept (chunkcache.cpu_dtype.kept_per_host): the model's
-matmuls per token, causal SDPA per pair, and a memory copy of a token's KV.
+matmuls per token, causal SDPA per pair, and a memory copy of a token's KV. What they leave out, a fixed time per
+forward and each side's distance from them, the server learns from its own forwards (`Calibration`): a blend runs
+two or three forwards where a full prefill runs one, which decides short prompts.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +53,11 @@ class Rates:
     copy_s: float  # one reused token's KV (every layer) copied into the pool
 
 
+# the stages of a blend that run forwards of the model, each one forward (chunkcache.blend.pipeline: the fill computes
+# the unmatched prefix and missing chunks, the query and deviation passes are the feature stage's, then the recompute)
+FORWARDS = ("fill", "query", "deviation", "recompute")
+
+
 @dataclass(frozen=True)
 class Prediction:
     blend_s: float
@@ -59,10 +66,17 @@ class Prediction:
     pairs: int = 0  # and the (query, key) pairs they attend
     reused: int = 0  # tokens whose KV it copies
     margin: float = 0.0  # the blend is chosen when predicted at least this fraction faster (select.blend_margin)
+    # the blend's seconds at the rates per stage (FORWARDS and "copy"; Work.priced); empty: priced as a whole
+    stages: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def blend(self) -> bool:
         return self.blend_s < (1.0 - self.margin) * self.stock_s
+
+    @property
+    def forwards(self) -> int:
+        """Forwards the blend runs (at least its recompute)."""
+        return max(1, sum(self.stages.get(stage, 0.0) > 0 for stage in FORWARDS))
 
     def report(self) -> dict:
         return {"choice": "blend" if self.blend else "full", "predicted_blend_s": round(self.blend_s, 4),
@@ -70,38 +84,88 @@ class Prediction:
 
 
 class Calibration:
-    """How far this server's own forwards run from the rates' predictions, per side: the median of actual over
-    predicted seconds of its last WINDOW forwards, which each prediction is then scaled by. What the rates leave out
-    (Python per layer, the selector's passes, SGLang's own extend path) is thereby measured where it runs; a median,
-    so that one stalled forward (the first one after start-up builds oneDNN's kernels) moves nothing."""
+    """How this server's forwards run against the rates' prices, learned from its own forwards: each forward takes a
+    fixed time (SGLang's Python per layer and its scheduling, the blend's own per layer: what rates measured on large
+    matmuls leave out; ~60 ms for the default model on a 2-core AMD EPYC, where a 136-token prompt's whole priced
+    work is ~70 ms) plus a side's scale of its priced work (a blend's forwards run the selector's kernels, a full
+    prefill SGLang's).
 
-    WINDOW = 15
-    # forwards each side must have been observed in before either factor applies: the choice compares the sides, so
-    # one side's factor alone (a server's first blends, before any full prefill) would bias it
+    * `fixed_s` is read off the query pass (observed as a "probe"): a forward of a few dozen rows, most of whose time
+      is the fixed part: the median of its seconds less its priced work at the blend's scale;
+    * each side's scale is the median of (seconds - fixed_s) / priced over its last WINDOW forwards ("blend": the
+      recompute pass, "full": SGLang's own extend) priced at MIN_PRICED_SHARE of the fixed time or more (a shorter
+      one's time is its fixed part and noise); a side not observed yet takes the other's, since scaling one side
+      alone would bias the choice.
+
+    Medians, so that one stalled forward (the first one after start-up builds oneDNN's kernels) moves nothing. A blend
+    of F forwards is then predicted at F x fixed_s + scale x its priced compute + its copy, a full prefill at
+    fixed_s + scale x its price."""
+
+    # forwards kept per kind (those priced too short for a scale among them)
+    WINDOW = 30
+    # forwards a kind must have been observed in before it says anything (the blend's recompute: before any)
     MIN_OBSERVED = 3
-    # forwards predicted shorter are not observed: their fixed costs (Python, the scheduler) dwarf what the rates
-    # price, and the choice matters for the long ones
-    MIN_PREDICTED_S = 0.25
+    KINDS = ("probe", "blend", "full")
+    # a blend or full forward informs its side's scale when priced at this share of the fixed time or more; before
+    # any probe (a selector without a query pass), at MIN_PRICED_S or more
+    MIN_PRICED_SHARE = 0.1
+    MIN_PRICED_S = 0.25
 
     def __init__(self):
-        self.ratios = {"blend": deque(maxlen=self.WINDOW), "full": deque(maxlen=self.WINDOW)}
-        self.observed = {"blend": 0, "full": 0}
+        self.seen: dict[str, deque[tuple[float, float]]] = {k: deque(maxlen=self.WINDOW) for k in self.KINDS}
+        self.observed = dict.fromkeys(self.KINDS, 0)
 
-    @property
-    def factor(self) -> dict[str, float]:
-        return {side: statistics.median(r) if r else 1.0 for side, r in self.ratios.items()}
+    def observe(self, kind: str, priced_s: float, actual_s: float) -> None:
+        """One forward of `kind` (KINDS) priced at `priced_s` by the rates took `actual_s`."""
+        if priced_s > 0:
+            self.seen[kind].append((priced_s, actual_s))
+            self.observed[kind] += 1
 
-    def observe(self, side: str, predicted_s: float, actual_s: float) -> None:
-        if predicted_s < self.MIN_PREDICTED_S:
-            return
-        self.ratios[side].append(actual_s / predicted_s)
-        self.observed[side] += 1
+    def _probed(self, scale: float = 1.0) -> float | None:
+        probes = self.seen["probe"]
+        if len(probes) < self.MIN_OBSERVED:
+            return None
+        return max(0.0, statistics.median(a - scale * p for p, a in probes))
+
+    def _scale(self, kind: str, fixed: float | None) -> float | None:
+        least = self.MIN_PRICED_S if fixed is None else self.MIN_PRICED_SHARE * fixed
+        ratios = [(actual - (fixed or 0.0)) / priced for priced, actual in self.seen[kind] if priced >= least]
+        if len(ratios) < self.MIN_OBSERVED:
+            return None
+        scale = statistics.median(ratios)
+        return scale if scale > 0 else None
+
+    def fit(self) -> tuple[float, dict[str, float]] | None:
+        """(fixed seconds per forward, scale per side); None before the blend's recompute was observed."""
+        fixed = self._probed()
+        blend = self._scale("blend", fixed)
+        if blend is None:
+            return None
+        if fixed is not None:  # once more, the probes' priced work at the blend's scale
+            fixed = self._probed(blend)
+            blend = self._scale("blend", fixed) or blend
+        return fixed or 0.0, {"blend": blend, "full": self._scale("full", fixed) or blend}
+
+    def scale(self, side: str) -> float:
+        """A side's scale of the rates' prices (1 before any fit)."""
+        fitted = self.fit()
+        return 1.0 if fitted is None else fitted[1][side]
+
+    def state(self) -> dict:
+        """What /server_info reports."""
+        fitted = self.fit()
+        return {"fixed_s": None if fitted is None else round(fitted[0], 4),
+                "scale": None if fitted is None else {k: round(v, 3) for k, v in fitted[1].items()},
+                "observed": dict(self.observed)}
 
     def apply(self, p: "Prediction") -> "Prediction":
-        if min(len(r) for r in self.ratios.values()) < self.MIN_OBSERVED:
+        fitted = self.fit()
+        if fitted is None:
             return p
-        factor = self.factor
-        return replace(p, blend_s=p.blend_s * factor["blend"], stock_s=p.stock_s * factor["full"])
+        fixed, scale = fitted
+        copy = p.stages.get("copy", 0.0)
+        return replace(p, blend_s=p.forwards * fixed + scale["blend"] * (p.blend_s - copy) + copy,
+                       stock_s=fixed + scale["full"] * p.stock_s)
 
 
 def full_s(extend: int, prefix: int, rates: Rates) -> float:
@@ -148,12 +212,28 @@ class Work:
     query_rows: int  # the query pass's rows (a selector reading the query's attention: Layout.query_pass)
     deviation: int  # the KV deviation pass, as whole-model tokens (every token after the prefix, its first layers)
     reused: int  # context tokens whose stored KV is copied in
-    pairs: float  # (query, key) pairs those tokens attend
+    # (query, key) pairs each stage's tokens attend
+    fill_pairs: float
+    query_pairs: float
+    deviation_pairs: float
+    recompute_pairs: float
 
     @property
     def tokens(self) -> int:
         """Tokens through every layer."""
         return self.exact_prefix + self.missing + self.recomputed + self.query_rows + self.deviation
+
+    @property
+    def pairs(self) -> float:
+        return self.fill_pairs + self.query_pairs + self.deviation_pairs + self.recompute_pairs
+
+    def priced(self, rates: Rates) -> dict[str, float]:
+        """Seconds at `rates` per stage: each of FORWARDS (0 where it does not run) and the copy."""
+        t, p = rates.token_s, rates.pair_s
+        return {"fill": (self.exact_prefix + self.missing) * t + self.fill_pairs * p,
+                "query": self.query_rows * t + self.query_pairs * p,
+                "deviation": self.deviation * t + self.deviation_pairs * p,
+                "recompute": self.recomputed * t + self.recompute_pairs * p, "copy": self.reused * rates.copy_s}
 
 
 def work(plan: RequestPlan, selector, n_layers: int, held: Sequence[bool] | None = None) -> Work:
@@ -171,29 +251,31 @@ def work(plan: RequestPlan, selector, n_layers: int, held: Sequence[bool] | None
     picks = math.ceil((plan.ratio if fixed is None else fixed) * reused)
     query = n - plan.query
     exact_prefix = plan.start - start
-    pairs = (picks + between) * (plan.start + plan.query) / 2 + query * n + exact_prefix * (start + plan.start) / 2
+    recompute_pairs = (picks + between) * (plan.start + plan.query) / 2 + query * n
     shared = plan.shared_prefix_len
-    pairs += sum((e - s) * (shared + (e - s + 1) / 2) for (s, e), h in
-                 zip((c.chunk for c in plan.chunks), held or [True] * len(spans)) if not h)
+    fill_pairs = exact_prefix * (start + plan.start) / 2 + sum(
+        (e - s) * (shared + (e - s + 1) / 2) for (s, e), h in
+        zip((c.chunk for c in plan.chunks), held or [True] * len(spans)) if not h)
     wanted = needs(selector)
     rows = min(query, QUERY_PASS_TOKENS) if any(name == "query_attention" for name, _ in wanted) else 0
-    pairs += rows * (plan.start + reused + rows)
-    deviation = 0
+    query_pairs = rows * (plan.start + reused + rows)
+    deviation, deviation_pairs = 0, 0.0
     measured = [args for name, args in wanted if name in ("kv_deviation", "known_deviation")]
     if measured:
         share = (measured[0][0] + 1) / n_layers  # args[0]: the check layer; the pass stops after it
         deviation = math.ceil((n - plan.start) * share)
-        pairs += (n - plan.start) * (plan.start + (n - plan.start + 1) / 2) * share
-    return Work(exact_prefix, missing, picks + between + query, rows, deviation, reused, pairs)
+        deviation_pairs = (n - plan.start) * (plan.start + (n - plan.start + 1) / 2) * share
+    return Work(exact_prefix, missing, picks + between + query, rows, deviation, reused, fill_pairs, query_pairs,
+                deviation_pairs, recompute_pairs)
 
 
 def predict(plan: RequestPlan, selector, rates: Rates, n_layers: int, margin: float = 0.0) -> Prediction:
     """A request whose chunks are all stored (one with a missing chunk blends to store it), blended by `selector`
     (Work); `margin`: Prediction.margin."""
     w = work(plan, selector, n_layers)
-    blend = w.tokens * rates.token_s + w.pairs * rates.pair_s + w.reused * rates.copy_s
-    return Prediction(blend, full_s(plan.n - plan.matched, plan.matched, rates), w.tokens, int(w.pairs), w.reused,
-                      margin)
+    stages = w.priced(rates)
+    return Prediction(sum(stages.values()), full_s(plan.n - plan.matched, plan.matched, rates), w.tokens,
+                      int(w.pairs), w.reused, margin, stages)
 
 
 class ComputeCost:
@@ -224,4 +306,4 @@ class ComputeCost:
         if measured is not None:
             return tokens * measured
         rates = self._rates()
-        return None if rates is None else full_s(tokens, 0, rates) * self._calibration.factor["blend"]
+        return None if rates is None else full_s(tokens, 0, rates) * self._calibration.scale("blend")

@@ -88,13 +88,13 @@ def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
     finally:  # whatever runs next on these slots (the next batch, a fallback's prefill) follows the whole copy
         if engine.runner.copied is not None:
             engine.runner.copied.wait_all()
-    if all(p is not None for p in at_rates.values()):  # the batch's blend time against the rates' prediction
-        reuse.calibration.observe("blend", sum(p.blend_s for p in at_rates.values()), time.perf_counter() - t0)
     reuse.deferred.extend(done.deferred)  # measured when the scheduler is idle (plugin: Scheduler.on_idle)
     stages = {**done.seconds, "plan": planned - t0}
     decodes = sum(row.decode for row in rows)
     batch = {"requests": len(blending), "plain": len(rows) - len(blending) - decodes, "decodes": decodes,
              "forwards": engine.runner.forwards}
+    if batch["plain"] == batch["decodes"] == 0:  # its forwards are its blends' alone
+        _observe(reuse, list(at_rates.values()), done, stages)
     feature_s = stages["features"] / len(blending)  # a batched feature pass is shared evenly by its requests
     blend_s = time.perf_counter() - t0 - stages["features"] - stages["select"]
     for (index, (request, _)), b in zip(blending.items(), done.requests):
@@ -103,6 +103,17 @@ def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
                                                 prediction=predictions[index]))
         audit.offer(reuse, engine.runner, index, request.rid, b, done.output)  # a sample, recomputed when idle
     return done.output
+
+
+def _observe(reuse: ChunkReuse, priced: list[Prediction | None], done: pipeline.BatchBlend,
+             seconds: dict[str, float]) -> None:
+    """The batch's query pass (a probe of the fixed time per forward, when the feature stage ran it alone) and its
+    recompute pass, each one forward, against the rates' prices (chunkcache.blend.cost.Calibration)."""
+    if not priced or any(p is None for p in priced):
+        return
+    if all(b.passes == ("query_attention",) for b in done.requests):
+        reuse.calibration.observe("probe", sum(p.stages["query"] for p in priced), seconds["features"])
+    reuse.calibration.observe("blend", sum(p.stages["recompute"] for p in priced), seconds["recompute"])
 
 
 def _predicted(reuse: ChunkReuse, plan: RequestPlan) -> tuple[Prediction | None, Prediction | None]:

@@ -58,7 +58,7 @@ class ChunkRadixCache(UnifiedRadixCache):
                 "store": dataclasses.asdict(self.reuse.store.stats()),
                 "deferred_deviations": len(self.reuse.deferred),  # estimated, to be measured when idle
                 # the blend-or-full choice's scale per side: this server's forwards over the rates' predictions
-                "calibration": {"factor": self.reuse.calibration.factor, "observed": self.reuse.calibration.observed},
+                "calibration": self.reuse.calibration.state(),
                 # a chunk's measured compute cost, priced against a remote fetch (store.remote_fetch)
                 "compute_s_per_token": self.reuse.compute.per_token_s,
                 "kv_pool": {"available": int(self.token_to_kv_pool_allocator.available_size()),
