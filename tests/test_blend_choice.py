@@ -59,6 +59,7 @@ def test_a_short_prompts_blend_pays_a_forwards_fixed_time_and_is_computed_in_ful
     from transformers import AutoTokenizer
 
     from chunkcache.blend.cost import Calibration
+    from chunkcache.config import Config
 
     rag = Rag(AutoTokenizer.from_pretrained(default_model), n_docs=2, words=30, seed=3)
     ids, spans = rag.build([0, 1], "Code of document 1?")
@@ -77,5 +78,6 @@ def test_a_short_prompts_blend_pays_a_forwards_fixed_time_and_is_computed_in_ful
         flush(eng)
         out = gen(eng, ids, hints(spans), n=4)
         info = out["meta_info"]["chunkcache"]
-        assert info["fallback"] == "predicted_slower" and info["predicted_blend_s"] > info["predicted_full_s"], info
+        assert info["fallback"] == "predicted_slower", info  # predicted slower, or faster by less than the margin
+        assert info["predicted_blend_s"] >= (1 - Config().select.blend_margin) * info["predicted_full_s"], info
         assert out["output_ids"] == gen(eng, ids, n=4)["output_ids"]

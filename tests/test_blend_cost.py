@@ -1,5 +1,6 @@
 """chunkcache.blend.cost: the blend-or-full prediction, priced by hand on rates chosen to isolate each term."""
 
+import math
 from types import SimpleNamespace
 
 import torch
@@ -36,6 +37,22 @@ def test_tokens_the_blend_computes_against_the_whole_extend():
     assert priced(tail, query_pass=True, rates=Rates(1.0, 0.0, 0.0)).blend_s == 10 + 10 + 105 + QUERY_PASS_TOKENS
     assert priced(tail, query_pass=True, rates=Rates(0.0, 1.0, 0.0)).blend_s == (
         10 * 10 / 2 + 10 * (10 + 110) / 2 + 105 * 215 + QUERY_PASS_TOKENS * (110 + QUERY_PASS_TOKENS))
+
+
+def test_each_stage_is_priced_where_its_forward_runs():
+    """The exact prefix (10 tokens of PLAN, nothing matched) runs in the first forward after it that attends it: the
+    fill's when a chunk is missing, else the query pass, else the recompute; before a deviation pass (which stops
+    early) in a forward of its own. One forward per stage that runs."""
+    tokens = Rates(token_s=1.0, pair_s=0.0, copy_s=0.0)
+    query = priced(PLAN, query_pass=True, rates=tokens)
+    assert query.stages == {"fill": 0, "query": 5 + 10, "deviation": 0, "recompute": 20 + 5, "copy": 0}
+    assert query.forwards == 2 and sum(query.stages.values()) == query.blend_s
+    assert priced(PLAN, query_pass=False, rates=tokens).stages["recompute"] == 10 + 20 + 5
+    missing = work(PLAN, QUERY_PASS, LAYERS, held=[True, False]).priced(tokens)
+    assert missing["fill"] == 10 + 100 and missing["query"] == 5
+    deviation_first = SimpleNamespace(needs=(("kv_deviation", (1, "k")), ("query_attention", ())))
+    stages = work(PLAN, deviation_first, LAYERS).priced(tokens)
+    assert stages["fill"] == 10 and stages["query"] == 5 and stages["deviation"] == math.ceil((215 - 10) * 2 / LAYERS)
 
 
 def test_pairs_each_side_attends():
@@ -160,3 +177,16 @@ def test_admission_charges_the_work_the_prediction_prices():
     (name, (layer, _)), = measured.needs
     share = -(-(300 - 10) * (layer + 1) // LAYERS)  # every token after the prefix, through the check layer
     assert name == "kv_deviation" and work(long_query, measured, LAYERS).deviation == share
+
+
+def test_a_sides_scale_is_read_at_the_size_it_prices():
+    """Short forwards run the matmuls' few rows slower than the rates (measured on 512) say, long ones as they say:
+    a prediction takes the scale of the forwards nearest its size."""
+    c = Calibration()
+    for _ in range(Calibration.MIN_OBSERVED):  # blends at the rates
+        c.observe("blend", 0.5, 0.5)
+    for i in range(Calibration.NEAREST):
+        c.observe("full", 0.3 + 0.01 * i, 3 * (0.3 + 0.01 * i))  # short full prefills at 3x the rates
+        c.observe("full", 2.0 + 0.1 * i, 2.0 + 0.1 * i)  # long ones at the rates
+    assert abs(c.apply(Prediction(blend_s=1.0, stock_s=2.2, stages={"recompute": 1.0})).stock_s - 2.2) < 1e-9
+    assert abs(c.apply(Prediction(blend_s=0.2, stock_s=0.33, stages={"recompute": 0.2})).stock_s - 0.99) < 1e-9

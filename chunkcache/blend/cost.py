@@ -85,17 +85,17 @@ class Prediction:
 
 class Calibration:
     """How this server's forwards run against the rates' prices, learned from its own forwards: each forward takes a
-    fixed time (SGLang's Python per layer and its scheduling, the blend's own per layer: what rates measured on large
-    matmuls leave out; ~60 ms for the default model on a 2-core AMD EPYC, where a 136-token prompt's whole priced
-    work is ~70 ms) plus a side's scale of its priced work (a blend's forwards run the selector's kernels, a full
-    prefill SGLang's).
+    fixed time (the weights streamed from memory once, SGLang's Python per layer, the scheduler: what rates measured
+    on 512 rows of cached weights leave out; ~60 ms for the default model on a 2-core AMD EPYC, where a 136-token
+    prompt's whole priced work is ~70 ms) plus a side's scale of its priced work (a blend's forwards run the
+    selector's kernels, a full prefill SGLang's; a short forward's few rows run the matmuls slower than 512 do).
 
     * `fixed_s` is read off the query pass (observed as a "probe"): a forward of a few dozen rows, most of whose time
       is the fixed part: the median of its seconds less its priced work at the blend's scale;
-    * each side's scale is the median of (seconds - fixed_s) / priced over its last WINDOW forwards ("blend": the
-      recompute pass, "full": SGLang's own extend) priced at MIN_PRICED_SHARE of the fixed time or more (a shorter
-      one's time is its fixed part and noise); a side not observed yet takes the other's, since scaling one side
-      alone would bias the choice.
+    * a side's scale at a size is the median of (seconds - fixed_s) / priced over the NEAREST of its last WINDOW
+      forwards in priced work ("blend": the recompute pass, "full": SGLang's own extend), each priced at
+      MIN_PRICED_SHARE of the fixed time or more (a shorter one's time is its fixed part and noise); a side not
+      observed yet takes the other's, since scaling one side alone would bias the choice.
 
     Medians, so that one stalled forward (the first one after start-up builds oneDNN's kernels) moves nothing. A blend
     of F forwards is then predicted at F x fixed_s + scale x its priced compute + its copy, a full prefill at
@@ -105,6 +105,8 @@ class Calibration:
     WINDOW = 30
     # forwards a kind must have been observed in before it says anything (the blend's recompute: before any)
     MIN_OBSERVED = 3
+    # forwards a scale at a size is read from: those nearest to it in priced work
+    NEAREST = 7
     KINDS = ("probe", "blend", "full")
     # a blend or full forward informs its side's scale when priced at this share of the fixed time or more; before
     # any probe (a selector without a query pass), at MIN_PRICED_S or more
@@ -127,16 +129,20 @@ class Calibration:
             return None
         return max(0.0, statistics.median(a - scale * p for p, a in probes))
 
-    def _scale(self, kind: str, fixed: float | None) -> float | None:
+    def _scale(self, kind: str, fixed: float | None, near: float | None = None) -> float | None:
+        """`kind`'s scale over all its forwards, or at priced work `near`; None before MIN_OBSERVED."""
         least = self.MIN_PRICED_S if fixed is None else self.MIN_PRICED_SHARE * fixed
-        ratios = [(actual - (fixed or 0.0)) / priced for priced, actual in self.seen[kind] if priced >= least]
-        if len(ratios) < self.MIN_OBSERVED:
+        points = [(priced, actual) for priced, actual in self.seen[kind] if priced >= least]
+        if len(points) < self.MIN_OBSERVED:
             return None
-        scale = statistics.median(ratios)
+        if near is not None and near > 0:
+            points = sorted(points, key=lambda point: abs(math.log(point[0] / near)))[: self.NEAREST]
+        scale = statistics.median((actual - (fixed or 0.0)) / priced for priced, actual in points)
         return scale if scale > 0 else None
 
-    def fit(self) -> tuple[float, dict[str, float]] | None:
-        """(fixed seconds per forward, scale per side); None before the blend's recompute was observed."""
+    def _fixed(self) -> tuple[float | None, float] | None:
+        """(the fixed time, None without probes; the blend's scale over all its forwards); None before the blend's
+        recompute was observed."""
         fixed = self._probed()
         blend = self._scale("blend", fixed)
         if blend is None:
@@ -144,10 +150,19 @@ class Calibration:
         if fixed is not None:  # once more, the probes' priced work at the blend's scale
             fixed = self._probed(blend)
             blend = self._scale("blend", fixed) or blend
+        return fixed, blend
+
+    def fit(self) -> tuple[float, dict[str, float]] | None:
+        """(fixed seconds per forward, scale per side over all its forwards); None before the blend's recompute was
+        observed."""
+        fitted = self._fixed()
+        if fitted is None:
+            return None
+        fixed, blend = fitted
         return fixed or 0.0, {"blend": blend, "full": self._scale("full", fixed) or blend}
 
     def scale(self, side: str) -> float:
-        """A side's scale of the rates' prices (1 before any fit)."""
+        """A side's scale of the rates' prices over all its forwards (1 before any fit)."""
         fitted = self.fit()
         return 1.0 if fitted is None else fitted[1][side]
 
@@ -159,13 +174,16 @@ class Calibration:
                 "observed": dict(self.observed)}
 
     def apply(self, p: "Prediction") -> "Prediction":
-        fitted = self.fit()
+        """`p` at this server's fixed time and each side's scale at `p`'s sizes (the blend's at its recompute's)."""
+        fitted = self._fixed()
         if fitted is None:
             return p
-        fixed, scale = fitted
-        copy = p.stages.get("copy", 0.0)
-        return replace(p, blend_s=p.forwards * fixed + scale["blend"] * (p.blend_s - copy) + copy,
-                       stock_s=fixed + scale["full"] * p.stock_s)
+        fixed, overall = fitted
+        blend = self._scale("blend", fixed, p.stages.get("recompute") or p.blend_s) or overall
+        full = self._scale("full", fixed, p.stock_s) or blend
+        copy, fixed = p.stages.get("copy", 0.0), fixed or 0.0
+        return replace(p, blend_s=p.forwards * fixed + blend * (p.blend_s - copy) + copy,
+                       stock_s=fixed + full * p.stock_s)
 
 
 def full_s(extend: int, prefix: int, rates: Rates) -> float:
@@ -212,11 +230,16 @@ class Work:
     query_rows: int  # the query pass's rows (a selector reading the query's attention: Layout.query_pass)
     deviation: int  # the KV deviation pass, as whole-model tokens (every token after the prefix, its first layers)
     reused: int  # context tokens whose stored KV is copied in
-    # (query, key) pairs each stage's tokens attend
-    fill_pairs: float
+    # (query, key) pairs each of them attends
+    prefix_pairs: float
+    missing_pairs: float
     query_pairs: float
     deviation_pairs: float
     recompute_pairs: float
+    # the stage whose forward computes the exact prefix (FORWARDS): the fill's when a chunk is missing, else the
+    # first pass after it that attends it (the engine's leads); a deviation pass stops early, so a prefix before one
+    # is a forward of its own, counted as the fill's
+    prefix_stage: str = "fill"
 
     @property
     def tokens(self) -> int:
@@ -225,15 +248,17 @@ class Work:
 
     @property
     def pairs(self) -> float:
-        return self.fill_pairs + self.query_pairs + self.deviation_pairs + self.recompute_pairs
+        return self.prefix_pairs + self.missing_pairs + self.query_pairs + self.deviation_pairs + self.recompute_pairs
 
     def priced(self, rates: Rates) -> dict[str, float]:
         """Seconds at `rates` per stage: each of FORWARDS (0 where it does not run) and the copy."""
         t, p = rates.token_s, rates.pair_s
-        return {"fill": (self.exact_prefix + self.missing) * t + self.fill_pairs * p,
-                "query": self.query_rows * t + self.query_pairs * p,
-                "deviation": self.deviation * t + self.deviation_pairs * p,
-                "recompute": self.recomputed * t + self.recompute_pairs * p, "copy": self.reused * rates.copy_s}
+        stages = {"fill": self.missing * t + self.missing_pairs * p,
+                  "query": self.query_rows * t + self.query_pairs * p,
+                  "deviation": self.deviation * t + self.deviation_pairs * p,
+                  "recompute": self.recomputed * t + self.recompute_pairs * p, "copy": self.reused * rates.copy_s}
+        stages[self.prefix_stage] += self.exact_prefix * t + self.prefix_pairs * p
+        return stages
 
 
 def work(plan: RequestPlan, selector, n_layers: int, held: Sequence[bool] | None = None) -> Work:
@@ -253,9 +278,9 @@ def work(plan: RequestPlan, selector, n_layers: int, held: Sequence[bool] | None
     exact_prefix = plan.start - start
     recompute_pairs = (picks + between) * (plan.start + plan.query) / 2 + query * n
     shared = plan.shared_prefix_len
-    fill_pairs = exact_prefix * (start + plan.start) / 2 + sum(
-        (e - s) * (shared + (e - s + 1) / 2) for (s, e), h in
-        zip((c.chunk for c in plan.chunks), held or [True] * len(spans)) if not h)
+    prefix_pairs = exact_prefix * (start + plan.start) / 2
+    missing_pairs = sum((e - s) * (shared + (e - s + 1) / 2) for (s, e), h in
+                        zip((c.chunk for c in plan.chunks), held or [True] * len(spans)) if not h)
     wanted = needs(selector)
     rows = min(query, QUERY_PASS_TOKENS) if any(name == "query_attention" for name, _ in wanted) else 0
     query_pairs = rows * (plan.start + reused + rows)
@@ -265,8 +290,11 @@ def work(plan: RequestPlan, selector, n_layers: int, held: Sequence[bool] | None
         share = (measured[0][0] + 1) / n_layers  # args[0]: the check layer; the pass stops after it
         deviation = math.ceil((n - plan.start) * share)
         deviation_pairs = (n - plan.start) * (plan.start + (n - plan.start + 1) / 2) * share
-    return Work(exact_prefix, missing, picks + between + query, rows, deviation, reused, fill_pairs, query_pairs,
-                deviation_pairs, recompute_pairs)
+    passes = [name for name, _ in wanted if name in ("query_attention", "kv_deviation", "known_deviation")]
+    prefix_stage = ("fill" if missing or (passes and passes[0] != "query_attention")
+                    else "query" if passes else "recompute")
+    return Work(exact_prefix, missing, picks + between + query, rows, deviation, reused, prefix_pairs, missing_pairs,
+                query_pairs, deviation_pairs, recompute_pairs, prefix_stage)
 
 
 def predict(plan: RequestPlan, selector, rates: Rates, n_layers: int, margin: float = 0.0) -> Prediction:
