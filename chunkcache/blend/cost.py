@@ -85,10 +85,11 @@ class Prediction:
 
 class Calibration:
     """How this server's forwards run against the rates' prices, learned from its own forwards: each forward takes a
-    fixed time (the weights streamed from memory once, SGLang's Python per layer, the scheduler: what rates measured
-    on 512 rows of cached weights leave out; ~60 ms for the default model on a 2-core AMD EPYC, where a 136-token
-    prompt's whole priced work is ~70 ms) plus a side's scale of its priced work (a blend's forwards run the
-    selector's kernels, a full prefill SGLang's; a short forward's few rows run the matmuls slower than 512 do).
+    fixed time (the weights read from memory once, most likely, SGLang's Python per layer, the scheduler: what
+    rates measured on 512 rows of cached weights leave out; ~60 ms for the default model on a 2-core AMD EPYC,
+    where a 136-token prompt's whole priced work is ~70 ms) plus a side's scale of its priced work (a blend's
+    forwards run the selector's kernels, a full prefill SGLang's; a short forward's few rows run the matmuls slower
+    than 512 do).
 
     * `fixed_s` is read off the query pass (observed as a "probe"): a forward of a few dozen rows, most of whose time
       is the fixed part: the median of its seconds less its priced work at the blend's scale;
