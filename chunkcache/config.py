@@ -273,7 +273,8 @@ class AutoConfig:
         "attend to them heavily (MuSiQue, 100 cases: first-token KL +30 % against hinted blending with 0, see "
         "docs/bench/auto.md); this many tokens from the first stored segment's start are computed, and a segment "
         "they end inside is reused from there on (128 against 64: MuSiQue first-token KL -12 % and +28 %, 40 cases, "
-        "docs/bench/speed.md)")
+        "docs/bench/speed.md); none when that segment was learned within its own prompt's first this many tokens "
+        "(ingested, sent alone, or leading an earlier prompt: no other passage before it)")
     edge_tokens: int = knob(
         8, "a segment that starts or ends a paragraph and is not stored is looked up again without up to this many "
         "of its first (or last) tokens: a passage stored bare (ingest, the documents API, its own request) is found "

@@ -112,12 +112,12 @@ def test_detect_needs_enough_stored_tokens_past_the_exact_prefix():
     segs = seg.segments(ids, "ns", None)
     # each run ends before its break token, a segment of its own too short to keep (no content cut at this mean)
     assert segs.spans == ((4, 24), (25, 55))
-    stored = set(segs.keys)
-    found = seg.detect(segs, len(ids), matched=0, stored=stored)
+    stored = dict.fromkeys(segs.keys, 0)
+    found = seg.detect(segs, len(ids), matched=0, learned_at=stored)
     assert found.spans == ((4, 24), (25, 55)) and found.tokens == 50
-    assert seg.detect(segs, len(ids), matched=5, stored=stored) is None  # 30 tokens past the match: too few
-    assert seg.detect(segs, len(ids), matched=0, stored={segs.keys[1]}) is None
-    assert seg.detect(segs, 55, matched=0, stored=stored) is None  # the last prompt token is never reused
+    assert seg.detect(segs, len(ids), matched=5, learned_at=stored) is None  # 30 tokens past the match: too few
+    assert seg.detect(segs, len(ids), matched=0, learned_at={segs.keys[1]: 0}) is None
+    assert seg.detect(segs, 55, matched=0, learned_at=stored) is None  # the last prompt token is never reused
 
 
 def test_detect_leaves_the_first_tokens_after_the_exact_prefix_to_be_computed():
@@ -127,15 +127,29 @@ def test_detect_leaves_the_first_tokens_after_the_exact_prefix_to_be_computed():
     ids = [5] * 3 + [0] + list(range(10, 30)) + [0] + list(range(40, 70)) + [0] + list(range(80, 100)) + [0] + [99]
     segs = seg.segments(ids, "ns", None)
     assert segs.spans == ((4, 24), (25, 55), (56, 76))
-    found = seg.detect(segs, len(ids), matched=0, stored=set(segs.keys))
+    deep = lambda keys: dict.fromkeys(keys, 300)  # noqa: E731 - learned after another prompt's passages
+    found = seg.detect(segs, len(ids), matched=0, learned_at=deep(segs.keys))
     assert found.spans == ((25, 55), (56, 76)) and found.exact_until == 25  # (4, 24) is in the lead: 21 tokens
     assert found.tokens == 50
-    found = seg.detect(segs, len(ids), matched=0, stored=set(segs.keys[1:]))
+    found = seg.detect(segs, len(ids), matched=0, learned_at=deep(segs.keys[1:]))
     # counted from the first stored segment past the exact prefix; the lead ends inside it, which is reused after
     assert found.spans == ((25, 55), (56, 76)) and found.exact_until == 46 and found.tokens == 9 + 20
-    found = seg.detect(segs, len(ids), matched=5, stored=set(segs.keys))
+    found = seg.detect(segs, len(ids), matched=5, learned_at=deep(segs.keys))
     assert found.exact_until == 46  # a segment the exact prefix reaches into is not reused; the next starts the lead
-    assert seg.detect(segs, len(ids), matched=26, stored=set(segs.keys)) is None  # 21 tokens past the lead: too few
+    assert seg.detect(segs, len(ids), matched=26, learned_at=deep(segs.keys)) is None  # 21 past the lead: too few
+    # the first segment learned in its own prompt's head (ingested, sent alone): no other passage before it there,
+    # so no lead; learned at the lead's length or deeper, the lead again
+    head = {**deep(segs.keys), segs.keys[0]: 20}
+    ingested = seg.detect(segs, len(ids), matched=0, learned_at=head)
+    assert ingested.spans == segs.spans and ingested.exact_until == 4 and ingested.tokens == 70
+    assert seg.detect(segs, len(ids), matched=0, learned_at={**head, segs.keys[0]: 21}).exact_until == 25
+    # only the first stored segment's position counts: a later one learned in a head changes nothing
+    assert seg.detect(segs, len(ids), matched=0, learned_at={**deep(segs.keys), segs.keys[1]: 0}).exact_until == 25
+    # the first segment stored whole from deep in a prompt (this template wraps it) and trimmed from a head (ingested
+    # bare): the head's form is reused, with no lead
+    (span, key), = [form for form in segs.edges[0] if form[0] == (6, 24)]
+    wrapped = seg.detect(segs, len(ids), matched=0, learned_at={**deep(segs.keys), key: 10})
+    assert wrapped.spans == ((6, 24), (25, 55), (56, 76)) and wrapped.keys[0] == key and wrapped.exact_until == 6
     plan = RequestHint(torch.tensor(ids), found.spans, found.keys, "mix", 0.15, "ns", auto=True,
                                     exact_until=found.exact_until).plan(matched=5)
     assert plan.start == 46 and [(c.span, c.head) for c in plan.chunks] == [((46, 55), 21), ((56, 76), 0)]
@@ -152,12 +166,12 @@ def test_a_passage_stored_bare_is_found_inside_a_template_that_wraps_it_on_its_l
     cover >= 95 % of the passage's tokens (each token at most once) and nothing outside it."""
     target, other = passages[4].replace("\n", " "), passages[5].replace("\n", " ")
     stored_ids = chat(tok, "Documents:\n\n" + target + "\n\n" + other + "\n\nQuestion: x")
-    stored = set(auto.segments(stored_ids, "default", None).keys)
+    stored = dict.fromkeys(auto.segments(stored_ids, "default", None).keys, 0)
     text = "Answer from these.\n" + "\n".join(wrap.format(p) for p in (other, target)) + "\nQuestion: y"
     ids = chat(tok, text)
     segs = auto.segments(ids, "default", None)
     found = AutoChunks(AutoConfig(enabled=True, exact_lead_tokens=0), auto.segmenter.break_ids, FP).detect(
-        segs, len(ids), matched=0, stored=stored)
+        segs, len(ids), matched=0, learned_at=stored)
     own = tok(target, add_special_tokens=False)["input_ids"]
     at = next(i for i in range(len(ids)) if ids[i: i + len(own)] == own)
     covered = [span for span in found.spans if at <= span[0] and span[1] <= at + len(own)]
@@ -167,7 +181,7 @@ def test_a_passage_stored_bare_is_found_inside_a_template_that_wraps_it_on_its_l
     assert trimmed, "every segment matched whole: the wrapper was not on the passage's line"
     # whole segments only (edge_tokens 0): the passage's first and last segments are lost
     whole = AutoChunks(AutoConfig(enabled=True, exact_lead_tokens=0, edge_tokens=0), auto.segmenter.break_ids, FP)
-    bare = whole.detect(whole.segments(ids, "default", None), len(ids), matched=0, stored=stored)
+    bare = whole.detect(whole.segments(ids, "default", None), len(ids), matched=0, learned_at=stored)
     assert sum(e - s for s, e in bare.spans if at <= s and e <= at + len(own)) < sum(e - s for s, e in covered)
 
 def test_learning_takes_computed_segments_the_store_lacks_and_when_crowded_only_those_seen_twice():

@@ -264,6 +264,28 @@ def test_an_automatic_lead_ending_inside_a_segment_is_exact_and_the_segments_res
         assert torch.equal(k[cut:first + entry.num_tokens][held], k_tail[layer][held])
         assert torch.equal(v[cut:first + entry.num_tokens][held], entry.v[layer, 12:][held])
 
+def test_an_automatic_first_segment_learned_in_its_own_prompts_head_needs_no_lead(blender):
+    """A passage that led the prompt it was learned from (ingested, sent alone) saw no other passage before it: it
+    is reused from its first token; learned after the others, the lead is computed again."""
+    brk = 2
+    auto = AutoChunks(AutoConfig(enabled=True, min_reuse_tokens=16, segment_min_tokens=8, segment_mean_tokens=1 << 20,
+                                 exact_lead_tokens=12), frozenset({brk}), blender.fingerprint)
+    p, docs, q = prompt(seed=7, prefix=4, chunks=(19, 23, 29), query=7)
+    p, docs = p + [brk], [d + [brk] for d in docs]
+    learned_from = blender.full_prefill(p, docs, q)
+    if any(layer.keys.shape[2] < learned_from.layout.n for layer in learned_from.past_key_values.layers):
+        pytest.skip("a sliding window's cache keeps too few tokens to learn segments from")
+    moved = [docs[2], docs[0], docs[1]]
+    ids = p + sum(moved, []) + q
+    for alone in docs:  # each learned at len(p) = 5, inside the 12-token lead
+        blender.learn_segments(blender.full_prefill(p, [alone], q), auto)
+    res = blender.auto_blend(ids, auto, "none")
+    assert res.layout.prefix_len == len(p) and res.layout.chunk_spans[0] == (len(p), len(p) + len(moved[0]) - 1)
+    blender.store = ChunkStore(model_fingerprint=blender.fingerprint)
+    blender.learn_segments(learned_from, auto)  # docs[2] learned after the other two
+    assert blender.auto_blend(ids, auto, "none").layout.prefix_len == len(p) + 12
+
+
 # ---- features selectors may ask for ------------------------------------------------------------------------------
 
 

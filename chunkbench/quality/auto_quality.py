@@ -5,7 +5,8 @@ Per case (a workload item, as `chunkcache eval` builds it), with an empty store:
   hinted  the prompt's documents marked as chunks, each computed standalone after the prefix (`chunkcache eval`'s
           blend);
   auto    what a server with `auto.enabled` does for the prompt sent unmarked after the same documents came in
-          another prompt (another order, another question; `--warm drop-last`: without the prompt's last document):
+          another prompt (another order, another question; `--warm drop-last`: without the prompt's last document;
+          `--warm alone`: each document in a prompt of its own, as ingest or single-document requests store them):
           that prompt's full prefill teaches the store its segments, then the prompt's stored segments become its
           chunks.
 Both blends use the same selector and rho; rows hold the first-token KL against full, teacher-forced agreement with
@@ -45,7 +46,7 @@ def contains(text: str, answers) -> float:
 def run(args) -> None:
     blender = ReferenceBlender.from_pretrained(args.model)
     tok = blender.tokenizer
-    auto = AutoChunks(AutoConfig(enabled=True), break_ids(tok.batch_decode([[i] for i in range(len(tok))])),
+    auto = AutoChunks(AutoConfig(enabled=True, exact_lead_tokens=args.exact_lead), break_ids(tok.batch_decode([[i] for i in range(len(tok))])),
                       blender.fingerprint)
     measure = ReferenceMeasure(blender, args.max_new_tokens)
     rng = random.Random(args.seed)
@@ -69,8 +70,11 @@ def run(args) -> None:
                     order = [0] + [i for i in order if i]
             if args.warm == "drop-last":  # the last document never stored: it and the question are the auto query
                 order = [i for i in order if i != len(order) - 1]
-            warm = replace(item, documents=tuple(item.documents[i] for i in order), question=WARM_QUESTION)
-            learned = blender.learn_segments(blender.full_prefill(*split(to_request(tok, warm).prompt)), auto)
+            warms = [replace(item, documents=tuple(item.documents[i] for i in order), question=WARM_QUESTION)]
+            if args.warm == "alone":
+                warms = [replace(item, documents=(doc,), question=WARM_QUESTION) for doc in item.documents]
+            learned = sum(blender.learn_segments(blender.full_prefill(*split(to_request(tok, w).prompt)), auto)
+                          for w in warms)
             ids = ref.result.layout.token_ids
             res = blender.auto_blend(ids, auto, args.selector, args.ratio)
             if res is None:  # too few stored tokens: served as stock, exactly full's answer
@@ -122,10 +126,13 @@ def main() -> None:
     ap.add_argument("--selector", default="prophet")
     ap.add_argument("--ratio", type=float, default=0.15)
     ap.add_argument("--max-new-tokens", type=int, default=24)
-    ap.add_argument("--warm", choices=("shuffle", "keep-first", "drop-last"), default="shuffle",
+    ap.add_argument("--warm", choices=("shuffle", "keep-first", "drop-last", "alone"), default="shuffle",
                     help="the earlier prompt's document order: any other order, the same first document (isolates "
-                    "what the first document's context costs), or any order without the last document (a passage "
-                    "the store lacks at the prompt's end, as under churn)")
+                    "what the first document's context costs), any order without the last document (a passage "
+                    "the store lacks at the prompt's end, as under churn), or each document in a prompt of its own "
+                    "(ingest)")
+    ap.add_argument("--exact-lead", type=int, default=AutoConfig().exact_lead_tokens,
+                    help="auto.exact_lead_tokens (default: the shipped one)")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--out", required=True, help="JSON Lines of rows; an existing file is resumed")
     ap.add_argument("--report", action="store_true", help="only summarize --out")

@@ -14,7 +14,11 @@ Contract:
   request is served as stock. The first `exact_lead_tokens` from the first such segment's start are the lead
   (`Detected.exact_until`): the engine computes them after the exact prefix, and a segment the lead ends inside is
   reused from there on (its head is computed). The first text after a prompt's prefix is where a segment's KV,
-  learned after other text, deviates most from what this prompt gives it.
+  learned after other text, deviates most from what this prompt gives it. A first segment learned within its own
+  prompt's first `exact_lead_tokens` (a passage ingested, sent alone or leading an earlier prompt) saw no more text
+  before it than the lead would compute, a template's head and no other passage: it is reused from its first token,
+  as a hinted chunk computed after the prefix is; such a form (whole or trimmed) of the first segment is preferred to
+  one learned deeper.
 - `to_learn` names the segments a finished prefill computed in this prompt's own context that no tier holds; when the
   store is `crowded` (learning would evict), only those seen in `admit_after` prefills (sightings are counted always,
   for the `seen_keys` most recent keys). The engine copies their KV out of its pool into entries.
@@ -23,7 +27,7 @@ Contract:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -92,12 +96,22 @@ class AutoChunks:
         return ([(s + j, e) for j in range(1, trims + 1) if starts and e - s - j >= floor]
                 + [(s, e - j) for j in range(1, trims + 1) if ends and e - s - j >= floor])
 
-    def detect(self, segments: Segments, n: int, matched: int, stored: set[str] | frozenset[str]) -> Detected | None:
+    def detect(self, segments: Segments, n: int, matched: int, learned_at: Mapping[str, int]) -> Detected | None:
         """The stored segments of a prompt of `n` tokens past its first `matched` (held exactly), ending before its
-        last token, less the lead; None when they cover fewer than min_reuse_tokens past it."""
-        picked = [form for form in map(lambda i: _stored_form(segments, i, stored), range(len(segments.spans)))
-                  if form is not None and form[0][0] >= matched and form[0][1] < n]
-        lead_end = picked[0][0][0] + self.config.exact_lead_tokens if picked else matched
+        last token, less the lead; None when they cover fewer than min_reuse_tokens past it. `learned_at`: the
+        stored keys, each with the position its KV was learned at (its entry's start_pos)."""
+        fits = lambda form: form[0][0] >= matched and form[0][1] < n  # noqa: E731
+        picked = [(i, forms[0]) for i in range(len(segments.spans))
+                  if (forms := _stored_forms(segments, i, learned_at)) and fits(forms[0])]
+        lead = self.config.exact_lead_tokens
+        if picked:  # a form of the first segment learned in its prompt's head (no other passage before it): no lead
+            first, _ = picked[0]
+            head = next((f for f in _stored_forms(segments, first, learned_at) if fits(f) and learned_at[f[1]] < lead),
+                        None)
+            if head is not None:
+                picked[0], lead = (first, head), 0
+        picked = [form for _, form in picked]
+        lead_end = picked[0][0][0] + lead if picked else matched
         picked = [(span, key) for span, key in picked if span[1] > lead_end]
         tokens = sum(e - max(s, lead_end) for (s, e), _ in picked)
         if tokens < self.config.min_reuse_tokens:
@@ -125,9 +139,7 @@ class AutoChunks:
         return n
 
 
-def _stored_form(segments: Segments, i: int, stored) -> tuple[tuple[int, int], str] | None:
-    """Segment i whole when stored, else its first stored trimmed form, else None."""
-    if segments.keys[i] in stored:
-        return segments.spans[i], segments.keys[i]
-    trimmed = segments.edges[i] if segments.edges else ()
-    return next(((span, key) for span, key in trimmed if key in stored), None)
+def _stored_forms(segments: Segments, i: int, stored) -> list[tuple[tuple[int, int], str]]:
+    """Segment i's stored forms (span, key): whole first, then its trimmed ones in order."""
+    forms = [(segments.spans[i], segments.keys[i]), *(segments.edges[i] if segments.edges else ())]
+    return [(span, key) for span, key in forms if key in stored]

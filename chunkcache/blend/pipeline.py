@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..ranks import Ranks, all_hold
+from ..ranks import Ranks, deepest_held
 from ..select.base import Selector, needs
 from ..store import ChunkEntry, ChunkStore, Lookup
 from . import fidelity, round_report
@@ -68,14 +68,15 @@ def detect(store: ChunkStore, auto: AutoChunks, token_ids: Sequence[int] | torch
     they are too few to blend (the request is then served as stock). The store is asked once for all the segments
     (the remote tier in one round trip, for those worth fetching: a segment computing faster than it fetches is a
     hole); the entries it returned for the hint's chunks are kept for the blend's lookup. A segment counts as
-    stored only where every rank's store holds it (`ranks`)."""
+    stored only where every rank's store holds it, learned at the deepest of the ranks' positions (`ranks`)."""
     t0 = time.perf_counter()
     wanted = segments.lookup_keys(matched)
     costs = None if compute is None else {k: (n, compute.chunk_s(n)) for n, k in wanted}
-    looked, everywhere = ranks.decide(
+    looked, learned_at = ranks.decide(
         lambda: store.lookup([k for _, k in wanted], costs) if wanted else Lookup({}, frozenset(), frozenset()),
-        lambda here: [k in here.entries for _, k in wanted], all_hold)
-    found = auto.detect(segments, len(token_ids), matched, {k for (_, k), h in zip(wanted, everywhere) if h})
+        lambda here: [here.entries[k].start_pos if k in here.entries else None for _, k in wanted], deepest_held)
+    found = auto.detect(segments, len(token_ids), matched,
+                        {k: at for (_, k), at in zip(wanted, learned_at) if at is not None})
     hint = None if found is None else RequestHint(
         token_ids=torch.as_tensor(list(token_ids), dtype=torch.long), spans=found.spans, keys=found.keys,
         selector=defaults.selector, ratio=defaults.ratio, namespace=defaults.namespace, auto=True,
