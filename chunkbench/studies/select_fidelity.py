@@ -10,7 +10,8 @@ The report pairs each candidate with a baseline (`prophet`) on the same cases (t
 Candidates: `prophet` (all layers, summed), `prophet:first_third` (the first third of the layers only: what the
 `self` draft, a third of the target, would score reading the query over its reused KV), `sum` (mix with
 combine=sum: half relevance, half V deviation at layer 3), `product:vL` / `product:kL` (mix by product: the geometric
-mean of relevance and the V or K deviation at layer L; `product:k3` is mix's default), `oracle:attended`, `oracle`.
+mean of relevance and the V or K deviation at layer L; `product:k3` is mix's default; `product:k3:first_half` and
+`:first_two_thirds` its relevance over the first layers only), `oracle:attended`, `oracle`.
 
     .venv/bin/python -m chunkbench.studies.select_fidelity run --workload synthetic:multikey --seed 1000 \\
         --requests 30 --out results/fidelity-multikey.jsonl
@@ -74,6 +75,10 @@ def candidates(probe: Probe) -> dict[str, torch.Tensor]:
         "sum": MixSelector(combine="sum", which="v").scores(probe.layout, stored),
         **{f"product:{which}{layer}": MixSelector(which=which, layer=layer).scores(probe.layout, stored)
            for which in ("k", "v") for layer in LAYERS},
+        # mix's default with its relevance read over the first layers only: a query pass that stops early
+        **{f"product:k3:first_{name}": MixSelector().scores(probe.layout, Stored({**probe.signals,
+                                                                                 "qa": attn[:n].sum(0)}))
+           for name, n in (("half", -(-attn.shape[0] // 2)), ("two_thirds", -(-2 * attn.shape[0] // 3)))},
         "oracle:attended": probe.signals["attended"],
         "oracle": probe.signals["true"],
     }
