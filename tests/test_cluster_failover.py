@@ -16,10 +16,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def valkey(tmp_path_factory):
-    # replicas take over only when told (valkey.promote below): with the default automatic failover a replica would
-    # take the killed primary's slots after --cluster-node-timeout (5 s), and whether the late requests below read
-    # before or after that would depend on how fast this host serves the early ones
-    c = ValkeyCluster(tmp_path_factory.mktemp("valkey"), 3, "--cluster-replica-no-failover", "yes")
+    # the killed primary's replica takes over at valkey.promote below: the late requests read before it does
+    c = ValkeyCluster(tmp_path_factory.mktemp("valkey"), auto_failover=False)
     yield c
     c.stop()
 

@@ -264,6 +264,7 @@ def test_an_automatic_lead_ending_inside_a_segment_is_exact_and_the_segments_res
         assert torch.equal(k[cut:first + entry.num_tokens][held], k_tail[layer][held])
         assert torch.equal(v[cut:first + entry.num_tokens][held], entry.v[layer, 12:][held])
 
+
 def test_an_automatic_first_segment_learned_in_its_own_prompts_head_needs_no_lead(blender):
     """A passage that led the prompt it was learned from (ingested, sent alone) saw no other passage before it: it
     is reused from its first token; learned after the others, the lead is computed again."""

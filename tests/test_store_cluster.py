@@ -42,9 +42,8 @@ def shared(cluster):
 
 @pytest.fixture
 def own_cluster(tmp_path):
-    """A cluster for a test that kills a node; its replica takes over when the test promotes it, never on its own
-    after the node timeout (whether the test's reads came before that would depend on the host's speed)."""
-    c = ValkeyCluster(tmp_path, 3, "--cluster-replica-no-failover", "yes")
+    """A cluster for a test that kills a node; its replica takes over when the test promotes it."""
+    c = ValkeyCluster(tmp_path, auto_failover=False)
     yield c
     c.stop()
 

@@ -46,8 +46,8 @@ def contains(text: str, answers) -> float:
 def run(args) -> None:
     blender = ReferenceBlender.from_pretrained(args.model)
     tok = blender.tokenizer
-    auto = AutoChunks(AutoConfig(enabled=True, exact_lead_tokens=args.exact_lead), break_ids(tok.batch_decode([[i] for i in range(len(tok))])),
-                      blender.fingerprint)
+    auto = AutoChunks(AutoConfig(enabled=True, exact_lead_tokens=args.exact_lead),
+                      break_ids(tok.batch_decode([[i] for i in range(len(tok))])), blender.fingerprint)
     measure = ReferenceMeasure(blender, args.max_new_tokens)
     rng = random.Random(args.seed)
     done = set()

@@ -72,9 +72,14 @@ class Node:
 
 
 class ValkeyCluster:
-    def __init__(self, workdir: Path, primaries: int = 3, *settings: str, password: str | None = None):
+    def __init__(self, workdir: Path, primaries: int = 3, *settings: str, password: str | None = None,
+                 auto_failover: bool = True):
         """`primaries` primaries, each with one replica; `settings`: extra valkey-server arguments for every node;
-        `password`: every node asks clients (and replicas their primary) for it."""
+        `password`: every node asks clients (and replicas their primary) for it; `auto_failover=False`: a replica
+        takes its dead primary's slots only when `promote` tells it, never on its own after the node timeout (5 s),
+        so a test that kills a node knows which node serves its reads whatever the host's speed."""
+        if not auto_failover:
+            settings = (*settings, "--cluster-replica-no-failover", "yes")
         self.workdir = workdir
         self.password = password
         self.nodes: list[Node] = []

@@ -101,16 +101,14 @@ class AutoChunks:
         last token, less the lead; None when they cover fewer than min_reuse_tokens past it. `learned_at`: the
         stored keys, each with the position its KV was learned at (its entry's start_pos)."""
         fits = lambda form: form[0][0] >= matched and form[0][1] < n  # noqa: E731
-        picked = [(i, forms[0]) for i in range(len(segments.spans))
-                  if (forms := _stored_forms(segments, i, learned_at)) and fits(forms[0])]
+        stored = [forms for forms in (_stored_forms(segments, i, learned_at) for i in range(len(segments.spans)))
+                  if forms and fits(forms[0])]
+        picked = [forms[0] for forms in stored]
         lead = self.config.exact_lead_tokens
-        if picked:  # a form of the first segment learned in its prompt's head (no other passage before it): no lead
-            first, _ = picked[0]
-            head = next((f for f in _stored_forms(segments, first, learned_at) if fits(f) and learned_at[f[1]] < lead),
-                        None)
+        if stored:  # a form of the first segment learned in its prompt's head (no other passage before it): no lead
+            head = next((f for f in stored[0] if fits(f) and learned_at[f[1]] < lead), None)
             if head is not None:
-                picked[0], lead = (first, head), 0
-        picked = [form for _, form in picked]
+                picked[0], lead = head, 0
         lead_end = picked[0][0][0] + lead if picked else matched
         picked = [(span, key) for span, key in picked if span[1] > lead_end]
         tokens = sum(e - max(s, lead_end) for (s, e), _ in picked)
