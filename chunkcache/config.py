@@ -274,7 +274,9 @@ class AutoConfig:
         "docs/bench/auto.md); this many tokens from the first stored segment's start are computed, and a segment "
         "they end inside is reused from there on (128 against 64: MuSiQue first-token KL -12 % and +28 %, 40 cases, "
         "docs/bench/speed.md); none when that segment was learned within its own prompt's first this many tokens "
-        "(ingested, sent alone, or leading an earlier prompt: no other passage before it)")
+        "(ingested, sent alone, or leading an earlier prompt: a segment computed exactly in a prompt's head is kept "
+        "again under a head key beside its deep copy), or when its reuse starts this many tokens or more into the "
+        "prompt (the exact prefix holds a passage before it: docs/bench/auto.md)")
     edge_tokens: int = knob(
         8, "a segment that starts or ends a paragraph and is not stored is looked up again without up to this many "
         "of its first (or last) tokens: a passage stored bare (ingest, the documents API, its own request) is found "

@@ -201,13 +201,14 @@ class ReferenceBlender:
 
     @torch.inference_mode()
     def auto_blend(self, token_ids: TokenIds, auto: AutoChunks, selector: str | Selector = "none",
-                   ratio: float = 0.15, **selector_options) -> BlendResult | None:
+                   ratio: float = 0.15, matched: int = 0, **selector_options) -> BlendResult | None:
         """A prompt nobody marked, as a server with automatic detection serves it: its stored segments become the
         chunks (their entries fetched once, by detection); None when they are too few (the server then computes
-        the prompt as stock)."""
+        the prompt as stock). `matched`: its first tokens held exactly, as a server's radix tree holds the prefix
+        two prompts share (computed exactly here, never looked up)."""
         ids = _as_ids(token_ids, "prompt")
         name = selector if isinstance(selector, str) else selector.name
-        found = pipeline.detect(self.store, auto, ids, auto.segments(ids, self.namespace, None), 0,
+        found = pipeline.detect(self.store, auto, ids, auto.segments(ids, self.namespace, None), matched,
                                 pipeline.Defaults(name, ratio, self.namespace))
         if found.hint is None:
             return None

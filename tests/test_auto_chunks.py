@@ -2,12 +2,13 @@
 detect / learn decisions (chunkcache.blend.auto), on the default model's tokenizer and MuSiQue passages."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
 from chunkbench.workloads import DEFAULT_MUSIQUE
-from chunkcache.blend.auto import AUTO_PREFIX, AutoChunks
+from chunkcache.blend.auto import AUTO_PREFIX, HEAD_PREFIX, AutoChunks
 from chunkcache.blend.request import RequestHint
 from chunkcache.config import AutoConfig, Config, ConfigError
 from chunkcache.hashing import chunk_key, prefix_key
@@ -115,7 +116,10 @@ def test_detect_needs_enough_stored_tokens_past_the_exact_prefix():
     stored = dict.fromkeys(segs.keys, 0)
     found = seg.detect(segs, len(ids), matched=0, learned_at=stored)
     assert found.spans == ((4, 24), (25, 55)) and found.tokens == 50
-    assert seg.detect(segs, len(ids), matched=5, learned_at=stored) is None  # 30 tokens past the match: too few
+    # a segment the exact prefix reaches into is reused from the prefix's end: 19 + 30 tokens past the match
+    found = seg.detect(segs, len(ids), matched=5, learned_at=stored)
+    assert found.spans == ((4, 24), (25, 55)) and found.exact_until == 5 and found.tokens == 49
+    assert seg.detect(segs, len(ids), matched=26, learned_at=stored) is None  # 29 tokens past the match: too few
     assert seg.detect(segs, len(ids), matched=0, learned_at={segs.keys[1]: 0}) is None
     assert seg.detect(segs, 55, matched=0, learned_at=stored) is None  # the last prompt token is never reused
 
@@ -131,12 +135,20 @@ def test_detect_leaves_the_first_tokens_after_the_exact_prefix_to_be_computed():
     found = seg.detect(segs, len(ids), matched=0, learned_at=deep(segs.keys))
     assert found.spans == ((25, 55), (56, 76)) and found.exact_until == 25  # (4, 24) is in the lead: 21 tokens
     assert found.tokens == 50
-    found = seg.detect(segs, len(ids), matched=0, learned_at=deep(segs.keys[1:]))
-    # counted from the first stored segment past the exact prefix; the lead ends inside it, which is reused after
-    assert found.spans == ((25, 55), (56, 76)) and found.exact_until == 46 and found.tokens == 9 + 20
-    found = seg.detect(segs, len(ids), matched=5, learned_at=deep(segs.keys))
-    assert found.exact_until == 46  # a segment the exact prefix reaches into is not reused; the next starts the lead
-    assert seg.detect(segs, len(ids), matched=26, learned_at=deep(segs.keys)) is None  # 21 past the lead: too few
+    # counted from the first stored segment past the exact prefix; a segment the lead ends inside is reused after it
+    longer = AutoChunks(replace(config, exact_lead_tokens=30), frozenset({0}), FP)
+    found = longer.detect(segs, len(ids), matched=0, learned_at=deep(segs.keys))
+    assert found.spans == ((25, 55), (56, 76)) and found.exact_until == 34 and found.tokens == 21 + 20
+    # a first stored segment at or past the lead's length into the prompt follows other text here too, as where it
+    # was learned (the exact prefix holds a passage before it): no lead, whether the exact prefix reaches it or not
+    for matched, learned in ((0, deep(segs.keys[1:])), (5, deep(segs.keys)), (25, deep(segs.keys))):
+        found = seg.detect(segs, len(ids), matched=matched, learned_at=learned)
+        assert found.spans == ((25, 55), (56, 76)) and found.exact_until == 25 and found.tokens == 50
+    assert longer.detect(segs, len(ids), matched=5, learned_at=deep(segs.keys)).exact_until == 55  # at 25 < 30: lead
+    # one the exact prefix reaches into past the lead's length is reused from the prefix's end (the radix tree held
+    # its head); before it (above: matched 5), the lead is due and starts at the next segment
+    found = seg.detect(segs, len(ids), matched=26, learned_at=deep(segs.keys))
+    assert found.spans == ((25, 55), (56, 76)) and found.exact_until == 26 and found.tokens == 29 + 20
     # the first segment learned in its own prompt's head (ingested, sent alone): no other passage before it there,
     # so no lead; learned at the lead's length or deeper, the lead again
     head = {**deep(segs.keys), segs.keys[0]: 20}
@@ -150,8 +162,9 @@ def test_detect_leaves_the_first_tokens_after_the_exact_prefix_to_be_computed():
     (span, key), = [form for form in segs.edges[0] if form[0] == (6, 24)]
     wrapped = seg.detect(segs, len(ids), matched=0, learned_at={**deep(segs.keys), key: 10})
     assert wrapped.spans == ((6, 24), (25, 55), (56, 76)) and wrapped.keys[0] == key and wrapped.exact_until == 6
+    found = seg.detect(segs, len(ids), matched=0, learned_at=deep(segs.keys))
     plan = RequestHint(torch.tensor(ids), found.spans, found.keys, "mix", 0.15, "ns", auto=True,
-                                    exact_until=found.exact_until).plan(matched=5)
+                       exact_until=46).plan(matched=5)  # a lead ending inside the first chunk: its head is exact
     assert plan.start == 46 and [(c.span, c.head) for c in plan.chunks] == [((46, 55), 21), ((56, 76), 0)]
     assert RequestHint(torch.tensor(ids), found.spans, found.keys, "mix", 0.15, "ns", auto=True,
                        exact_until=46).plan(matched=60).chunks[0].span == (60, 76)  # a longer exact prefix wins
@@ -197,6 +210,29 @@ def test_learning_takes_computed_segments_the_store_lacks_and_when_crowded_only_
     computed[30] = False  # a token of the second segment was reused, not computed here
     assert seg.to_learn(segs, computed, set(), crowded=True) == both[:1]  # seen twice now
     assert seg.to_learn(segs, torch.ones(len(ids), dtype=torch.bool), {segs.keys[0]}, crowded=True) == both[1:]
+
+
+def test_a_stored_segment_computed_exactly_in_a_prompts_head_is_learned_again_as_its_head_form():
+    """A passage learned deep leads a prompt: its lead is computed exactly there, and that head-learned KV is kept
+    under the segment's head key beside the deep copy; the next prompt it leads reuses it from its first token."""
+    config = AutoConfig(enabled=True, min_reuse_tokens=20, segment_min_tokens=8, segment_mean_tokens=1 << 20,
+                        exact_lead_tokens=21)
+    seg = AutoChunks(config, frozenset({0}), FP)
+    ids = [5] * 3 + [0] + list(range(10, 30)) + [0] + list(range(40, 70)) + [0] + list(range(80, 100)) + [0] + [99]
+    segs = seg.segments(ids, "ns", None)
+    assert segs.spans == ((4, 24), (25, 55), (56, 76))
+    head = segs.heads[0]
+    assert segs.heads[1:] == (None, None) and head not in segs.keys  # only a segment starting in the head has one
+    assert head == chunk_key(FP, "ns", HEAD_PREFIX, ids[4:24]) and (20, head) in segs.lookup_keys(0)
+    deep = dict.fromkeys(segs.keys, 300)
+    assert seg.detect(segs, len(ids), 0, deep).exact_until == 25  # learned deep only: the lead
+    computed = torch.ones(len(ids), dtype=torch.bool)
+    # the lead [0, 25) computed exactly: the deep segment inside it is learned again under its head key
+    assert seg.to_learn(segs, computed, set(deep), exact=25) == [((4, 24), head)]
+    assert seg.to_learn(segs, computed, set(deep), exact=23) == []  # it reaches past the exact tokens: reused KV
+    assert seg.to_learn(segs, computed, {*deep, head}, exact=25) == []  # held already
+    found = seg.detect(segs, len(ids), 0, {**deep, head: 4})
+    assert found.spans == segs.spans and found.keys == (head, *segs.keys[1:]) and found.exact_until == 4
 
 
 def test_auto_config_is_checked(tmp_path):

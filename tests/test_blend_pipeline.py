@@ -170,7 +170,7 @@ class ThreeSegments:
         spans = tuple(s for s, _ in picked)
         return Detected(spans, tuple(k for _, k in picked), sum(e - s for s, e in spans), matched)
 
-    def to_learn(self, segments, computed, stored, crowded=False):
+    def to_learn(self, segments, computed, stored, crowded=False, exact=0):
         return [(span, key) for span, key in zip(segments.spans, segments.keys)
                 if key not in stored and bool(computed[span[0]: span[1]].all())]
 

@@ -1,7 +1,7 @@
 """The reference blender against oracles: the unmodified HF forward (full prefill), and the HF forward with the
 reused KV injected into its cache (what blending means, computed by HF's own attention and causal mask)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import pytest
@@ -285,6 +285,74 @@ def test_an_automatic_first_segment_learned_in_its_own_prompts_head_needs_no_lea
     blender.store = ChunkStore(model_fingerprint=blender.fingerprint)
     blender.learn_segments(learned_from, auto)  # docs[2] learned after the other two
     assert blender.auto_blend(ids, auto, "none").layout.prefix_len == len(p) + 12
+
+
+def test_a_passage_learned_deep_that_led_a_prompt_is_reused_head_learned_when_it_leads_again(blender):
+    """Learned after other passages, a passage's KV gets the lead when it leads a prompt; a prompt it led, computed
+    exactly, teaches the store its head form beside the deep one: the next prompt it leads reuses that from its first
+    token, full prefill's own KV there (same tokens, same place, same prefix)."""
+    brk = 2
+    auto = AutoChunks(AutoConfig(enabled=True, min_reuse_tokens=16, segment_min_tokens=8, segment_mean_tokens=1 << 20,
+                                 exact_lead_tokens=12), frozenset({brk}), blender.fingerprint)
+    p, docs, q = prompt(seed=9, prefix=4, chunks=(19, 23, 29), query=7)
+    p, docs = p + [brk], [d + [brk] for d in docs]
+    learned_from = blender.full_prefill(p, docs, q)
+    if any(layer.keys.shape[2] < learned_from.layout.n for layer in learned_from.past_key_values.layers):
+        pytest.skip("a sliding window's cache keeps too few tokens to learn segments from")
+    blender.learn_segments(learned_from, auto)  # docs[2] learned after the other two
+    moved = [docs[2], docs[0], docs[1]]
+    ids = p + sum(moved, []) + q
+    assert blender.auto_blend(ids, auto, "none").layout.prefix_len == len(p) + 12
+    led = blender.full_prefill(p, [docs[2], docs[1]], q)  # a prompt docs[2] leads, computed exactly
+    assert blender.learn_segments(led, auto) == 1  # its head form only: every segment of it is stored
+    res = blender.auto_blend(ids, auto, "none")
+    end = len(p) + len(moved[0]) - 1
+    assert res.layout.prefix_len == len(p) and res.layout.chunk_spans[0] == (len(p), end)
+    full = blender.full_prefill(p, moved, q)
+    for layer in range(blender.n_layers):
+        (k, v), (fk, fv) = cache_kv(res.past_key_values, layer), cache_kv(full.past_key_values, layer)
+        torch.testing.assert_close(k[:end], fk[:end], equal_nan=True, **FP32)
+        torch.testing.assert_close(v[:end], fv[:end], equal_nan=True, **FP32)
+
+
+def test_an_automatic_first_segment_after_a_held_passage_needs_no_lead(blender):
+    """The exact prefix holds a whole passage (the radix tree holds what two prompts share): the first stored segment
+    after it, learned after other passages, follows other text here too and is reused from its first token (from the
+    prefix's end, when the prefix reaches into it), its KV the stored KV moved; one that starts within the lead's
+    length into the prompt still gets the lead."""
+    brk = 2
+    config = AutoConfig(enabled=True, min_reuse_tokens=16, segment_min_tokens=8, segment_mean_tokens=1 << 20,
+                        exact_lead_tokens=12)
+    auto = AutoChunks(config, frozenset({brk}), blender.fingerprint)
+    p, docs, q = prompt(seed=8, prefix=4, chunks=(19, 23, 29), query=7)
+    p, docs = p + [brk], [d + [brk] for d in docs]
+    learned_from = blender.full_prefill(p, docs, q)
+    if any(layer.keys.shape[2] < learned_from.layout.n for layer in learned_from.past_key_values.layers):
+        pytest.skip("a sliding window's cache keeps too few tokens to learn segments from")
+    blender.learn_segments(learned_from, auto)  # docs[2] learned after the other two
+    moved = [docs[0], docs[2], docs[1]]
+    ids = p + sum(moved, []) + q
+    held = len(p) + len(moved[0])  # 25 >= 12
+    full = blender.full_prefill(p, moved, q)
+    entry = blender.store.get(auto.segments(ids, blender.namespace, None).keys[1])
+    assert entry.start_pos == len(p) + len(docs[0]) + len(docs[1]) and entry.num_tokens == len(moved[1]) - 1
+    k_moved = rerotate(entry.k, held - entry.start_pos, blender.rope,
+                       torch.arange(entry.start_pos, entry.start_pos + entry.num_tokens))
+    end = held + entry.num_tokens
+    for matched in (held, held + 3):  # the exact prefix ends where the segment starts, or reaches 3 tokens into it
+        res = blender.auto_blend(ids, auto, "none", matched=matched)
+        assert res.layout.prefix_len == matched and res.layout.chunk_spans[0] == (matched, end)
+        for layer in range(blender.n_layers):
+            (k, v), (fk, fv) = cache_kv(res.past_key_values, layer), cache_kv(full.past_key_values, layer)
+            torch.testing.assert_close(k[:matched], fk[:matched], equal_nan=True, **FP32)
+            torch.testing.assert_close(v[:matched], fv[:matched], equal_nan=True, **FP32)
+            kept = ~k[matched:end, 0, 0].isnan()  # all but the tokens a sliding window dropped
+            reused = slice(matched - held, entry.num_tokens)
+            assert torch.equal(k[matched:end][kept], k_moved[layer][reused][kept])
+            assert torch.equal(v[matched:end][kept], entry.v[layer][reused][kept])
+    # a lead longer than the held prefix: that segment starts inside the prompt's head, so its first tokens are exact
+    longer = AutoChunks(replace(config, exact_lead_tokens=held + 1), frozenset({brk}), blender.fingerprint)
+    assert blender.auto_blend(ids, longer, "none", matched=held).layout.prefix_len == held + held + 1
 
 
 # ---- features selectors may ask for ------------------------------------------------------------------------------

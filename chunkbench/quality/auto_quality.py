@@ -66,7 +66,7 @@ def run(args) -> None:
             order = list(range(len(item.documents)))
             while order == sorted(order) and len(order) > 1:
                 rng.shuffle(order)
-                if args.warm == "keep-first":  # the first document first in both prompts, the others reordered
+                if args.warm in ("keep-first", "held-first"):  # the first document first in both prompts
                     order = [0] + [i for i in order if i]
             if args.warm == "drop-last":  # the last document never stored: it and the question are the auto query
                 order = [i for i in order if i != len(order) - 1]
@@ -76,7 +76,10 @@ def run(args) -> None:
             learned = sum(blender.learn_segments(blender.full_prefill(*split(to_request(tok, w).prompt)), auto)
                           for w in warms)
             ids = ref.result.layout.token_ids
-            res = blender.auto_blend(ids, auto, args.selector, args.ratio)
+            # held-first: a server's radix tree holds the prompt up to its first document's end (the earlier prompt
+            # began the same way)
+            matched = to_request(tok, item).prompt.token_spans[0][1] if args.warm == "held-first" else 0
+            res = blender.auto_blend(ids, auto, args.selector, args.ratio, matched=matched)
             if res is None:  # too few stored tokens: served as stock, exactly full's answer
                 auto_row = {**full_row, "rho_used": 1.0, "stock": True}
             else:
@@ -126,11 +129,13 @@ def main() -> None:
     ap.add_argument("--selector", default="prophet")
     ap.add_argument("--ratio", type=float, default=0.15)
     ap.add_argument("--max-new-tokens", type=int, default=24)
-    ap.add_argument("--warm", choices=("shuffle", "keep-first", "drop-last", "alone"), default="shuffle",
+    ap.add_argument("--warm", choices=("shuffle", "keep-first", "held-first", "drop-last", "alone"),
+                    default="shuffle",
                     help="the earlier prompt's document order: any other order, the same first document (isolates "
-                    "what the first document's context costs), any order without the last document (a passage "
-                    "the store lacks at the prompt's end, as under churn), or each document in a prompt of its own "
-                    "(ingest)")
+                    "what the first document's context costs; held-first: and the prompt held exactly up to that "
+                    "document's end, as the radix tree holds the prefix the two prompts share), any order without "
+                    "the last document (a passage the store lacks at the prompt's end, as under churn), or each "
+                    "document in a prompt of its own (ingest)")
     ap.add_argument("--exact-lead", type=int, default=AutoConfig().exact_lead_tokens,
                     help="auto.exact_lead_tokens (default: the shipped one)")
     ap.add_argument("--model", default="smollm2-135m-instruct")

@@ -8,20 +8,26 @@ Contract:
   the other way round. Its entry's KV is what some earlier prefill computed for those tokens in its own context, at
   the positions they had there (`start_pos`): the same kind of deviation a hinted chunk has after other chunks,
   which the selector repairs.
-- `detect` is pure given the store's answer: the segments the store holds past the exact prefix, and before the
-  prompt's last token (whole, or else trimmed at a paragraph's edge: `Segments.edges`), become the hint's chunks
-  when they add up to `min_reuse_tokens`; otherwise None and the
-  request is served as stock. The first `exact_lead_tokens` from the first such segment's start are the lead
-  (`Detected.exact_until`): the engine computes them after the exact prefix, and a segment the lead ends inside is
-  reused from there on (its head is computed). The first text after a prompt's prefix is where a segment's KV,
-  learned after other text, deviates most from what this prompt gives it. A first segment learned within its own
-  prompt's first `exact_lead_tokens` (a passage ingested, sent alone or leading an earlier prompt) saw no more text
-  before it than the lead would compute, a template's head and no other passage: it is reused from its first token,
-  as a hinted chunk computed after the prefix is; such a form (whole or trimmed) of the first segment is preferred to
-  one learned deeper.
+- `detect` is pure given the store's answer: the segments the store holds that end past the exact prefix and before
+  the prompt's last token (whole, or else trimmed at a paragraph's edge: `Segments.edges`), become the hint's chunks
+  when they add up to `min_reuse_tokens`; otherwise None and the request is served as stock. The first
+  `exact_lead_tokens` from the first such segment's start are the lead (`Detected.exact_until`): the engine computes
+  them after the exact prefix, and a segment the lead ends inside is reused from there on (its head is computed). The
+  first text after a prompt's head is where a segment's KV, learned after other text, deviates most from what this
+  prompt gives it. A first segment learned within its own prompt's first `exact_lead_tokens` (a passage ingested, sent
+  alone or leading an earlier prompt) saw no more text before it than the lead would compute, a template's head and no
+  other passage: it is reused from its first token, as a hinted chunk computed after the prefix is; such a form
+  (whole, trimmed or its head form) of the first segment is preferred to one learned deeper. A first segment whose
+  reuse starts at or past position `exact_lead_tokens` (the exact prefix holds a passage before it, as the radix tree
+  does for prompts that begin alike) is not in the head either: it follows other text here as it did where it was
+  learned, so it gets no lead, and when the exact prefix reaches into it, it is reused from the prefix's end (with a
+  lead due there, it is not reused: the lead starts at the next).
 - `to_learn` names the segments a finished prefill computed in this prompt's own context that no tier holds; when the
   store is `crowded` (learning would evict), only those seen in `admit_after` prefills (sightings are counted always,
-  for the `seen_keys` most recent keys). The engine copies their KV out of its pool into entries.
+  for the `seen_keys` most recent keys). A stored segment that starts in the prompt's head (its first
+  `exact_lead_tokens`) and that the prefill computed exactly there (in a lead, or in a prompt served as stock) is
+  learned again under its head key (`Segments.heads`): a passage that led a prompt once needs no lead when it leads
+  again, while its deep copy keeps serving it deep. The engine copies their KV out of its pool into entries.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from ..hashing import chunk_key
 from ..segment import Segmenter
 
 AUTO_PREFIX = "auto-segment"  # never a prefix_key digest (those are 32 hex digits)
+HEAD_PREFIX = "auto-segment-head"  # the same tokens' KV as learned in a prompt's head (Segments.heads)
 
 
 @dataclass(frozen=True)
@@ -49,13 +56,18 @@ class Segments:
     spans: tuple[tuple[int, int], ...]
     keys: tuple[str, ...]
     edges: tuple[tuple[tuple[tuple[int, int], str], ...], ...] = ()
+    # segment i's head key where it starts within the prompt's first exact_lead_tokens, else None: its KV as computed
+    # there, stored beside a copy learned deeper (which serves a segment used deep better), so that a passage that
+    # led a prompt, its lead computed exactly, is reused from its first token when it leads again
+    heads: tuple[str | None, ...] = ()
 
     def lookup_keys(self, matched: int) -> list[tuple[int, str]]:
-        """(tokens, key) of every form worth asking the store for: the segments, and their trimmed forms, that start
-        at or after `matched`."""
+        """(tokens, key) of every form worth asking the store for: the segments, their trimmed forms and their head
+        forms, that end past `matched` (one the exact prefix reaches into may be reused from there on)."""
         forms = [((s, e), k) for (s, e), k in zip(self.spans, self.keys)]
         forms += [form for trimmed in self.edges for form in trimmed]
-        return [(e - s, k) for (s, e), k in forms if s >= matched]
+        forms += [(span, k) for span, k in zip(self.spans, self.heads) if k is not None]
+        return [(e - s, k) for (s, e), k in forms if e > matched]
 
 
 @dataclass(frozen=True)
@@ -80,10 +92,14 @@ class AutoChunks:
         ids = torch.as_tensor(token_ids, dtype=torch.long)
         spans = tuple((s, e) for s, e in self.segmenter.spans(ids.numpy())
                       if e - s >= self.config.segment_min_tokens)
-        key = lambda s, e: chunk_key(self.fingerprint, namespace, AUTO_PREFIX, ids[s:e], cache_salt)  # noqa: E731
+
+        def key(s: int, e: int, kind: str = AUTO_PREFIX) -> str:
+            return chunk_key(self.fingerprint, namespace, kind, ids[s:e], cache_salt)
+
         trimmed = tuple(tuple(((s, e), key(s, e)) for s, e in self._trimmed(ids, span)) for span in spans) if edges \
             else ()
-        return Segments(spans, tuple(key(s, e) for s, e in spans), trimmed)
+        heads = tuple(key(s, e, HEAD_PREFIX) if s < self.config.exact_lead_tokens else None for s, e in spans)
+        return Segments(spans, tuple(key(s, e) for s, e in spans), trimmed, heads)
 
     def _trimmed(self, ids: torch.Tensor, span: tuple[int, int]) -> list[tuple[int, int]]:
         """Segment `span`'s trimmed forms: without its first 1..edge_tokens tokens when it starts a paragraph, then
@@ -100,32 +116,45 @@ class AutoChunks:
         """The stored segments of a prompt of `n` tokens past its first `matched` (held exactly), ending before its
         last token, less the lead; None when they cover fewer than min_reuse_tokens past it. `learned_at`: the
         stored keys, each with the position its KV was learned at (its entry's start_pos)."""
-        fits = lambda form: form[0][0] >= matched and form[0][1] < n  # noqa: E731
+        fits = lambda form: matched < form[0][1] < n  # noqa: E731
+        lead = self.config.exact_lead_tokens
+
+        def leadless(forms):
+            """The form of a first stored segment reused with no lead, or None: one learned in its prompt's head (no
+            other passage before it there), or any when its reuse starts at or past `lead` into this prompt (the
+            exact prefix holds a passage before it: it follows other text here too)."""
+            head = next((f for f in forms if fits(f) and learned_at[f[1]] < lead), None)
+            return forms[0] if head is None and max(forms[0][0][0], matched) >= lead else head
+
         stored = [forms for forms in (_stored_forms(segments, i, learned_at) for i in range(len(segments.spans)))
                   if forms and fits(forms[0])]
+        if stored and stored[0][0][0][0] < matched and leadless(stored[0]) is None:
+            stored = stored[1:]  # the exact prefix reaches into it and so would the lead: the lead starts at the next
         picked = [forms[0] for forms in stored]
-        lead = self.config.exact_lead_tokens
-        if stored:  # a form of the first segment learned in its prompt's head (no other passage before it): no lead
-            head = next((f for f in stored[0] if fits(f) and learned_at[f[1]] < lead), None)
-            if head is not None:
-                picked[0], lead = head, 0
-        lead_end = picked[0][0][0] + lead if picked else matched
+        first = leadless(stored[0]) if stored else None
+        if first is not None:
+            picked[0], lead = first, 0
+        lead_end = max(picked[0][0][0] + lead, matched) if picked else matched
         picked = [(span, key) for span, key in picked if span[1] > lead_end]
         tokens = sum(e - max(s, lead_end) for (s, e), _ in picked)
         if tokens < self.config.min_reuse_tokens:
             return None
         return Detected(tuple(span for span, _ in picked), tuple(key for _, key in picked), tokens, lead_end)
 
-    def to_learn(self, segments: Segments, computed: torch.Tensor, stored,
-                 crowded: bool = False) -> list[tuple[tuple[int, int], str]]:
+    def to_learn(self, segments: Segments, computed: torch.Tensor, stored, crowded: bool = False,
+                 exact: int = 0) -> list[tuple[tuple[int, int], str]]:
         """(span, key) of each segment whose every token `computed` (bool [N]) marks as computed in this prompt's
         context and that `stored` (a container of keys) lacks; when `crowded`, only those now seen admit_after
-        times."""
+        times. A segment in the prompt's head that `stored` holds (learned deeper, else no lead would have computed
+        it) goes in under its head key when it lies within the first `exact` tokens, which this prefill computed
+        exactly in the prompt's own context (a lead, a radix match, a prompt served as stock)."""
         out = []
-        for span, key in zip(segments.spans, segments.keys):
-            if key in stored or not bool(computed[span[0]: span[1]].all()):
+        for span, key, head in zip(segments.spans, segments.keys, segments.heads or [None] * len(segments.spans)):
+            if not bool(computed[span[0]: span[1]].all()):
                 continue
-            if self._sighted(key) >= self.config.admit_after or not crowded:
+            if key in stored:
+                key = head if head is not None and span[1] <= exact and head not in stored else None
+            if key is not None and (self._sighted(key) >= self.config.admit_after or not crowded):
                 out.append((span, key))
         return out
 
@@ -138,6 +167,8 @@ class AutoChunks:
 
 
 def _stored_forms(segments: Segments, i: int, stored) -> list[tuple[tuple[int, int], str]]:
-    """Segment i's stored forms (span, key): whole first, then its trimmed ones in order."""
+    """Segment i's stored forms (span, key): whole first, then its trimmed ones in order, then its head form."""
     forms = [(segments.spans[i], segments.keys[i]), *(segments.edges[i] if segments.edges else ())]
+    if segments.heads and segments.heads[i] is not None:
+        forms.append((segments.spans[i], segments.heads[i]))
     return [(span, key) for span, key in forms if key in stored]

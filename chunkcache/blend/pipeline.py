@@ -341,10 +341,13 @@ def segments_to_learn(store: ChunkStore, auto: AutoChunks, request: ChunkRequest
                       token_bytes: int | None = None) -> list[tuple[tuple[int, int], str]]:
     """After the request's prompt prefill: (span, key) of its segments that this prefill computed in the prompt's own
     context (`computed`, bool [N]) and no tier holds. Asked once per prompt: the request's segments are dropped. With
-    `token_bytes` (KV bytes per token), a store without room for the prompt's KV is crowded (auto.to_learn)."""
+    `token_bytes` (KV bytes per token), a store without room for the prompt's KV is crowded (auto.to_learn). The
+    tokens computed exactly: the whole prompt when it was served as stock, else those before the hint's
+    `exact_until` (automatic detection's lead and the radix match before it; none for a client's hint)."""
     segments, request.segments = request.segments, None
     crowded = token_bytes is not None and store.room() < int(computed.sum()) * token_bytes
-    return [] if segments is None else auto.to_learn(segments, computed, store, crowded)
+    exact = len(computed) if request.hint is None else request.hint.exact_until
+    return [] if segments is None else auto.to_learn(segments, computed, store, crowded, exact)
 
 
 def store_segments(store: ChunkStore, todo: list[tuple[tuple[int, int], str]], token_ids: torch.Tensor,
