@@ -83,7 +83,7 @@ def detect(store: ChunkStore, auto: AutoChunks, token_ids: Sequence[int] | torch
         max_kl=defaults.max_kl, exact_until=found.exact_until)
     keys = frozenset(() if found is None else found.keys)
     kept = Lookup({k: looked.entries[k] for k in keys}, looked.fetched & keys, frozenset())
-    return Detection(hint, kept, sum(s >= matched for s, _ in segments.spans), time.perf_counter() - t0)
+    return Detection(hint, kept, sum(e > matched for _, e in segments.spans), time.perf_counter() - t0)
 
 
 class Engine(FeaturePasses, Protocol):

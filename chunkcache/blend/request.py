@@ -45,7 +45,7 @@ class Detection:
 
     hint: RequestHint | None  # None: too few stored segments, served as stock
     found: Lookup  # the store's answer for the hint's chunks, reused by the blend's lookup
-    looked_up: int  # segments looked up past the radix match (whole; their trimmed forms not counted again)
+    looked_up: int  # segments looked up that end past the radix match (whole; their other forms not counted)
     seconds: float
     carried: int = 0  # exact prefix tokens the engine copied into the partition blended requests match in
 
