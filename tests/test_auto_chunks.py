@@ -124,13 +124,20 @@ def test_detect_needs_enough_stored_tokens_past_the_exact_prefix():
     assert seg.detect(segs, 55, matched=0, learned_at=stored) is None  # the last prompt token is never reused
 
 
-def test_detect_leaves_the_first_tokens_after_the_exact_prefix_to_be_computed():
+def _three_passages():
+    """A 21-token lead, line breaks (token 0) as the only cuts, and a prompt of a 3-token head and three passages,
+    segments (4, 24), (25, 55), (56, 76): (config, detector, ids, segments)."""
     config = AutoConfig(enabled=True, min_reuse_tokens=20, segment_min_tokens=8, segment_mean_tokens=1 << 20,
                         exact_lead_tokens=21)
     seg = AutoChunks(config, frozenset({0}), FP)
     ids = [5] * 3 + [0] + list(range(10, 30)) + [0] + list(range(40, 70)) + [0] + list(range(80, 100)) + [0] + [99]
     segs = seg.segments(ids, "ns", None)
     assert segs.spans == ((4, 24), (25, 55), (56, 76))
+    return config, seg, ids, segs
+
+
+def test_detect_leaves_the_first_tokens_after_the_exact_prefix_to_be_computed():
+    config, seg, ids, segs = _three_passages()
     deep = lambda keys: dict.fromkeys(keys, 300)  # noqa: E731 - learned after another prompt's passages
     found = seg.detect(segs, len(ids), matched=0, learned_at=deep(segs.keys))
     assert found.spans == ((25, 55), (56, 76)) and found.exact_until == 25  # (4, 24) is in the lead: 21 tokens
@@ -215,12 +222,7 @@ def test_learning_takes_computed_segments_the_store_lacks_and_when_crowded_only_
 def test_a_stored_segment_computed_exactly_in_a_prompts_head_is_learned_again_as_its_head_form():
     """A passage learned deep leads a prompt: its lead is computed exactly there, and that head-learned KV is kept
     under the segment's head key beside the deep copy; the next prompt it leads reuses it from its first token."""
-    config = AutoConfig(enabled=True, min_reuse_tokens=20, segment_min_tokens=8, segment_mean_tokens=1 << 20,
-                        exact_lead_tokens=21)
-    seg = AutoChunks(config, frozenset({0}), FP)
-    ids = [5] * 3 + [0] + list(range(10, 30)) + [0] + list(range(40, 70)) + [0] + list(range(80, 100)) + [0] + [99]
-    segs = seg.segments(ids, "ns", None)
-    assert segs.spans == ((4, 24), (25, 55), (56, 76))
+    _, seg, ids, segs = _three_passages()
     head = segs.heads[0]
     assert segs.heads[1:] == (None, None) and head not in segs.keys  # only a segment starting in the head has one
     assert head == chunk_key(FP, "ns", HEAD_PREFIX, ids[4:24]) and (20, head) in segs.lookup_keys(0)

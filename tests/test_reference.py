@@ -232,18 +232,26 @@ def test_every_token_sits_at_its_full_prompt_position(blender):
 
 
 
-def test_an_automatic_lead_ending_inside_a_segment_is_exact_and_the_segments_rest_is_reused(blender):
-    """Automatic detection computes the first exact_lead_tokens after the exact prefix; a stored segment the lead
-    ends inside is reused from there on. The lead's KV (that segment's head included) must be full prefill's; the
-    segment's tail must be its stored KV moved to where it sits now."""
+def _lead_case(blender, seed: int):
+    """Automatic detection with a 12-token lead and line breaks (token 2) as the only cuts, and a prompt of a 5-token
+    prefix and three passages (20, 24 and 30 tokens with their breaks), prefilled in full: (auto, prefix, passages,
+    query, that prefill). Skips a model whose sliding window keeps too few tokens to learn segments from."""
     brk = 2  # the segmenter's line break: each segment ends after one (no content-defined cuts at this mean)
     auto = AutoChunks(AutoConfig(enabled=True, min_reuse_tokens=16, segment_min_tokens=8, segment_mean_tokens=1 << 20,
                                  exact_lead_tokens=12), frozenset({brk}), blender.fingerprint)
-    p, docs, q = prompt(seed=6, prefix=4, chunks=(19, 23, 29), query=7)  # a 5-token prefix run is no segment
+    p, docs, q = prompt(seed=seed, prefix=4, chunks=(19, 23, 29), query=7)  # a 5-token prefix run is no segment
     p, docs = p + [brk], [d + [brk] for d in docs]
     learned_from = blender.full_prefill(p, docs, q)
     if any(layer.keys.shape[2] < learned_from.layout.n for layer in learned_from.past_key_values.layers):
         pytest.skip("a sliding window's cache keeps too few tokens to learn segments from")
+    return auto, p, docs, q, learned_from
+
+
+def test_an_automatic_lead_ending_inside_a_segment_is_exact_and_the_segments_rest_is_reused(blender):
+    """Automatic detection computes the first exact_lead_tokens after the exact prefix; a stored segment the lead
+    ends inside is reused from there on. The lead's KV (that segment's head included) must be full prefill's; the
+    segment's tail must be its stored KV moved to where it sits now."""
+    auto, p, docs, q, learned_from = _lead_case(blender, seed=6)
     blender.learn_segments(learned_from, auto)
     moved = [docs[2], docs[0], docs[1]]
     ids = p + sum(moved, []) + q
@@ -268,14 +276,7 @@ def test_an_automatic_lead_ending_inside_a_segment_is_exact_and_the_segments_res
 def test_an_automatic_first_segment_learned_in_its_own_prompts_head_needs_no_lead(blender):
     """A passage that led the prompt it was learned from (ingested, sent alone) saw no other passage before it: it
     is reused from its first token; learned after the others, the lead is computed again."""
-    brk = 2
-    auto = AutoChunks(AutoConfig(enabled=True, min_reuse_tokens=16, segment_min_tokens=8, segment_mean_tokens=1 << 20,
-                                 exact_lead_tokens=12), frozenset({brk}), blender.fingerprint)
-    p, docs, q = prompt(seed=7, prefix=4, chunks=(19, 23, 29), query=7)
-    p, docs = p + [brk], [d + [brk] for d in docs]
-    learned_from = blender.full_prefill(p, docs, q)
-    if any(layer.keys.shape[2] < learned_from.layout.n for layer in learned_from.past_key_values.layers):
-        pytest.skip("a sliding window's cache keeps too few tokens to learn segments from")
+    auto, p, docs, q, learned_from = _lead_case(blender, seed=7)
     moved = [docs[2], docs[0], docs[1]]
     ids = p + sum(moved, []) + q
     for alone in docs:  # each learned at len(p) = 5, inside the 12-token lead
@@ -291,14 +292,7 @@ def test_a_passage_learned_deep_that_led_a_prompt_is_reused_head_learned_when_it
     """Learned after other passages, a passage's KV gets the lead when it leads a prompt; a prompt it led, computed
     exactly, teaches the store its head form beside the deep one: the next prompt it leads reuses that from its first
     token, full prefill's own KV there (same tokens, same place, same prefix)."""
-    brk = 2
-    auto = AutoChunks(AutoConfig(enabled=True, min_reuse_tokens=16, segment_min_tokens=8, segment_mean_tokens=1 << 20,
-                                 exact_lead_tokens=12), frozenset({brk}), blender.fingerprint)
-    p, docs, q = prompt(seed=9, prefix=4, chunks=(19, 23, 29), query=7)
-    p, docs = p + [brk], [d + [brk] for d in docs]
-    learned_from = blender.full_prefill(p, docs, q)
-    if any(layer.keys.shape[2] < learned_from.layout.n for layer in learned_from.past_key_values.layers):
-        pytest.skip("a sliding window's cache keeps too few tokens to learn segments from")
+    auto, p, docs, q, learned_from = _lead_case(blender, seed=9)
     blender.learn_segments(learned_from, auto)  # docs[2] learned after the other two
     moved = [docs[2], docs[0], docs[1]]
     ids = p + sum(moved, []) + q
@@ -320,15 +314,7 @@ def test_an_automatic_first_segment_after_a_held_passage_needs_no_lead(blender):
     after it, learned after other passages, follows other text here too and is reused from its first token (from the
     prefix's end, when the prefix reaches into it), its KV the stored KV moved; one that starts within the lead's
     length into the prompt still gets the lead."""
-    brk = 2
-    config = AutoConfig(enabled=True, min_reuse_tokens=16, segment_min_tokens=8, segment_mean_tokens=1 << 20,
-                        exact_lead_tokens=12)
-    auto = AutoChunks(config, frozenset({brk}), blender.fingerprint)
-    p, docs, q = prompt(seed=8, prefix=4, chunks=(19, 23, 29), query=7)
-    p, docs = p + [brk], [d + [brk] for d in docs]
-    learned_from = blender.full_prefill(p, docs, q)
-    if any(layer.keys.shape[2] < learned_from.layout.n for layer in learned_from.past_key_values.layers):
-        pytest.skip("a sliding window's cache keeps too few tokens to learn segments from")
+    auto, p, docs, q, learned_from = _lead_case(blender, seed=8)
     blender.learn_segments(learned_from, auto)  # docs[2] learned after the other two
     moved = [docs[0], docs[2], docs[1]]
     ids = p + sum(moved, []) + q
@@ -351,7 +337,8 @@ def test_an_automatic_first_segment_after_a_held_passage_needs_no_lead(blender):
             assert torch.equal(k[matched:end][kept], k_moved[layer][reused][kept])
             assert torch.equal(v[matched:end][kept], entry.v[layer][reused][kept])
     # a lead longer than the held prefix: that segment starts inside the prompt's head, so its first tokens are exact
-    longer = AutoChunks(replace(config, exact_lead_tokens=held + 1), frozenset({brk}), blender.fingerprint)
+    longer = AutoChunks(replace(auto.config, exact_lead_tokens=held + 1), auto.segmenter.break_ids,
+                        blender.fingerprint)
     assert blender.auto_blend(ids, longer, "none", matched=held).layout.prefix_len == held + held + 1
 
 
