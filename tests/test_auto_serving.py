@@ -148,3 +148,29 @@ def test_a_blended_request_starts_from_the_exact_prefix_a_plain_request_left(aut
     again = plain(auto_server, None, input_ids=first_ids, return_logprob=True, logprob_start_len=len(first_ids) - 1)
     assert again["meta_info"]["cached_tokens"] == len(first_ids) - 1
     assert again["output_ids"] == first["output_ids"]
+
+
+def test_a_passage_learned_deep_needs_no_lead_once_it_has_led_a_prompt(auto_server):
+    """Learned after other passages, a passage gets the exact lead when it leads a prompt (its first
+    `auto.exact_lead_tokens` computed in the blend's first pass, not reused); that prompt teaches the store the head
+    form of what its lead computed, so the next prompt it leads reuses it from its first segment. Each of the two
+    starts from an empty radix tree (the chunk store is kept): no exact prefix reaches past the template."""
+    docs = documents(62)
+
+    def exact(got: dict) -> int:  # tokens computed exactly past the radix match: what no chunk covers before the first
+        report = got["meta_info"]["chunkcache"]
+        return (got["meta_info"]["prompt_tokens"] - report["radix_tokens"] - report["reused_tokens"]
+                - report["recomputed_tokens"])
+
+    def flushed():
+        requests.post(auto_server.url + "/flush_cache", params={"timeout": 60}, timeout=120).raise_for_status()
+
+    plain(auto_server, prompt(docs, "Which is first?"), n=1)  # learns docs[2] after two others, as stock
+    flushed()
+    led = plain(auto_server, prompt([docs[2], docs[0], docs[3]], "Which is last?"), n=1)
+    assert led["meta_info"]["chunkcache"]["chunk_hits"] > 0 and exact(led) >= 128
+    assert led["meta_info"]["chunkcache"]["learned"]["segments"] > 0  # the head forms of the lead's segments
+    flushed()
+    again = plain(auto_server, prompt([docs[2], docs[3], docs[1]], "Who is mentioned?"), n=1)
+    assert again["meta_info"]["chunkcache"]["chunk_hits"] > 0 and exact(again) < 32, exact(again)
+    assert again["meta_info"]["chunkcache"]["reused_tokens"] > led["meta_info"]["chunkcache"]["reused_tokens"]
