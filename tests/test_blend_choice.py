@@ -59,12 +59,14 @@ def test_a_short_prompts_blend_pays_a_forwards_fixed_time_and_is_computed_in_ful
     from transformers import AutoTokenizer
 
     from chunkcache.blend.cost import Calibration
-    from chunkcache.config import Config
 
     rag = Rag(AutoTokenizer.from_pretrained(default_model), n_docs=2, words=30, seed=3)
     ids, spans = rag.build([0, 1], "Code of document 1?")
-    # a server of its own: one that has seen no forward yet
-    with sglang_engine(default_model, tmp_path, "select:\n  full_when_slower: true\n", max_total_tokens=6000) as eng:
+    # a server of its own: one that has seen no forward yet; a wide margin, so that a noisy host's timings of the
+    # blend's few forwards cannot make the fitted blend look enough faster (the blend is ~0.8x stock's speed here)
+    margin = 0.3
+    with sglang_engine(default_model, tmp_path, f"select:\n  full_when_slower: true\n  blend_margin: {margin}\n",
+                       max_total_tokens=6000) as eng:
         gen(eng, ids, hints(spans), n=4)  # stores the chunks
         reports = []
         for _ in range(6):
@@ -79,5 +81,5 @@ def test_a_short_prompts_blend_pays_a_forwards_fixed_time_and_is_computed_in_ful
         out = gen(eng, ids, hints(spans), n=4)
         info = out["meta_info"]["chunkcache"]
         assert info["fallback"] == "predicted_slower", info  # predicted slower, or faster by less than the margin
-        assert info["predicted_blend_s"] >= (1 - Config().select.blend_margin) * info["predicted_full_s"], info
+        assert info["predicted_blend_s"] >= (1 - margin) * info["predicted_full_s"], info
         assert out["output_ids"] == gen(eng, ids, n=4)["output_ids"]

@@ -2,7 +2,7 @@
 cluster and the tests.
 
 Contract:
-- `free_port()`: a loopback TCP port free at the time of the call.
+- `free_port()`: a loopback TCP port free at the time of the call, outside the range client sockets take theirs from.
 - `ServerProcess(argv, url=..., log_path=..., env=..., cwd=..., own_session=True, detach=False)` starts `argv` at
   once. With `log_path` its stdout and stderr go to that file (truncated) and stdin is /dev/null; without one it
   inherits all three from the caller. `env` adds to (does not replace) this process's environment.
@@ -29,6 +29,7 @@ Contract:
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -47,8 +48,22 @@ _DETACH = ("import subprocess, sys; "
            "stdin=subprocess.DEVNULL, stdout=sys.stdout, stderr=subprocess.STDOUT); print(p.pid, file=sys.stderr)")
 
 
+# Where free_port looks: below the kernel's ephemeral range (32768 and up by default), from which every client
+# socket takes its local port (a server that binds a minute after the check would otherwise race the connections
+# made meanwhile: a test cluster's worker lost its port to one), and below SGLang's own pick for a port its
+# scheduler binds later (22000-29999, get_free_port_below_ephemeral).
+PORTS = range(10000, 22000)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    for port in random.sample(PORTS, 64):
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))
+            return port
+        except OSError:
+            continue
+    with socket.socket() as s:  # the range is crowded: any port the kernel hands out
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
