@@ -128,7 +128,8 @@ class AutoChunks:
 
         stored = [forms for forms in (_stored_forms(segments, i, learned_at) for i in range(len(segments.spans)))
                   if forms and fits(forms[0])]
-        if stored and stored[0][0][0][0] < matched and leadless(stored[0]) is None:
+        straddles = bool(stored) and stored[0][0][0][0] < matched  # the first form's span starts inside the prefix
+        if straddles and leadless(stored[0]) is None:
             stored = stored[1:]  # the exact prefix reaches into it and so would the lead: the lead starts at the next
         picked = [forms[0] for forms in stored]
         first = leadless(stored[0]) if stored else None
@@ -145,9 +146,9 @@ class AutoChunks:
                  exact: int = 0) -> list[tuple[tuple[int, int], str]]:
         """(span, key) of each segment whose every token `computed` (bool [N]) marks as computed in this prompt's
         context and that `stored` (a container of keys) lacks; when `crowded`, only those now seen admit_after
-        times. A segment in the prompt's head that `stored` holds (learned deeper, else no lead would have computed
-        it) goes in under its head key when it lies within the first `exact` tokens, which this prefill computed
-        exactly in the prompt's own context (a lead, a radix match, a prompt served as stock)."""
+        times. A segment in the prompt's head that `stored` holds (possibly learned deeper: membership does not say
+        where) goes in under its head key when it lies within the first `exact` tokens, which this prefill computed
+        exactly in the prompt's own context (a lead, a prompt served as stock)."""
         out = []
         for span, key, head in zip(segments.spans, segments.keys, segments.heads or [None] * len(segments.spans)):
             if not bool(computed[span[0]: span[1]].all()):
