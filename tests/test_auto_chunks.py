@@ -162,8 +162,13 @@ def test_detect_leaves_the_first_tokens_after_the_exact_prefix_to_be_computed():
     ingested = seg.detect(segs, len(ids), matched=0, learned_at=head)
     assert ingested.spans == segs.spans and ingested.exact_until == 4 and ingested.tokens == 70
     assert seg.detect(segs, len(ids), matched=0, learned_at={**head, segs.keys[0]: 21}).exact_until == 25
-    # only the first stored segment's position counts: a later one learned in a head changes nothing
-    assert seg.detect(segs, len(ids), matched=0, learned_at={**deep(segs.keys), segs.keys[1]: 0}).exact_until == 25
+    # a later segment learned in a head ends the lead at its start when the lead would reach it (lead 30: it would
+    # end at 34, inside (25, 55)), and is reused from its first token; one starting where the lead ends changes nothing
+    later = {**deep(segs.keys), segs.keys[1]: 0}
+    found = longer.detect(segs, len(ids), matched=0, learned_at=later)
+    assert found.spans == ((25, 55), (56, 76)) and found.exact_until == 25 and found.tokens == 50
+    assert longer.detect(segs, len(ids), matched=0, learned_at={**later, segs.keys[1]: 30}).exact_until == 34
+    assert seg.detect(segs, len(ids), matched=0, learned_at=later).exact_until == 25
     # the first segment stored whole from deep in a prompt (this template wraps it) and trimmed from a head (ingested
     # bare): the head's form is reused, with no lead
     (span, key), = [form for form in segs.edges[0] if form[0] == (6, 24)]

@@ -174,3 +174,27 @@ def test_a_passage_learned_deep_needs_no_lead_once_it_has_led_a_prompt(auto_serv
     again = plain(auto_server, prompt([docs[2], docs[3], docs[1]], "Who is mentioned?"), n=1)
     assert again["meta_info"]["chunkcache"]["chunk_hits"] > 0 and exact(again) < 32, exact(again)
     assert again["meta_info"]["chunkcache"]["reused_tokens"] > led["meta_info"]["chunkcache"]["reused_tokens"]
+
+
+def test_documents_ingested_together_are_reused_from_their_first_segment_when_pasted_in_tags(auto_server,
+                                                                                             default_model):
+    """/chunkcache/ingest computes a call's documents side by side; documents that begin alike ("The ...") would
+    share their first tokens through the radix tree, and a prompt learns only the segments its own prefill computed,
+    so each document's first segment would be lost. Pasted in tags into a prompt nobody marked, every document is
+    found from its first segment on: >= 95 % of their tokens come from the store (reused or recomputed by the
+    selector), and no lead is computed (each was learned in its own prompt's head)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model)
+    docs = ["The " + " ".join(d.replace("\n", " ").split()[:110]) for d in documents(63)]
+    r = requests.post(auto_server.url + "/chunkcache/ingest", json={"documents": docs}, timeout=600)
+    assert r.status_code == 200, r.text
+    assert r.json()["new"] == len(docs)
+    text = "Answer from these documents.\n" + "\n".join(f"<document>{d}</document>" for d in docs[::-1])
+    got = plain(auto_server, text + "\nQuestion: which document is the longest?", n=1)
+    report = got["meta_info"]["chunkcache"]
+    own = sum(len(tok(d, add_special_tokens=False)["input_ids"]) for d in docs)
+    assert report["chunk_hits"] == report["segments"], report  # every segment of the prompt was found
+    assert report["reused_tokens"] + report["recomputed_tokens"] >= 0.95 * own, (report, own)
+    exact = got["meta_info"]["prompt_tokens"] - report["reused_tokens"] - report["recomputed_tokens"]
+    assert exact < 32, (report, exact)  # the template, the tags and the question (a lead alone is 128 tokens)

@@ -17,7 +17,8 @@ Contract:
   prompt gives it. A first segment learned within its own prompt's first `exact_lead_tokens` (a passage ingested, sent
   alone or leading an earlier prompt) saw no more text before it than the lead would compute, a template's head and no
   other passage: it is reused from its first token, as a hinted chunk computed after the prefix is; such a form
-  (whole, trimmed or its head form) of the first segment is preferred to one learned deeper. A first segment whose
+  (whole, trimmed or its head form) of the first segment is preferred to one learned deeper, and a later segment
+  learned so that starts before the lead would end ends the lead at its start. A first segment whose
   reuse starts at or past position `exact_lead_tokens` (the exact prefix holds a passage before it, as the radix tree
   does for prompts that begin alike) is not in the head either: it follows other text here as it did where it was
   learned, so it gets no lead, and when the exact prefix reaches into it, it is reused from the prefix's end (with a
@@ -119,11 +120,15 @@ class AutoChunks:
         fits = lambda form: matched < form[0][1] < n  # noqa: E731
         lead = self.config.exact_lead_tokens
 
+        def head_learned(forms):
+            """A segment's form learned in its prompt's head (no other passage before it there), or None."""
+            return next((f for f in forms if fits(f) and learned_at[f[1]] < lead), None)
+
         def leadless(forms):
-            """The form of a first stored segment reused with no lead, or None: one learned in its prompt's head (no
-            other passage before it there), or any when its reuse starts at or past `lead` into this prompt (the
-            exact prefix holds a passage before it: it follows other text here too)."""
-            head = next((f for f in forms if fits(f) and learned_at[f[1]] < lead), None)
+            """The form of a first stored segment reused with no lead, or None: one learned in its prompt's head, or
+            any when its reuse starts at or past `lead` into this prompt (the exact prefix holds a passage before it:
+            it follows other text here too)."""
+            head = head_learned(forms)
             return forms[0] if head is None and max(forms[0][0][0], matched) >= lead else head
 
         stored = [forms for forms in (_stored_forms(segments, i, learned_at) for i in range(len(segments.spans)))
@@ -131,8 +136,17 @@ class AutoChunks:
         straddles = bool(stored) and stored[0][0][0][0] < matched  # the first form's span starts inside the prefix
         if straddles and leadless(stored[0]) is None:
             stored = stored[1:]  # the exact prefix reaches into it and so would the lead: the lead starts at the next
-        picked = [forms[0] for forms in stored]
         first = leadless(stored[0]) if stored else None
+        if stored and first is None:
+            # a head-learned segment inside the lead ends it at its start: what precedes it is computed, as it would
+            # be for that segment leading the prompt (a passage whose first segments were learned deep, its next one
+            # in its own prompt's head: a cut its first words shifted, a copy another prompt stored first)
+            ends = stored[0][0][0][0] + lead
+            head = next(((j, f) for j, forms in enumerate(stored) if forms[0][0][0] < ends
+                         for f in (head_learned(forms),) if f is not None), None)
+            if head is not None:
+                stored, first = stored[head[0]:], head[1]
+        picked = [forms[0] for forms in stored]
         if first is not None:
             picked[0], lead = first, 0
         lead_end = max(picked[0][0][0] + lead, matched) if picked else matched

@@ -6,9 +6,12 @@
 Each document goes through SGLang's own generate path as a one-document RAG prompt (chunkcache.prompt.build with the
 defaults of /v1/chat/completions, so its chunk key is the one chat requests with the same system message look up),
 with one new token and the `none` selector: the blend computes a chunk missing from the store standalone and stores
-it, and the request's report says whether it was missing. Every call gets a radix namespace of its own (a fresh
-`extra_key`), because a prompt the radix tree matches whole is not blended and reports nothing; so a second call
-still asks the store, and ingesting the same documents again reports 0 new.
+it, and the request's report says whether it was missing. Every document gets a radix namespace of its own (a fresh
+`extra_key`): a prompt the radix tree matches whole is not blended and reports nothing, so a second call still asks
+the store, and ingesting the same documents again reports 0 new; and documents ingested together never share their
+first tokens through the tree (a hinted prompt learns only the segments its own prefill computed, so a document
+whose first words another's prompt put in the tree would lose its first segment, the one a composed prompt's
+passage starts with).
 
 Bounds, so that one call cannot take the server from other clients: at most `limits.ingest_max_documents` documents
 per call (more is a 400), and at most `limits.ingest_in_flight` of them in the scheduler at once (the rest wait here,
@@ -54,13 +57,12 @@ async def ingest(request: Request):
     except ValueError as exc:  # DocumentsError, or a body that is not JSON
         return _error(str(exc) if isinstance(exc, DocumentsError) else f"the body must be JSON: {exc}", 400)
     manager = get_global_state().tokenizer_manager
-    extra_key = f"chunkcache-ingest:{uuid.uuid4().hex}"
     unique = list(dict.fromkeys(docs.documents))  # a repeated document is stored once and counted as existing
     gate = asyncio.Semaphore(limits.ingest_in_flight)
     try:
         # a task group: the first failing document cancels the rest instead of letting them run to no purpose
         async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(_ingest_one(manager, doc, docs, extra_key, request, gate)) for doc in unique]
+            tasks = [group.create_task(_ingest_one(manager, doc, docs, request, gate)) for doc in unique]
     except ExceptionGroup as failed:
         first = failed.exceptions[0]
         if isinstance(first, ValueError):  # SGLang's answer to a bad request, e.g. a document over the context
@@ -78,8 +80,7 @@ async def ingest(request: Request):
     return {"documents": len(docs.documents), "new": new, "existing": len(docs.documents) - new}
 
 
-async def _ingest_one(manager, doc: str, docs: Documents, extra_key: str, request: Request,
-                      gate: asyncio.Semaphore) -> tuple[dict | None, bool]:
+async def _ingest_one(manager, doc: str, docs: Documents, request: Request, gate: asyncio.Semaphore) -> tuple[dict | None, bool]:
     """(the document's chunk report, whether this call computed it) - or another call's report, if that call was
     computing the same chunk."""
     key = (docs.system, docs.namespace, docs.cache_salt, doc)
@@ -94,7 +95,7 @@ async def _ingest_one(manager, doc: str, docs: Documents, extra_key: str, reques
     _IN_FLIGHT[key] = future
     try:
         async with gate:
-            report = await _store(manager, doc, docs, extra_key, request)
+            report = await _store(manager, doc, docs, request)
     except Exception as exc:
         future.set_exception(exc)
         future.exception()  # marks it retrieved: a waiter re-raises it, and with none asyncio must not warn
@@ -108,12 +109,13 @@ async def _ingest_one(manager, doc: str, docs: Documents, extra_key: str, reques
     return report, True
 
 
-async def _store(manager, doc: str, docs: Documents, extra_key: str, request: Request) -> dict | None:
+async def _store(manager, doc: str, docs: Documents, request: Request) -> dict | None:
     from sglang.srt.managers.io_struct import GenerateReqInput
 
     prompt = await build_prompt(manager.tokenizer, [doc], "", docs.system or DEFAULT_SYSTEM)
     obj = GenerateReqInput(input_ids=prompt.input_ids, sampling_params={"max_new_tokens": 1, "temperature": 0},
-                           kv_hints=prompt.kv_hints(selector="none", namespace=docs.namespace), extra_key=extra_key,
+                           kv_hints=prompt.kv_hints(selector="none", namespace=docs.namespace),
+                           extra_key=f"chunkcache-ingest:{uuid.uuid4().hex}",
                            cache_salt=docs.cache_salt)
     try:
         out = await manager.generate_request(obj, request).__anext__()
