@@ -17,8 +17,8 @@ Contract:
   prompt gives it. A first segment learned within its own prompt's first `exact_lead_tokens` (a passage ingested, sent
   alone or leading an earlier prompt) saw no more text before it than the lead would compute, a template's head and no
   other passage: it is reused from its first token, as a hinted chunk computed after the prefix is; such a form
-  (whole, trimmed or its head form) of the first segment is preferred to one learned deeper, and a later segment
-  learned so that starts before the lead would end ends the lead at its start. A first segment whose
+  (whole, trimmed or its head form) of the first segment is preferred to one learned deeper; and a later segment
+  learned in its prompt's head that starts before the lead would end ends the lead at its start. A first segment whose
   reuse starts at or past position `exact_lead_tokens` (the exact prefix holds a passage before it, as the radix tree
   does for prompts that begin alike) is not in the head either: it follows other text here as it did where it was
   learned, so it gets no lead, and when the exact prefix reaches into it, it is reused from the prefix's end (with a
@@ -142,10 +142,12 @@ class AutoChunks:
             # be for that segment leading the prompt (a passage whose first segments were learned deep, its next one
             # in its own prompt's head: a cut its first words shifted, a copy another prompt stored first)
             ends = stored[0][0][0][0] + lead
-            head = next(((j, f) for j, forms in enumerate(stored) if forms[0][0][0] < ends
-                         for f in (head_learned(forms),) if f is not None), None)
-            if head is not None:
-                stored, first = stored[head[0]:], head[1]
+            for j, forms in enumerate(stored[1:], 1):
+                if forms[0][0][0] >= ends:
+                    break
+                if (head := head_learned(forms)) is not None:
+                    stored, first = stored[j:], head
+                    break
         picked = [forms[0] for forms in stored]
         if first is not None:
             picked[0], lead = first, 0

@@ -80,7 +80,8 @@ async def ingest(request: Request):
     return {"documents": len(docs.documents), "new": new, "existing": len(docs.documents) - new}
 
 
-async def _ingest_one(manager, doc: str, docs: Documents, request: Request, gate: asyncio.Semaphore) -> tuple[dict | None, bool]:
+async def _ingest_one(manager, doc: str, docs: Documents, request: Request,
+                      gate: asyncio.Semaphore) -> tuple[dict | None, bool]:
     """(the document's chunk report, whether this call computed it) - or another call's report, if that call was
     computing the same chunk."""
     key = (docs.system, docs.namespace, docs.cache_salt, doc)
