@@ -283,6 +283,12 @@ class AutoConfig:
         "inside a template that wraps it on the same line (`<document>...</document>`, `[1] ...`); 0: whole "
         "segments only")
     learn: bool = knob(True, "keep the KV of segments this server prefills (hinted or not) for later requests")
+    idle_head_forms: int = knob(
+        64, "an idle server computes each passage a prompt taught the store deep (a segment starting a paragraph past "
+        "the prompt's first exact_lead_tokens) again right after that prompt's head, as if it led the prompt, and "
+        "stores it under its head key: the passage then needs no exact lead when it leads a later prompt; at most "
+        "this many wait for an idle turn (the oldest dropped; one forward of the head and the segment each, after "
+        "the deferred deviations); 0: off (a passage gets the lead the first time it leads)")
     admit_after: int = knob(
         2, "once the host tier is full, a segment is learned only when seen in this many prefills (1: always; 2: "
         "seen twice, which keeps one-off segments from evicting popular ones); while it has room every new segment "
@@ -293,6 +299,7 @@ class AutoConfig:
     def check(self) -> None:
         _at_least(self, "min_reuse_tokens", 1)
         _at_least(self, "exact_lead_tokens", 0)
+        _at_least(self, "idle_head_forms", 0)
         _at_least(self, "edge_tokens", 0)
         _at_least(self, "segment_min_tokens", 8)  # the content-defined cut's hash window is 8 tokens
         m = self.segment_mean_tokens

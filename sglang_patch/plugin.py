@@ -80,8 +80,8 @@ def hooks() -> list[tuple[str, object, HookType]]:
          _eager_for_blends, AFTER),
         # the prompts' learned segments stored once the batch's outputs are sent (sglang_patch.scheduler.auto_chunks)
         (f"{_SCHEDULER}.process_batch_result", auto_chunks.store_learned, AFTER),
-        # an idle scheduler measures the chunk deviations requests estimated, else audits a blended request (one
-        # job per idle turn)
+        # an idle scheduler measures the chunk deviations requests estimated, else computes a passage's head form
+        # (auto detection), else audits a blended request (one job per idle turn)
         (f"{_SCHEDULER}.on_idle", _measure_deferred, BEFORE),
         # the chunk report: scheduler -> detokenizer -> main process meta_info["chunkcache"]
         (f"{_STREAMER}._GenerationStreamAccumulator.accept", report.attach, BEFORE),
@@ -195,10 +195,13 @@ def _measure_deferred(scheduler, *args, **kwargs) -> None:
     machine, chunkcache.ranks); the idle time is rank 0's, so that every rank enters the measurement's forward. The
     audit waits only where it runs, on one rank (sglang_patch.scheduler.audit refuses it under tensor parallelism)."""
     reuse = reuse_of(scheduler.tree_cache)
-    if (reuse is not None and (reuse.deferred or audit.pending(reuse)) and scheduler.is_fully_idle()
+    if (reuse is not None and (reuse.deferred or reuse.head_forms or audit.pending(reuse))
+            and scheduler.is_fully_idle()
             and reuse.ranks.agree(lambda: time.monotonic() - reuse.last_forward >= DEFER_AFTER_IDLE_S)):
         if reuse.deferred:
             reuse.measure_deferred()
+        elif reuse.head_forms:
+            reuse.learn_head_form()
         else:
             audit.of(reuse).run_one()
 

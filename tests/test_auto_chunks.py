@@ -242,6 +242,38 @@ def test_a_stored_segment_computed_exactly_in_a_prompts_head_is_learned_again_as
     assert found.spans == segs.spans and found.keys == (head, *segs.keys[1:]) and found.exact_until == 4
 
 
+def test_a_passage_learned_deep_gets_a_head_form_computed_after_its_prompts_head():
+    """The passages after a prompt's first (segments starting a paragraph past its first exact_lead_tokens) get head
+    forms: their tokens after the prompt's head (its tokens before the last paragraph starting in the head: the
+    template and instruction before the first passage), keyed as the head form a lead would store, so that the
+    passage, when it leads, is reused from its first token (detect: learned at the head's length)."""
+    _, seg, ids, segs = _three_passages()
+    t = torch.tensor(ids)
+    forms = seg.head_forms(segs, t)
+    # (4, 24) starts in the head (its own head form is learned by a lead); (25, 55) and (56, 76) start deep
+    assert [(f.start, f.token_ids.tolist(), f.deep_key) for f in forms] == [
+        (4, ids[:4] + ids[25:55], segs.keys[1]), (4, ids[:4] + ids[56:76], segs.keys[2])]
+    assert [f.key for f in forms] == [chunk_key(FP, "ns", HEAD_PREFIX, ids[25:55]),
+                                      chunk_key(FP, "ns", HEAD_PREFIX, ids[56:76])]
+    # leading a later prompt, the passage's head form is what a lead would have stored: no lead
+    later = ids[:4] + ids[56:77] + ids[4:25] + ids[77:]
+    again = seg.segments(later, "ns", None)
+    assert again.heads[0] == forms[1].key
+    found = seg.detect(again, len(later), 0, {**dict.fromkeys(again.keys, 300), forms[1].key: forms[1].start})
+    assert found.keys[0] == forms[1].key and found.exact_until == 4
+    # a segment ending at the prompt's last token is never a chunk: no head form
+    assert [f.key for f in seg.head_forms(seg.segments(ids[:76], "ns", None), t[:76])] == [forms[0].key]
+
+
+def test_no_head_forms_when_no_passage_starts_in_the_head_or_they_are_off():
+    config, seg, ids, segs = _three_passages()
+    t = torch.tensor(ids)
+    longer = [0] * 30 + ids  # 30 line breaks first: no segment starts within the 21-token lead
+    assert seg.head_forms(seg.segments(longer, "ns", None), torch.tensor(longer)) == []
+    off = AutoChunks(replace(config, idle_head_forms=0), frozenset({0}), FP)
+    assert off.segments(ids, "ns", None).deep_heads == () and off.head_forms(off.segments(ids, "ns", None), t) == []
+
+
 def test_auto_config_is_checked(tmp_path):
     assert Config().auto.enabled is False  # off by default: unmarked requests stay exact
     bad = tmp_path / "c.yaml"

@@ -61,6 +61,9 @@ class Segments:
     # there, stored beside a copy learned deeper (which serves a segment used deep better), so that a passage that
     # led a prompt, its lead computed exactly, is reused from its first token when it leads again
     heads: tuple[str | None, ...] = ()
+    # segment i's head key where it starts a paragraph at or past the prompt's first exact_lead_tokens (a passage
+    # after the first), else None: the key of the head form an idle server computes for it (AutoChunks.head_forms)
+    deep_heads: tuple[str | None, ...] = ()
 
     def lookup_keys(self, matched: int) -> list[tuple[int, str]]:
         """(tokens, key) of every form worth asking the store for: the segments, their trimmed forms and their head
@@ -69,6 +72,18 @@ class Segments:
         forms += [form for trimmed in self.edges for form in trimmed]
         forms += [(span, k) for span, k in zip(self.spans, self.heads) if k is not None]
         return [(e - s, k) for (s, e), k in forms if e > matched]
+
+
+@dataclass(frozen=True)
+class HeadForm:
+    """A segment that starts a paragraph deep in a prompt (a passage after its first), computed again right after
+    that prompt's head as if it led the prompt: the KV a lead would compute there, which, stored under the segment's
+    head key, spares the passage a lead when it leads a later prompt (an idle server's work: `auto.idle_head_forms`)."""
+
+    token_ids: torch.Tensor  # [head + T] int64: the prompt's head, then the segment
+    start: int  # the head's length: where the segment starts in token_ids (its entry's start_pos)
+    key: str  # the segment's head key
+    deep_key: str  # its key as learned deep: a head form is computed only while the store holds that
 
 
 @dataclass(frozen=True)
@@ -99,8 +114,26 @@ class AutoChunks:
 
         trimmed = tuple(tuple(((s, e), key(s, e)) for s, e in self._trimmed(ids, span)) for span in spans) if edges \
             else ()
-        heads = tuple(key(s, e, HEAD_PREFIX) if s < self.config.exact_lead_tokens else None for s, e in spans)
-        return Segments(spans, tuple(key(s, e) for s, e in spans), trimmed, heads)
+        lead, breaks = self.config.exact_lead_tokens, self.segmenter.break_ids
+        heads = tuple(key(s, e, HEAD_PREFIX) if s < lead else None for s, e in spans)
+        deep = tuple(key(s, e, HEAD_PREFIX) if s >= lead and int(ids[s - 1]) in breaks else None for s, e in spans) \
+            if self.config.idle_head_forms else ()
+        return Segments(spans, tuple(key(s, e) for s, e in spans), trimmed, heads, deep)
+
+    def head_forms(self, segments: Segments, token_ids: torch.Tensor) -> list[HeadForm]:
+        """The head forms worth computing for a prompt of `token_ids` (its `segments`): each segment that starts a
+        paragraph past the prompt's head and ends before its last token, after the prompt's head, the tokens before
+        the last paragraph that starts within its first `exact_lead_tokens` (where its passages begin, after the
+        template and an instruction). None when no paragraph starts there (a prompt that long before its passages
+        gives none of them a lead)."""
+        lead, breaks, n = self.config.exact_lead_tokens, self.segmenter.break_ids, len(token_ids)
+        starts = [s for s, _ in segments.spans if s < lead and (s == 0 or int(token_ids[s - 1]) in breaks)]
+        if not starts or not segments.deep_heads:
+            return []
+        head = token_ids[: starts[-1]]
+        return [HeadForm(torch.cat([head, token_ids[s:e]]), len(head), key, deep)
+                for (s, e), key, deep in zip(segments.spans, segments.deep_heads, segments.keys)
+                if key is not None and e < n]
 
     def _trimmed(self, ids: torch.Tensor, span: tuple[int, int]) -> list[tuple[int, int]]:
         """Segment `span`'s trimmed forms: without its first 1..edge_tokens tokens when it starts a paragraph, then

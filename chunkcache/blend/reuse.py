@@ -22,13 +22,15 @@ from ..segment import break_ids
 from ..select import REGISTRY, Selector
 from ..store import ChunkStore, EntryLayout
 from . import fidelity
-from .auto import AutoChunks, Segments
+from .auto import AutoChunks, HeadForm, Segments
 from .cost import Calibration, ComputeCost, Rates
 from .features import DeviationJob, Models
-from .pipeline import Defaults
+from .pipeline import Defaults, store_segments
 from .request import RequestHint
 
 log = logging.getLogger(__name__)
+# an engine's forward of token ids from position 0, attending nothing else: K and V [layers, tokens, heads, dim]
+KVOf = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 # deferred deviation measurements kept at most (each holds its request's plan and chunk entries until measured)
 DEFERRED_JOBS = 32
 
@@ -49,6 +51,10 @@ class ChunkReuse:
         # deviations estimated on requests' paths, measured when the server is idle (`measure_deferred`); the
         # oldest are dropped past DEFERRED_JOBS (their chunks are estimated again, and queued again, next use)
         self.deferred: deque[DeviationJob] = deque(maxlen=DEFERRED_JOBS)
+        # head forms of passages prompts taught the store deep, computed when the server is idle (`learn_head_form`,
+        # after the deferred deviations), each with the engine's forward that computes its KV; the oldest dropped past
+        # auto.idle_head_forms
+        self.head_forms: deque[tuple[HeadForm, KVOf]] = deque(maxlen=max(config.auto.idle_head_forms, 1))
         self.last_forward = 0.0  # time.monotonic() of the server's last extend forward (the glue sets it)
         # work an engine may leave until its forward's outputs are sent (storing a prompt's learned segments: off
         # the request's first token), run before any later forward can reuse the KV it reads; None: the engine's
@@ -86,6 +92,33 @@ class ChunkReuse:
                 self.store.add_features(key, feats)
             except Exception:  # noqa: BLE001 - as above; a store write involves no other rank
                 log.exception("chunkcache: storing chunk %s's measured deviation failed", key)
+
+    def queue_head_forms(self, forms: Sequence[HeadForm], kv_of: KVOf) -> None:
+        """Keep `forms` for idle turns (auto.idle_head_forms > 0), each computed by `kv_of` (the engine's forward of
+        its tokens from position 0, attending nothing else: K and V [layers, tokens, heads, dim] on the host); a form
+        already waiting is not queued twice."""
+        if not self.config.auto.idle_head_forms:
+            return
+        waiting = {f.key for f, _ in self.head_forms}
+        self.head_forms.extend((f, kv_of) for f in forms if f.key not in waiting)
+
+    def learn_head_form(self) -> None:
+        """Compute and store the oldest waiting head form, unless the store lost the passage's deep copy (not worth
+        it any more) or holds its head form already (it led a prompt meanwhile). A failure is logged and the form
+        dropped, as a deferred deviation's; under tensor parallelism raised (a forward of every rank)."""
+        form, kv_of = self.head_forms.popleft()
+        deep, head = self.held([form.deep_key, form.key])
+        if not deep or head:
+            return
+        try:
+            k, v = kv_of(form.token_ids)
+            n = len(form.token_ids)
+            store_segments(self.store, [((form.start, n), form.key)], form.token_ids,
+                           lambda positions: (k[:, positions], v[:, positions]), self.fingerprint)
+        except Exception:  # noqa: BLE001 - an optimisation of later requests: never the server's failure
+            if self.ranks.many:
+                raise
+            log.exception("chunkcache: computing a passage's head form failed; it gets a lead when it leads")
 
     def held(self, keys: Sequence[str]) -> list[bool]:
         """Per key, whether every rank's store holds it (a decision that fixes which rows a forward computes may

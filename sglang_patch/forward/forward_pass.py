@@ -59,6 +59,23 @@ def input_logprob_tokens(forward_batch) -> list[int]:
     return [e - s for e, s in zip(forward_batch.extend_seq_lens_cpu, forward_batch.extend_logprob_start_lens_cpu)]
 
 
+def one_row(forward_batch, n: int):
+    """A copy of the extend batch stating one row of `n` tokens, none of them scored for logprobs: what
+    Runner.run(logits=True) reads of its batch for a pass of one segment. Its tensors are the batch's or new."""
+    fb = copy.copy(forward_batch)
+    fb.batch_size = 1
+    fb.seq_lens = torch.tensor([n], dtype=forward_batch.seq_lens.dtype, device=forward_batch.seq_lens.device)
+    fb.seq_lens_cpu = torch.tensor([n], dtype=torch.int64)
+    fb.extend_seq_lens_cpu = [n]
+    fb.return_logprob = False
+    fb.extend_logprob_start_lens_cpu = None
+    fb.top_logprobs_nums = fb.token_ids_logprobs = None
+    fb.extend_input_logprob_token_ids_gpu = None
+    fb.next_token_logits_buffer = None  # the batch's, which a later forward owns
+    fb.is_prefill_only = False
+    return fb
+
+
 class Pass:
     """The tokens of one forward, as segments with their ids, positions and pool slots; built first, then run once."""
 

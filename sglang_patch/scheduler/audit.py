@@ -17,7 +17,6 @@ with the same prompt, and nothing here agrees the sample, the queue and the outc
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import time
@@ -33,7 +32,7 @@ from chunkcache.config import AuditConfig
 
 from . import metrics
 from .cache import reuse_of
-from ..forward.forward_pass import Pass, Runner
+from ..forward.forward_pass import Pass, Runner, one_row
 
 log = logging.getLogger(__name__)
 _audit: Audit | None = None  # this process's scheduler's, when its audit.rate > 0 (one scheduler per process)
@@ -51,7 +50,7 @@ class Sampled:
     max_kl: float | None
     ratio: float
     selector: str
-    runner: Runner  # over a one-row copy of its forward batch (`_one_row`)
+    runner: Runner  # over a one-row copy of its forward batch (`one_row`)
 
 
 class Audit:
@@ -73,7 +72,7 @@ class Audit:
             rid, b.plan.token_ids.detach().cpu().clone(), spans,
             output.next_token_logits[row].detach().float().cpu().clone(),
             b.estimate, b.plan.max_kl, b.ratio, b.plan.selector,
-            Runner(runner.model_runner, _one_row(runner.forward_batch, b.plan.n))))
+            Runner(runner.model_runner, one_row(runner.forward_batch, b.plan.n))))
 
     def run_one(self) -> None:
         """Audit the oldest kept request. A failed recompute is logged and the request dropped uncounted."""
@@ -123,23 +122,6 @@ class Audit:
                 f.write(json.dumps(case) + "\n")
         except OSError:
             log.exception("chunkcache: writing the audited case to %s failed", self.config.cases)
-
-
-def _one_row(forward_batch, n: int):
-    """A copy of the extend batch stating one row of `n` tokens, none of them scored for logprobs: what
-    Runner.run(logits=True) reads of its batch for a pass of one segment. Its tensors are the batch's or new."""
-    fb = copy.copy(forward_batch)
-    fb.batch_size = 1
-    fb.seq_lens = torch.tensor([n], dtype=forward_batch.seq_lens.dtype, device=forward_batch.seq_lens.device)
-    fb.seq_lens_cpu = torch.tensor([n], dtype=torch.int64)
-    fb.extend_seq_lens_cpu = [n]
-    fb.return_logprob = False
-    fb.extend_logprob_start_lens_cpu = None
-    fb.top_logprobs_nums = fb.token_ids_logprobs = None
-    fb.extend_input_logprob_token_ids_gpu = None
-    fb.next_token_logits_buffer = None  # the batch's, which a later forward owns
-    fb.is_prefill_only = False
-    return fb
 
 
 def _full_logits(s: Sampled) -> torch.Tensor:

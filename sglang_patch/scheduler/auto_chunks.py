@@ -18,6 +18,7 @@ one with output logprobs alone is.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import logging
@@ -34,7 +35,7 @@ from chunkcache.blend.reuse import ChunkReuse
 
 from . import metrics, report
 from .cache import reuse_of
-from ..forward.forward_pass import batch_rows
+from ..forward.forward_pass import Pass, Runner, batch_rows, one_row
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ def learn(reuse: ChunkReuse, model_runner, forward_batch, reqs, record_of) -> No
     if not any(r is not None and r.segments is not None for r in records):
         return  # decode rows and prompts already learned: nothing to read
     pool = model_runner.token_to_kv_pool
+    head_kv = None  # the batch's forward of a head form (ChunkReuse.queue_head_forms), made for its first one
     token_bytes = 2 * pool.layer_num * pool.get_key_buffer(0)[0].numel() * pool.get_key_buffer(0).element_size()
     for row in batch_rows(model_runner, forward_batch, reqs):
         request = records[row.index]
@@ -123,7 +125,13 @@ def learn(reuse: ChunkReuse, model_runner, forward_batch, reqs, record_of) -> No
         hinted = request.hint is not None and getattr(row.req, "to_finish", None) is None
         computed = torch.zeros(row.seq_len, dtype=torch.bool)
         computed[row.matched if hinted else 0:] = True
+        segments = request.segments
         todo = pipeline.segments_to_learn(reuse.store, reuse.auto, request, computed, token_bytes)
+        if request.hint is None or request.hint.auto:  # a client's hinted chunks need no head forms
+            if forms := reuse.auto.head_forms(segments, row.token_ids):
+                if head_kv is None:
+                    head_kv = functools.partial(_head_kv, model_runner, copy.copy(forward_batch))
+                reuse.queue_head_forms(forms, head_kv)
         tokens = sum(e - s for (s, e), _ in todo)
         learning = {"segments": len(todo), "tokens": tokens, "bytes": tokens * token_bytes}
         if todo:
@@ -165,6 +173,18 @@ def _store(reuse: ChunkReuse, pool, todo, token_ids: torch.Tensor, slots: torch.
     learned = pipeline.store_segments(reuse.store, todo, token_ids, lambda _positions: _read_kv(pool, slots),
                                       reuse.fingerprint)
     metrics.record_auto_learned(learned["segments"], learned["bytes"], learned["seconds"])
+
+
+def _head_kv(model_runner, forward_batch, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [layers, tokens, heads, dim] on the host of `token_ids` from position 0 through every layer, kept
+    aside: nothing of the pool read or written (`forward_batch`, a copy of the batch that taught the store the
+    passage, is only the template of a one-row batch: that batch is long gone when an idle turn runs this)."""
+    runner = Runner(model_runner, one_row(forward_batch, len(token_ids)))
+    p = Pass()
+    seg = p.add_aside(token_ids, torch.arange(len(token_ids)), torch.zeros(0, dtype=torch.long, device=runner.device))
+    with torch.no_grad():
+        runner.run(p)
+    return torch.stack([k for k, _ in seg.kept_kv]).cpu(), torch.stack([v for _, v in seg.kept_kv]).cpu()
 
 
 def _read_kv(pool, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

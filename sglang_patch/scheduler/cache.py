@@ -57,6 +57,7 @@ class ChunkRadixCache(UnifiedRadixCache):
         return {"backend": BACKEND_NAME, "tree_cache": type(self).__name__, "scheduler_pid": os.getpid(),
                 "store": dataclasses.asdict(self.reuse.store.stats()),
                 "deferred_deviations": len(self.reuse.deferred),  # estimated, to be measured when idle
+                "head_forms_waiting": len(self.reuse.head_forms),  # passages' head forms, computed when idle
                 # the blend-or-full choice's fit to this server's forwards: a fixed time per forward, a scale per side
                 "calibration": self.reuse.calibration.state(),
                 # a chunk's measured compute cost, priced against a remote fetch (store.remote_fetch)
