@@ -201,7 +201,8 @@ def _measure_deferred(scheduler, *args, **kwargs) -> None:
         if reuse.deferred:
             reuse.measure_deferred()
         elif reuse.head_forms:
-            reuse.learn_head_form()
+            if learned := reuse.learn_head_form():
+                metrics.record_auto_learned(learned["segments"], learned["bytes"], learned["seconds"])
         else:
             audit.of(reuse).run_one()
 

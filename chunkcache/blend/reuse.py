@@ -102,23 +102,24 @@ class ChunkReuse:
         waiting = {f.key for f, _ in self.head_forms}
         self.head_forms.extend((f, kv_of) for f in forms if f.key not in waiting)
 
-    def learn_head_form(self) -> None:
+    def learn_head_form(self) -> dict[str, float] | None:
         """Compute and store the oldest waiting head form, unless the store lost the passage's deep copy (not worth
-        it any more) or holds its head form already (it led a prompt meanwhile). A failure is logged and the form
-        dropped, as a deferred deviation's; under tensor parallelism raised (a forward of every rank)."""
+        it any more) or holds its head form already (it led a prompt meanwhile); returns what the store kept
+        (store_segments), None when nothing was computed. A failure is logged and the form dropped, as a deferred
+        deviation's; under tensor parallelism raised (a forward of every rank)."""
         form, kv_of = self.head_forms.popleft()
         deep, head = self.held([form.deep_key, form.key])
         if not deep or head:
-            return
+            return None
         try:
             k, v = kv_of(form.token_ids)
-            n = len(form.token_ids)
-            store_segments(self.store, [((form.start, n), form.key)], form.token_ids,
-                           lambda positions: (k[:, positions], v[:, positions]), self.fingerprint)
+            return store_segments(self.store, [((form.start, len(form.token_ids)), form.key)], form.token_ids,
+                                  lambda positions: (k[:, positions], v[:, positions]), self.fingerprint)
         except Exception:  # noqa: BLE001 - an optimisation of later requests: never the server's failure
             if self.ranks.many:
                 raise
             log.exception("chunkcache: computing a passage's head form failed; it gets a lead when it leads")
+            return None
 
     def held(self, keys: Sequence[str]) -> list[bool]:
         """Per key, whether every rank's store holds it (a decision that fixes which rows a forward computes may

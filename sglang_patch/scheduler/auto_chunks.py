@@ -127,7 +127,8 @@ def learn(reuse: ChunkReuse, model_runner, forward_batch, reqs, record_of) -> No
         computed[row.matched if hinted else 0:] = True
         segments = request.segments
         todo = pipeline.segments_to_learn(reuse.store, reuse.auto, request, computed, token_bytes)
-        if request.hint is None or request.hint.auto:  # a client's hinted chunks need no head forms
+        # a prompt nobody marked (served as stock or detected); a client's chunks, hinted or exact, need no head forms
+        if request.exact is None and (request.hint is None or request.hint.auto):
             if forms := reuse.auto.head_forms(segments, row.token_ids):
                 if head_kv is None:
                     head_kv = functools.partial(_head_kv, model_runner, copy.copy(forward_batch))
