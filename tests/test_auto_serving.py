@@ -30,10 +30,11 @@ def auto_server(tmp_path_factory, default_model, store_dir):
 
 
 @pytest.fixture(scope="module")
-def leading_server(tmp_path_factory, default_model):
-    """No head forms computed while idle: a passage learned deep gets its lead the first time it leads."""
-    srv = start_server(tmp_path_factory.mktemp("auto-leading") / "server.log", "--auto-chunks",
-                       env={"CHUNKCACHE_AUTO__IDLE_HEAD_FORMS": "0"})
+def small_server(tmp_path_factory, default_model):
+    """A KV pool of 6,000 tokens, which a few prompts fill, and no head forms computed while idle (a passage learned
+    deep gets its lead the first time it leads)."""
+    srv = start_server(tmp_path_factory.mktemp("auto-small") / "server.log", "--auto-chunks",
+                       env={"CHUNKCACHE_AUTO__IDLE_HEAD_FORMS": "0", "CHUNKCACHE_SERVE__MAX_TOTAL_TOKENS": "6000"})
     yield srv
     srv.stop()
 
@@ -167,6 +168,33 @@ def test_a_blended_request_starts_from_the_exact_prefix_a_plain_request_left(aut
     assert again["output_ids"] == first["output_ids"]
 
 
+def test_a_full_pool_makes_room_for_the_exact_prefix_a_blended_request_carries(small_server, default_model):
+    """In a server's steady state the KV pool is full of cached prefixes. Carrying a plain request's exact prefix
+    into the auto partition then evicts the least recently used of them, as SGLang's own allocation does, rather
+    than leaving the blend's fill to compute the prefix again."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model)
+
+    def pool() -> dict:
+        return requests.get(small_server.url + "/server_info", timeout=30).json()["internal_states"][0][
+            "chunkcache"]["kv_pool"]
+
+    for record in range(70, 90):  # other documents' prompts fill the pool (their KV stays cached, evictable)
+        if pool()["available"] < 1500:
+            break
+        plain(small_server, prompt(documents(record), "Which is first?"), n=1)
+    docs = documents(48, 5)
+    first_ids = tok(prompt(docs, "Which is first?"))["input_ids"]
+    ids = tok(prompt(docs[:1] + docs[1:][::-1], "Which is last?"))["input_ids"]
+    shared = next(i for i, (a, b) in enumerate(zip(first_ids, ids)) if a != b)
+    plain(small_server, None, n=1, input_ids=first_ids)  # learns the documents, served as stock
+    assert pool()["available"] < shared, (pool(), shared)  # the premise: no free room for the carried prefix
+    blended = plain(small_server, None, n=1, input_ids=ids)["meta_info"]["chunkcache"]
+    assert blended["reused_tokens"] > 0 and "fallback" not in blended
+    assert 0 < blended.get("exact_carried", 0) <= shared and blended["radix_tokens"] == shared > 200, blended
+
+
 def exact(got: dict) -> int:
     """Tokens computed exactly past the radix match: what no chunk covers before the first (the lead), the
     template between passages and the question."""
@@ -180,20 +208,20 @@ def flushed(server) -> None:
     requests.post(server.url + "/flush_cache", params={"timeout": 60}, timeout=120).raise_for_status()
 
 
-def test_a_passage_learned_deep_needs_no_lead_once_it_has_led_a_prompt(leading_server):
+def test_a_passage_learned_deep_needs_no_lead_once_it_has_led_a_prompt(small_server):
     """Learned after other passages, a passage gets the exact lead when it leads a prompt (its first
     `auto.exact_lead_tokens` computed in the blend's first pass, not reused); that prompt teaches the store the head
     form of what its lead computed, so the next prompt it leads reuses it from its first segment. Each of the two
     starts from an empty radix tree. On a server that computes head forms while idle (the default) the first lead
     is spared too (the next test)."""
     docs = documents(62)
-    plain(leading_server, prompt(docs, "Which is first?"), n=1)  # learns docs[2] after two others, as stock
-    flushed(leading_server)
-    led = plain(leading_server, prompt([docs[2], docs[0], docs[3]], "Which is last?"), n=1)
+    plain(small_server, prompt(docs, "Which is first?"), n=1)  # learns docs[2] after two others, as stock
+    flushed(small_server)
+    led = plain(small_server, prompt([docs[2], docs[0], docs[3]], "Which is last?"), n=1)
     assert led["meta_info"]["chunkcache"]["chunk_hits"] > 0 and exact(led) >= 128
     assert led["meta_info"]["chunkcache"]["learned"]["segments"] > 0  # the head forms of the lead's segments
-    flushed(leading_server)
-    again = plain(leading_server, prompt([docs[2], docs[3], docs[1]], "Who is mentioned?"), n=1)
+    flushed(small_server)
+    again = plain(small_server, prompt([docs[2], docs[3], docs[1]], "Who is mentioned?"), n=1)
     assert again["meta_info"]["chunkcache"]["chunk_hits"] > 0 and exact(again) < 32, exact(again)
     assert again["meta_info"]["chunkcache"]["reused_tokens"] > led["meta_info"]["chunkcache"]["reused_tokens"]
 

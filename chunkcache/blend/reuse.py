@@ -16,7 +16,7 @@ import torch
 from ..config import Config
 from ..hashing import chunk_key, prefix_key
 from ..hints import parse
-from ..ranks import Ranks, all_hold
+from ..ranks import Ranks, all_hold, deepest_held
 from ..rope import RopeSpec
 from ..segment import break_ids
 from ..select import REGISTRY, Selector
@@ -104,12 +104,16 @@ class ChunkReuse:
 
     def learn_head_form(self) -> dict[str, float] | None:
         """Compute and store the oldest waiting head form, unless the store lost the passage's deep copy (not worth
-        it any more) or holds its head form already (it led a prompt meanwhile); returns what the store kept
-        (store_segments), None when nothing was computed. A failure is logged and the form dropped, as a deferred
-        deviation's; under tensor parallelism raised (a forward of every rank)."""
+        it any more), holds its head form already (it led a prompt meanwhile) or learned that copy in a prompt's
+        head itself (ingested, sent alone: it needs no lead); returns what the store kept (store_segments), None
+        when nothing was computed. A failure is logged and the form dropped, as a deferred deviation's; under tensor
+        parallelism raised (a forward of every rank)."""
         form, kv_of = self.head_forms.popleft()
-        deep, head = self.held([form.deep_key, form.key])
-        if not deep or head:
+        keys = [form.deep_key, form.key]
+        _, (deep, head) = self.ranks.decide(
+            lambda: self.store.lookup(keys),
+            lambda here: [here.entries[k].start_pos if k in here.entries else None for k in keys], deepest_held)
+        if deep is None or deep < self.config.auto.exact_lead_tokens or head is not None:
             return None
         try:
             k, v = kv_of(form.token_ids)

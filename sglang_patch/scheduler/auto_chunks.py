@@ -26,7 +26,7 @@ import time
 from array import array
 
 import torch
-from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from chunkcache.blend import pipeline
@@ -65,9 +65,11 @@ def exact_prefix(tree_cache, req) -> int:
 def carry_exact_prefix(tree_cache, req, plain_extra_key: str | None) -> int:
     """Give the auto partition (the request's extra_key now) the exact prefix the plain partition holds beyond its
     own match: those tokens' KV copied into new slots and inserted under the auto key, so SGLang's own match finds
-    them instead of the blend's fill computing them again. Exact KV is right in every partition. The inserted node is
-    unlocked, SGLang's to evict like any other. Returns the tokens carried: 0 when the auto partition matches as far,
-    the pool has no free room for them (nothing is evicted for this), or the tree keeps more than full-attention KV
+    them instead of the blend's fill computing them again. Exact KV is right in every partition. A pool without free
+    room for them makes it by evicting the tree's least recently used KV, as SGLang's own allocation does (in a
+    server's steady state the pool is full of cached prefixes), both partitions' matched paths locked meanwhile. The
+    inserted node is unlocked, SGLang's to evict like any other. Returns the tokens carried: 0 when the auto
+    partition matches as far, the tree cannot free enough room, or it keeps more than full-attention KV
     (sliding-window or state components, whose slots this copy does not carry)."""
     if tree_cache.supports_swa() or tree_cache.supports_mamba():
         return 0
@@ -76,22 +78,29 @@ def carry_exact_prefix(tree_cache, req, plain_extra_key: str | None) -> int:
     held, have = int(plain.device_prefix_len), int(auto.device_prefix_len)
     if held <= have:
         return 0
-    source = tree_cache.path_device_indices(plain.last_device_node)[have:held]
-    own = tree_cache.path_device_indices(auto.last_device_node)[:have]
-    if len(source) != held - have or len(own) != have:  # a match not all on its tree path (e.g. loaded, unpublished)
-        return 0
     allocator = tree_cache.token_to_kv_pool_allocator
-    slots = allocator.alloc(held - have) if allocator.available_size() >= held - have else None
-    if slots is None:
-        return 0
+    locks = [tree_cache.lock(plain.last_device_node), tree_cache.lock(auto.last_device_node)]
     try:
-        _copy_kv(allocator.get_kvcache(), slots, source)  # the plain partition keeps its own
-        value = torch.cat([own.to(torch.int64), slots.to(torch.int64)])
-    except BaseException:
-        allocator.free(slots)
-        raise
-    # the tree's own slots below `have` are not duplicates (prev_prefix_len); from there on it owns the new ones
-    tree_cache.insert(InsertParams(key=_key(req, req.extra_key, held), value=value, prev_prefix_len=have))
+        if allocator.available_size() < held - have:
+            tree_cache.evict(EvictParams(num_tokens=held - have - allocator.available_size()))
+        source = tree_cache.path_device_indices(plain.last_device_node)[have:held]
+        own = tree_cache.path_device_indices(auto.last_device_node)[:have]
+        if len(source) != held - have or len(own) != have:  # a match not all on its tree path (loaded, unpublished)
+            return 0
+        if allocator.available_size() < held - have:
+            return 0
+        slots = allocator.alloc(held - have)
+        try:
+            _copy_kv(allocator.get_kvcache(), slots, source)  # the plain partition keeps its own
+            value = torch.cat([own.to(torch.int64), slots.to(torch.int64)])
+        except BaseException:
+            allocator.free(slots)
+            raise
+        # the tree's own slots below `have` are not duplicates (prev_prefix_len); from there on it owns the new ones
+        tree_cache.insert(InsertParams(key=_key(req, req.extra_key, held), value=value, prev_prefix_len=have))
+    finally:
+        for lock in locks:
+            tree_cache.unlock(lock)
     return held - have
 
 
