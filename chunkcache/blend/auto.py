@@ -125,7 +125,7 @@ class AutoChunks:
         paragraph past the prompt's head and ends before its last token, after the prompt's head, the tokens before
         the last paragraph that starts within its first `exact_lead_tokens` (where its passages begin, after the
         template and an instruction). None when no paragraph starts there (a prompt that long before its passages
-        gives none of them a lead)."""
+        gives none of them a lead) or head forms are off."""
         lead, breaks, n = self.config.exact_lead_tokens, self.segmenter.break_ids, len(token_ids)
         starts = [s for s, _ in segments.spans if s < lead and (s == 0 or int(token_ids[s - 1]) in breaks)]
         if not starts or not segments.deep_heads:

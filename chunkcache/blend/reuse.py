@@ -103,17 +103,20 @@ class ChunkReuse:
         self.head_forms.extend((f, kv_of) for f in forms if f.key not in waiting)
 
     def learn_head_form(self) -> dict[str, float] | None:
-        """Compute and store the oldest waiting head form, unless the store lost the passage's deep copy (not worth
-        it any more), holds its head form already (it led a prompt meanwhile) or learned that copy in a prompt's
-        head itself (ingested, sent alone: it needs no lead); returns what the store kept (store_segments), None
-        when nothing was computed. A failure is logged and the form dropped, as a deferred deviation's; under tensor
-        parallelism raised (a forward of every rank)."""
-        form, kv_of = self.head_forms.popleft()
-        keys = [form.deep_key, form.key]
-        _, (deep, head) = self.ranks.decide(
-            lambda: self.store.lookup(keys),
-            lambda here: [here.entries[k].start_pos if k in here.entries else None for k in keys], deepest_held)
-        if deep is None or deep < self.config.auto.exact_lead_tokens or head is not None:
+        """Compute and store the oldest waiting head form worth it: forms whose passage the store lost (its deep
+        copy), whose head form it holds already (it led a prompt meanwhile) or whose copy it learned in a prompt's
+        head itself (ingested, sent alone: it needs no lead) are dropped on the way, so they take no idle turn of
+        their own. Returns what the store kept (store_segments), None when nothing was computed. A failure is logged
+        and the form dropped, as a deferred deviation's; under tensor parallelism raised (a forward of every rank)."""
+        while self.head_forms:
+            form, kv_of = self.head_forms.popleft()
+            keys = [form.deep_key, form.key]
+            _, (deep, head) = self.ranks.decide(
+                lambda: self.store.lookup(keys),
+                lambda here: [here.entries[k].start_pos if k in here.entries else None for k in keys], deepest_held)
+            if deep is not None and deep >= self.config.auto.exact_lead_tokens and head is None:
+                break
+        else:
             return None
         try:
             k, v = kv_of(form.token_ids)
