@@ -161,14 +161,18 @@ class Rotation:
         """Layer i's rotation, for its keys [T, H, D]."""
         return replace(self, cos=self.cos[i], sin=self.sin[i], per_layer=False) if self.per_layer else self
 
-    def apply(self, k: torch.Tensor) -> torch.Tensor:
+    def apply(self, k: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`k` moved; written into `out` (k's shape, e.g. its slots of a KV pool) when given."""
         if self.per_layer and (k.dim() != 4 or k.shape[0] != self.cos.shape[0]):
             raise ValueError(f"per-layer RoPE moves keys stacked [L, T, H, D] for its {self.cos.shape[0]} layers; "
                              f"got {tuple(k.shape)}")
         # rotate_half's pairs: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), each half written once into the output
         half = k.shape[-1] // 2
         x1, x2 = k[..., :half].float(), k[..., half:].float()
-        out = torch.empty_like(k)
+        if out is None:
+            out = torch.empty_like(k)
+        elif out.shape != k.shape:
+            raise ValueError(f"moved keys {tuple(k.shape)} do not fit the output {tuple(out.shape)}")
         out[..., :half] = (x1 * self.cos).sub_(x2 * self.sin)
         out[..., half:] = (x2 * self.cos).add_(x1 * self.sin)
         return out

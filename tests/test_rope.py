@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from chunkcache.rope import RopeSpec, UnsupportedRope, rerotate
+from chunkcache.rope import RopeSpec, Rotation, UnsupportedRope, rerotate
 
 ROPES = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
@@ -92,6 +92,23 @@ def test_per_token_delta():
     torch.testing.assert_close(rerotate(cached, torch.arange(100, 106) - cached_pos, spec, cached_pos), direct,
                                atol=1e-5, rtol=0)
     torch.testing.assert_close(rerotate(cached, torch.arange(100, 106) - cached_pos, spec), direct, atol=1e-5, rtol=0)
+
+
+def test_keys_moved_into_a_pools_slots_equal_keys_moved_apart_and_touch_nothing_else():
+    """Rotation.apply(out=...) writes the moved keys straight into their slots of a pool (the blend's copy): the same
+    values bit for bit as moving them apart, in the pool's dtype, and every other slot untouched."""
+    spec = RopeSpec.from_config(tiny_llama(ROPES["llama3"]).config)
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(6, 2, spec.head_dim, generator=g).bfloat16()
+    rotation = Rotation.of(torch.arange(100, 106) - 7, spec, torch.full((6,), 7))
+    pool = torch.full((20, 2, spec.head_dim), 5.0, dtype=torch.bfloat16)
+    moved = rotation.apply(keys, out=pool[4:10])
+    assert moved.data_ptr() == pool[4:10].data_ptr()
+    assert torch.equal(pool[4:10], rotation.apply(keys))
+    assert not torch.equal(pool[4:10], keys)  # they moved
+    assert bool((pool[:4] == 5).all()) and bool((pool[10:] == 5).all())
+    with pytest.raises(ValueError, match="do not fit"):
+        rotation.apply(keys, out=pool[4:9])
 
 
 def test_layer_dimensions_broadcast_and_zero_delta_is_identity():
