@@ -204,11 +204,13 @@ class BatchEngine:
         moved = torch.cat([torch.full((e.num_tokens - c.head,), c.chunk[0] - e.start_pos) for _, c, e in moves])
         rotation = Rotation.of(moved, self.rope, at, device)
         run = pool_index(dst)
+        in_place = isinstance(run, slice) and {e.k.dtype for _, _, e in moves} == {keys[0].dtype} \
+            and {e.v.dtype for _, _, e in moves} == {values[0].dtype}
 
         def write(layer: int) -> None:
             k, v = ([getattr(e, name)[layer, c.head:].to(device, non_blocking=True) for _, c, e in moves]
                     for name in ("k", "v"))
-            if isinstance(run, slice) and keys[layer].dtype == k[0].dtype and values[layer].dtype == v[0].dtype:
+            if in_place:
                 rotation.layer(layer).apply(torch.cat(k), out=keys[layer][run])
                 torch.cat(v, out=values[layer][run])
                 return
