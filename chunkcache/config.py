@@ -222,6 +222,10 @@ class ServeConfig:
         "chunkcache_torch", "SGLang attention backend on CPU, both sides of an A/B: \"chunkcache_torch\" is "
         "torch_native with its decode step planned once per batch and attended in float32 "
         "(sglang_patch/decode/decode_attention.py); \"torch_native\" is SGLang's own")
+    cpu_linear: str = knob(
+        "packed", "SGLang's unquantized linear layers on a CPU without AMX, both sides of an A/B: \"packed\" reorders "
+        "their bfloat16 weights for oneDNN once at load, the same bits as F.linear without its reorder per call, and "
+        "refuses online weight updates (sglang_patch/forward/packed_linear.py); \"sglang\" is SGLang's own F.linear")
     sglang_args: list[str] = knob([], "extra arguments passed verbatim to SGLang")
 
     def check(self) -> None:
@@ -233,6 +237,7 @@ class ServeConfig:
         _at_least(self, "max_total_tokens", 1)
         _one_of(self, "dtype", ("auto", "bfloat16", "float16", "half", "float32", "float"))  # SGLang's --dtype
         _one_of(self, "cpu_attention", ("chunkcache_torch", "torch_native"))
+        _one_of(self, "cpu_linear", ("packed", "sglang"))
 
 
 @dataclass

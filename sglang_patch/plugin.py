@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import time
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -19,11 +20,12 @@ from chunkcache.ranks import RanksFailed
 
 from . import lang
 from .decode import decode_attention, specache
+from .forward import packed_linear
 from .http import chat, hint_validation, ingest, usage
 from .scheduler import admission, audit, auto_chunks, blend, metrics, report, request_hint
 from .scheduler.cache import factory, reuse_of
 from .serve import shutdown
-from .serve.launcher import BACKEND_NAME, cpu_engine_for_stock_command, cpu_groups_without_nccl
+from .serve.launcher import BACKEND_NAME, CPU_LINEAR_ENV, cpu_engine_for_stock_command, cpu_groups_without_nccl
 
 log = logging.getLogger(__name__)
 AFTER, AROUND, BEFORE = HookType.AFTER, HookType.AROUND, HookType.BEFORE
@@ -58,6 +60,8 @@ def hooks() -> list[tuple[str, object, HookType]]:
           if main_process else []),
         # the CPU engine's process groups over gloo alone (tensor parallelism without a GPU)
         ("sglang.srt.distributed.parallel_state.init_model_parallel_group", cpu_groups_without_nccl, AROUND),
+        # the loaded model: online weight updates refused under chunk reuse, linear weights prepacked on a CPU
+        ("sglang.srt.model_executor.model_runner.ModelRunner.load_model", _loaded_model, AFTER),
         # HTTP server (main process only: resolving its module in a spawned child would import the whole server)
         *([("sglang.srt.entrypoints.http_server.launch_server", ingest.add_route, BEFORE)] if main_process else []),
         # OpenAI chat with documents (main process)
@@ -101,6 +105,20 @@ def hooks() -> list[tuple[str, object, HookType]]:
         # SpeCache's decode (decode.specache): its pool once the runner exists, its decode step, /server_info
         *specache.hooks(),
     ]
+
+
+# the chunk store's KV was computed with the loaded weights, and its keys name the model, not its weights: an online
+# update would leave every stored chunk serving the old model's KV
+STORE_OUTLIVES_UPDATES = ("chunkcache: online weight updates are refused under chunk reuse: the chunk store holds KV "
+                          "computed with the loaded weights. Restart the server with the new weights")
+
+
+def _loaded_model(result, runner, *args, **kwargs) -> None:
+    """Every update path of SGLang checks `_derived_weight_cache_error` over the model's modules before it writes."""
+    if runner.server_args.radix_cache_backend == BACKEND_NAME:
+        runner.model._derived_weight_cache_error = STORE_OUTLIVES_UPDATES
+    if os.environ.get(CPU_LINEAR_ENV) == "packed" and runner.device == "cpu":
+        packed_linear.pack(runner.model)
 
 
 def _resolve_hint(req, scheduler, recv_req, *args, **kwargs) -> None:

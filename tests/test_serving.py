@@ -34,3 +34,27 @@ def test_server_uses_chunkcache_backend_in_scheduler(server):
     assert info["radix_cache_backend"] == "chunkcache"
     pid = states[0]["chunkcache"]["scheduler_pid"]
     assert f"radix cache backend 'chunkcache' active in scheduler pid {pid}" in server.log()
+
+
+def test_online_weight_updates_are_refused_and_the_server_keeps_serving(server, default_model):
+    """Stored chunks hold KV of the loaded weights: an update would serve the old model's KV (sglang_patch.plugin)."""
+    from sglang_patch import plugin
+
+    r = requests.post(server.url + "/update_weights_from_disk", json={"model_path": str(default_model)}, timeout=300)
+    body = r.json()
+    assert body["success"] is False and body["message"] == plugin.STORE_OUTLIVES_UPDATES, body
+    test_server_health_and_generate(server)
+
+
+def test_linear_weights_are_prepacked_on_a_cpu_without_amx(server):
+    """The default model's bfloat16 linear layers (4 a layer: qkv, o, gate_up, down) are packed where oneDNN runs
+    bfloat16 and SGLang's AMX path does not (sglang_patch.forward.packed_linear)."""
+    import torch
+    from sglang.srt.utils import cpu_has_amx_support
+
+    if torch.cuda.is_available() or cpu_has_amx_support() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("SGLang's own linear path serves on this host")
+    info = requests.get(server.url + "/server_info", timeout=30).json()
+    if info["dtype"] != "bfloat16":
+        pytest.skip(f"this host serves {info['dtype']}")
+    assert "120 linear layers' weights prepacked" in server.log()

@@ -17,6 +17,8 @@ CONFIG_ENV = "CHUNKCACHE_CONFIG"  # how the scheduler process finds the --config
 # it overrides the config file's
 REMOTE_URL_ENV = "CHUNKCACHE_REMOTE_URL"
 AUTO_CHUNKS_ENV = "CHUNKCACHE_AUTO_CHUNKS"  # "1": automatic chunk detection on, whatever the config says
+# serve.cpu_linear of a server chunkcache set up on a host without a GPU (both sides of an A/B); unset: SGLang's own
+CPU_LINEAR_ENV = "CHUNKCACHE_CPU_LINEAR"
 
 
 def has_gpu() -> bool:
@@ -62,6 +64,8 @@ def cpu_engine_for_stock_command(server_args, *args, **kwargs) -> None:
     import msgspec
 
     os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    config = load_server_config()
+    os.environ[CPU_LINEAR_ENV] = config.serve.cpu_linear
     ranks = server_args.tp_size * server_args.pp_size * server_args.dp_size
     if ranks > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ and len(_numa_nodes()) < ranks:
         # SGLang binds one NUMA node per rank unless told otherwise, and stops when there are fewer nodes than ranks
@@ -70,7 +74,7 @@ def cpu_engine_for_stock_command(server_args, *args, **kwargs) -> None:
                  len(_numa_nodes()), os.environ["SGLANG_CPU_OMP_THREADS_BIND"])
     defaults = {f.name: f.default for f in msgspec.structs.fields(type(server_args))}
     applied = {}
-    for key, value in server_settings(server_args.model_path, load_server_config()).items():
+    for key, value in server_settings(server_args.model_path, config).items():
         if key not in ("model_path", "host", "port") and getattr(server_args, key) == defaults[key] != value:
             setattr(server_args, key, value)
             applied[key] = value
@@ -107,6 +111,7 @@ def prepare_environment(config_path: str | Path | None) -> None:
     """Environment every SGLang process inherits (the scheduler is a spawned child)."""
     if not has_gpu():
         os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+        os.environ[CPU_LINEAR_ENV] = Config.load(config_path).serve.cpu_linear
     if config_path is not None:
         os.environ[CONFIG_ENV] = str(config_file(config_path).resolve())
 
