@@ -2,8 +2,8 @@
 
 There SGLang's linear layer is `F.linear`, which reorders the weight into oneDNN's blocked layout on every call (SGLang
 prepacks only where AMX runs its own kernel). Reordered once at load, the same oneDNN kernel computes the same bits
-and skips the reorder: ~4 ms less per 30-layer forward of a few rows of the default model, ~5-10 % of a forward of a
-few hundred (docs/bench/rag.md). A layer is packed only where a probe input gives `F.linear`'s output bit for bit.
+and skips the reorder (docs/what-runs.md: the default model decodes ~20 % faster). A layer is packed only where probe
+inputs give `F.linear`'s output bit for bit.
 
 The layer keeps its weight (what weight loaders, `get_weights_by_name` and the layer's other readers see); the packed
 copy is derived from it, so an online weight update would leave the copy stale: a packed layer refuses them (SGLang's
@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 
 # the row count oneDNN picks the packed layout for; any other count runs on it unchanged (measured 1-1,000 rows)
 PACK_ROWS = 64
+# row counts a packed weight is checked at: oneDNN picks its kernel by them (one row: decoding; a few: a blend's query
+# pass; tens to hundreds: recompute passes and prefills)
+PROBE_ROWS = (1, 5, 67, 333)
 UPDATES_REFUSED = ("chunkcache: online weight updates are refused while the linear layers' weights are prepacked "
                    "(serve.cpu_linear: packed): the packed copies would keep serving the old weights. Restart with "
                    "the new weights, or with serve.cpu_linear: sglang")
@@ -47,21 +50,25 @@ def packable(layer: torch.nn.Module) -> bool:
 
 
 def pack(model: torch.nn.Module) -> int:
-    """Packs every packable linear layer of `model` whose packed weight computes F.linear's bits; returns how many.
-    A packed layer refuses the model's online weight updates."""
+    """Packs every packable linear layer of `model` whose packed weight computes F.linear's bits (probed once per
+    weight shape at PROBE_ROWS, with the layer's bias and without); returns how many. A packed layer refuses the
+    model's online weight updates."""
     if not torch.backends.mkldnn.is_available():
         return 0
-    packed, extra = 0, 0
+    packed, extra, same = 0, 0, {}
     for layer in model.modules():
         if not packable(layer):
             continue
         weight = layer.weight.detach()
         candidate = _reorder(weight)
-        probe = torch.randn(3, weight.shape[1], dtype=weight.dtype, generator=torch.Generator().manual_seed(0))
-        if not torch.equal(torch.ops.mkldnn._linear_pointwise(probe, candidate, None, "none", [], ""),
-                           F.linear(probe, weight)):
-            log.warning("chunkcache: %s's packed weight %s computes other bits than F.linear; left unpacked",
-                        type(layer).__name__, tuple(weight.shape))
+        bias = getattr(layer, "bias", None)
+        shape = (tuple(weight.shape), bias is not None)
+        if shape not in same:
+            same[shape] = _same_bits(weight, candidate, bias)
+            if not same[shape]:
+                log.warning("chunkcache: a packed %s weight computes other bits than F.linear; such layers are left "
+                            "to SGLang", tuple(weight.shape))
+        if not same[shape]:
             continue
         layer.packed_weight = candidate
         layer.quant_method = PackedLinearMethod()
@@ -72,3 +79,15 @@ def pack(model: torch.nn.Module) -> int:
         log.info("chunkcache: %d linear layers' weights prepacked for oneDNN (%.0f MiB beside the weights)",
                  packed, extra / 2**20)
     return packed
+
+
+
+def _same_bits(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    for rows in PROBE_ROWS:
+        x = torch.randn(rows, weight.shape[1], generator=gen).to(weight.dtype)
+        for b in (None, bias) if bias is not None else (None,):
+            b = None if b is None else b.detach()
+            if not torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], ""), F.linear(x, weight, b)):
+                return False
+    return True
