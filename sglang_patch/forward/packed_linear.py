@@ -81,7 +81,6 @@ def pack(model: torch.nn.Module) -> int:
     return packed
 
 
-
 def _same_bits(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> bool:
     gen = torch.Generator().manual_seed(0)
     for rows in PROBE_ROWS:
