@@ -35,7 +35,12 @@ class PackedLinearMethod(UnquantizedLinearMethod):
     """UnquantizedLinearMethod over the layer's packed weight (`layer.packed_weight`)."""
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none", [], "")
+        return self.packed(x, layer.packed_weight, bias)
+
+    @staticmethod
+    def packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ weight.T + bias with `weight` reordered by `_reorder`."""
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def _reorder(weight: torch.Tensor) -> torch.Tensor:
@@ -83,10 +88,9 @@ def pack(model: torch.nn.Module) -> int:
 
 def _same_bits(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> bool:
     gen = torch.Generator().manual_seed(0)
+    biases = (None,) if bias is None else (None, bias.detach())
     for rows in PROBE_ROWS:
         x = torch.randn(rows, weight.shape[1], generator=gen).to(weight.dtype)
-        for b in (None, bias) if bias is not None else (None,):
-            b = None if b is None else b.detach()
-            if not torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], ""), F.linear(x, weight, b)):
-                return False
+        if not all(torch.equal(PackedLinearMethod.packed(x, packed, b), F.linear(x, weight, b)) for b in biases):
+            return False
     return True
