@@ -78,6 +78,16 @@ class AttentionPlan:
 
     blocks: list[_Block]
     tiles: list[_Tile] | None
+    # on CPU, what the bf16 matmuls' shift reads (_attend_gemm), as indices into the key axis: each query's own key,
+    # the keys at the first SHIFT_SINK positions, and which of those each query sees (None: all of them)
+    own: torch.Tensor | None = None  # [m]
+    sinks: torch.Tensor | None = None  # [<= SHIFT_SINK]
+    sinks_seen: torch.Tensor | None = None  # [m, <= SHIFT_SINK]
+    _bias: dict = field(default_factory=dict)
+
+    def sink_bias(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """`sinks_seen` as 0 / -inf in `dtype`, made once per pass."""
+        return _mask_bias(self._bias, self.sinks_seen, dtype, 1)
 
 
 def plan_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, whole_context: bool,
@@ -85,7 +95,8 @@ def plan_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, whole_context: bool,
     """Query blocks of QUERY_BLOCK rows (q_pos sorted) with their masks. When the keys sit at positions 0..c-1 in
     order, a block needs only a range of them, unless `whole_context` (recording attention to every key), and on CPU
     the keys before its first row's position are `shared` (only the rest needs a mask). `window`: a sliding-window
-    layer's, as SGLang's RadixAttention.sliding_window_size counts it (a query sees keys q - window .. q)."""
+    layer's, as SGLang's RadixAttention.sliding_window_size counts it (a query sees keys q - window .. q). On CPU
+    also each query's own key and which of the first SHIFT_SINK keys it sees (the bf16 matmuls' shift: _attend_gemm)."""
     ordered = not whole_context and torch.equal(k_pos, torch.arange(len(k_pos), device=k_pos.device))
     cpu = q_pos.device.type == "cpu"
     blocks = []
@@ -103,7 +114,17 @@ def plan_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, whole_context: bool,
             allowed &= keys >= qp[:, None] - window
         blocks.append(_Block(blk, n_keys, None if bool(allowed.all()) else allowed, shared, first))
     tiles = _staircase(q_pos) if ordered and window is None and cpu and len(q_pos) else None
-    return AttentionPlan(blocks, tiles)
+    if not cpu or not len(q_pos):
+        return AttentionPlan(blocks, tiles)
+    order = torch.arange(len(k_pos)) if ordered else torch.argsort(k_pos)
+    own = q_pos if ordered else order[torch.searchsorted(k_pos[order], q_pos).clamp_(max=len(k_pos) - 1)]
+    if not torch.equal(k_pos[own], q_pos):
+        raise ValueError("a query's own position is missing from its keys")
+    sinks = order[:SHIFT_SINK]
+    seen = k_pos[None, sinks] <= q_pos[:, None]
+    if window is not None:
+        seen &= k_pos[None, sinks] >= q_pos[:, None] - window
+    return AttentionPlan(blocks, tiles, own, sinks, None if bool(seen.all()) else seen)
 
 
 def _staircase(q_pos: torch.Tensor) -> list[_Tile]:
@@ -153,10 +174,8 @@ def _measure_bf16_kernels(keys: int = 3200, repeats: int = 3) -> dict:
     q = torch.randn(len(q_pos), 9, 64, generator=gen).bfloat16()
     k, v = (torch.randn(keys, 3, 64, generator=gen).bfloat16() for _ in range(2))
     plan = plan_blocks(q_pos, torch.arange(keys), False)
-    kt, vt = _keys_with_shift_row(k), v.transpose(0, 1).contiguous()
     runs = {"flash": lambda: _attend_tiles(q, k, v, plan.tiles, 0.125),
-            "gemm": lambda: [_attend_gemm(q[b.rows], kt[:, :, : b.n_keys], vt[:, : b.n_keys], b, 0.125, 3)
-                             for b in plan.blocks]}
+            "gemm": lambda: _attend_gemm(q, k, v, plan, 0.125, 3)}
     ms = {}
     for name, run in runs.items():
         ms[name] = round(1e3 * best_seconds(run, repeats), 2)
@@ -177,12 +196,7 @@ def attend_blocks(q, keys, values, plan: AttentionPlan, scale, record=None):
     group = q.shape[1] // keys.shape[1]
     cpu = q.device.type == "cpu" and record is None
     if cpu and q.dtype == torch.bfloat16 and (plan.tiles is None or bf16_kernel() == "gemm"):
-        out = torch.empty(q.shape[0], q.shape[1], values.shape[-1], dtype=q.dtype, device=q.device)
-        kt_all, vt_all = _keys_with_shift_row(keys), values.transpose(0, 1).contiguous()
-        for b in plan.blocks:
-            out[b.rows] = _attend_gemm(q[b.rows], kt_all[:, :, b.first: b.n_keys], vt_all[:, b.first: b.n_keys], b,
-                                       scale, group)
-        return out
+        return _attend_gemm(q, keys, values, plan, scale, group)
     if cpu and plan.tiles is not None:
         if q.dtype == torch.bfloat16:
             return _attend_tiles(q, keys, values, plan.tiles, scale)
@@ -237,9 +251,8 @@ def _attend_tiles(q, keys, values, tiles: list[_Tile], scale):
 # _attend_gemm's layout: each key's head dims, then a 1 that multiplies the query's shift, then zeros (8 extra rows in
 # all: oneDNN ran the 72-deep product as fast as the 64-deep one, a 65-deep one slower)
 SHIFT_ROWS = 8
-# keys of a block whose scores estimate each query's shift: the first SHIFT_SINK (attention sinks) and the last
-# SHIFT_LOCAL before the masked part, with the whole masked part (there every row sees at least its own position)
-SHIFT_SINK, SHIFT_LOCAL = 4, 64
+# the first positions, whose keys' scores (attention sinks) estimate each query's shift with its own key's
+SHIFT_SINK = 4
 
 
 def _keys_with_shift_row(keys):
@@ -252,38 +265,49 @@ def _keys_with_shift_row(keys):
     return kt
 
 
-def _attend_gemm(q, kt, vt, b: _Block, scale, group):
-    """One block in bf16 matmuls on CPU. A bf16 matmul sums in float32 but rounds its result to bf16, which costs a
-    score of 20 an error of 0.04, i.e. 4 % of its weight; so each query row subtracts, inside the same float32 sum, an
-    estimate of its largest score (an extra query column times the keys' row of ones): the scores that carry the
-    softmax's weight are then near 0 and round finely, and softmax does not change under a per-row shift. The
-    estimate is the row's best score over a few keys (sinks, the nearest ones, the masked part); softmax still
-    subtracts the true maximum, so the estimate decides only how finely the scores round. On the default model's real
-    activations (6.4K keys, 920 late queries, 7 of its layers, 2-core AMD EPYC with avx512_bf16) the output's
-    relative error to float32 was 1.7-2.0e-3 mean and 6.8e-3 at most, against 1.6-1.7e-3 / 3.6e-3 for SDPA's bf16
-    kernel and 1.7-3.5e-3 / 3.6e-2 without the shift (bf16 rounding of the output alone: 1.6e-3); 32 ms a layer
-    against 51-54 for float32 flash attention (_attend_split)."""
-    rows, hk, d = q.shape[0], kt.shape[0], q.shape[-1]
+def _attend_gemm(q, keys, values, plan: AttentionPlan, scale, group):
+    """One layer's queries in bf16 matmuls on CPU. A bf16 matmul sums in float32 but rounds its result to bf16,
+    which costs a score of 20 an error of 0.04, i.e. 4 % of its weight; so each query row subtracts, inside the same
+    float32 sum, an estimate of its largest score (an extra query column times the keys' row of ones): the scores that
+    carry the softmax's weight are then near 0 and round finely, and softmax does not change under a per-row shift.
+    The estimate is the row's best score over the first SHIFT_SINK positions it sees (attention sinks) and its own key
+    (which it always sees), made once per layer for every row; softmax still subtracts the true maximum, so the
+    estimate decides only how finely the scores round. Each block of rows is then one score product, one softmax and
+    one value product, the query heads of each KV head stacked along the query axis (K/V read once per KV head).
+    On the default model's real activations (a MuSiQue prompt's layers 1-29 by 4, 909 and 2,000 keys, 12 % of the
+    positions plus a 25-token tail) the output's relative error to float32 was 2.0e-3 mean, as for SDPA's bf16 flash
+    kernel (1.9e-3) and for an estimate over each block's sinks, nearest keys and masked part (1.95e-3), against
+    3.1e-3 without the shift. That estimate, with three per-head value products, cost every block three more matmul
+    calls: in the server the recompute pass now takes 0.89 of its time at ~900 tokens and 0.87 at ~1.8K (medians of
+    20 and 12 paired blends, 2-core AMD EPYC with avx512_bf16)."""
+    m, hq, d = q.shape
+    hk = keys.shape[1]
+    if not m:
+        return q.new_empty(0, hq, values.shape[-1])
     exact = math.frexp(scale)[0] == 0.5  # a power of two scales q exactly in bf16; otherwise the scores are scaled
-    qs = q.new_zeros(hk, group * rows, d + SHIFT_ROWS)
-    qs[:, :, :d] = _stack_heads(q, hk)
+    kt, vt = _keys_with_shift_row(keys), values.transpose(0, 1).contiguous()
+    qs = q.new_empty(hk, group, m, d + SHIFT_ROWS)  # (h, g, r): query head h * group + g at row r
+    qs[..., :d] = q.view(m, hk, group, d).permute(1, 2, 0, 3)
+    qs[..., d + 1:] = 0
     if exact:
-        qs[:, :, :d] *= scale
-    bias, masked = b.bias(q.dtype, group), b.shared - b.first  # kt, vt start at key b.first
-    local = max(masked - SHIFT_LOCAL, 0)
-    few = kt[:, :, local:] if local <= SHIFT_SINK else torch.cat([kt[:, :, :SHIFT_SINK], kt[:, :, local:]], 2)
-    est = torch.bmm(qs, few)
-    if bias is not None:
-        est[:, :, est.shape[2] - bias.shape[1]:] += bias
-    qs[:, :, d] = est.amax(-1).neg_()
-    scores = torch.bmm(qs, kt)
-    if bias is not None:
-        scores[:, :, masked:] += bias
-    if not exact:
-        scores *= scale
-    probs = torch.softmax(scores, -1)
-    o = torch.stack([probs[h] @ vt[h] for h in range(hk)])  # per head: bmm would copy vt, a slice of the context
-    return _unstack_heads(o, rows)
+        qs[..., :d] *= scale
+    sinks = torch.bmm(qs[..., :d].view(hk, group * m, d), kt[:, :d, plan.sinks]).view(hk, group, m, -1)
+    unseen = plan.sink_bias(q.dtype)
+    if unseen is not None:
+        sinks += unseen
+    own = (qs[..., :d] * keys[plan.own].transpose(0, 1)[:, None]).sum(-1)
+    qs[..., d] = torch.maximum(sinks.amax(-1), own).neg_()
+    out = q.new_empty(m, hq, values.shape[-1])
+    for b in plan.blocks:
+        rows = len(range(m)[b.rows])
+        scores = torch.bmm(qs[:, :, b.rows].reshape(hk, group * rows, -1), kt[:, :, b.first: b.n_keys])
+        bias = b.bias(q.dtype, group)
+        if bias is not None:
+            scores[:, :, b.shared - b.first:] += bias
+        if not exact:
+            scores *= scale
+        out[b.rows] = _unstack_heads(torch.bmm(torch.softmax(scores, -1), vt[:, b.first: b.n_keys]), rows)
+    return out
 
 
 def _attend_split(q, kt, vt, b: _Block, scale, group):
