@@ -34,6 +34,24 @@ def test_blocks_over_ordered_and_unordered_keys_match_dense_attention():
     assert torch.allclose(record.sum(), torch.tensor(1.0), atol=1e-4)  # mean attention over queries and heads
 
 
+@pytest.mark.parametrize("rows", ["spread", "tail"])
+def test_recorded_attention_is_each_keys_mean_probability(rows):
+    """Recording (a query pass): the output is dense attention's and each key's record its probability averaged over
+    the queries and heads, in the keys' order, for queries spread over the prompt and for a query tail (whose keys
+    but its own rows are seen by every row: only those columns are masked)."""
+    torch.manual_seed(3)
+    m, n = QUERY_BLOCK + 9, 700
+    q_pos = torch.randperm(n)[:m].sort().values if rows == "spread" else torch.arange(n - m, n)
+    q, keys, values = torch.randn(m, 6, 32), torch.randn(n, 2, 32), torch.randn(n, 2, 32)
+    for k_pos in (torch.arange(n), torch.randperm(n)):
+        record = torch.zeros(n)
+        torch.testing.assert_close(attend(q, keys, values, q_pos, k_pos, 0.2, record),
+                                   dense(q, keys, values, q_pos, k_pos, 0.2))
+        scores = torch.einsum("mhd,chd->hmc", q, keys.repeat_interleave(3, 1)) * 0.2
+        scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        torch.testing.assert_close(record, scores.softmax(-1).mean((0, 1)))
+
+
 def test_a_sliding_window_hides_keys_further_back_than_the_window():
     torch.manual_seed(2)
     m, n, window = 3 * QUERY_BLOCK + 5, 900, 37
