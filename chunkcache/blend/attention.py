@@ -95,9 +95,9 @@ def plan_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, whole_context: bool,
     """Query blocks of QUERY_BLOCK rows (q_pos sorted) with their masks. When the keys sit at positions 0..c-1 in
     order, a block needs only a range of them, unless `whole_context` (recording attention to every key), and on CPU
     the keys before its first row's position are `shared` (only the rest needs a mask); over keys in another order,
-    on CPU, the leading keys every row of the block sees. `window`: a sliding-window
-    layer's, as SGLang's RadixAttention.sliding_window_size counts it (a query sees keys q - window .. q). On CPU
-    also each query's own key and which of the first SHIFT_SINK keys it sees (the bf16 matmuls' shift: _attend_gemm)."""
+    on CPU, the leading keys every row of the block sees. `window`: a sliding-window layer's, as SGLang's
+    RadixAttention.sliding_window_size counts it (a query sees keys q - window .. q). On CPU also each query's own key
+    and which keys of the first SHIFT_SINK positions it sees (the bf16 matmuls' shift: _attend_gemm)."""
     ordered = not whole_context and torch.equal(k_pos, torch.arange(len(k_pos), device=k_pos.device))
     cpu = q_pos.device.type == "cpu"
     blocks = []
