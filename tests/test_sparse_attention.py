@@ -7,15 +7,27 @@ from chunkcache.blend import attention
 from chunkcache.blend.attention import QUERY_BLOCK, STAIR_LEAF, attend, plan_blocks
 
 
-def dense(q, keys, values, q_pos, k_pos, scale, window=None):
-    group = q.shape[1] // keys.shape[1]
-    k, v = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+def dense_probabilities(q, keys, q_pos, k_pos, scale, window=None):
+    """[heads, queries, keys]: each query's softmax over the keys it sees."""
+    k = keys.repeat_interleave(q.shape[1] // keys.shape[1], 1)
     scores = torch.einsum("mhd,chd->hmc", q, k) * scale
     visible = k_pos[None, None, :] <= q_pos[None, :, None]
     if window is not None:  # SGLang's sliding_window_size: keys q - window .. q
         visible &= k_pos[None, None, :] >= q_pos[None, :, None] - window
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.einsum("hmc,chd->mhd", scores.softmax(-1), v)
+    return scores.masked_fill(~visible, float("-inf")).softmax(-1)
+
+
+def dense(q, keys, values, q_pos, k_pos, scale, window=None):
+    v = values.repeat_interleave(q.shape[1] // keys.shape[1], 1)
+    return torch.einsum("hmc,chd->mhd", dense_probabilities(q, keys, q_pos, k_pos, scale, window), v)
+
+
+def one_sdpa_call_per_query(q, keys, values, q_pos, k_pos, scale):
+    """SDPA (bf16 inputs: its bf16 flash kernel) called once per query over the keys it sees, in position order."""
+    order = torch.argsort(k_pos)
+    return torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        q[i: i + 1].transpose(0, 1), keys[order[: p + 1]].transpose(0, 1), values[order[: p + 1]].transpose(0, 1),
+        scale=scale, enable_gqa=True).transpose(0, 1) for i, p in enumerate(q_pos.tolist())])
 
 
 def test_blocks_over_ordered_and_unordered_keys_match_dense_attention():
@@ -47,9 +59,7 @@ def test_recorded_attention_is_each_keys_mean_probability(rows):
         record = torch.zeros(n)
         torch.testing.assert_close(attend(q, keys, values, q_pos, k_pos, 0.2, record),
                                    dense(q, keys, values, q_pos, k_pos, 0.2))
-        scores = torch.einsum("mhd,chd->hmc", q, keys.repeat_interleave(3, 1)) * 0.2
-        scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-        torch.testing.assert_close(record, scores.softmax(-1).mean((0, 1)))
+        torch.testing.assert_close(record, dense_probabilities(q, keys, q_pos, k_pos, 0.2).mean((0, 1)))
 
 
 def test_a_sliding_window_hides_keys_further_back_than_the_window():
@@ -103,9 +113,7 @@ def test_bfloat16_staircase_is_as_accurate_as_one_sdpa_call_per_query(amplitude,
     want = dense(q.double(), keys.double(), values.double(), q_pos, ordered, scale)
     bf = [t.bfloat16() for t in (q, keys, values)]
     blocks = attend(*bf, q_pos, ordered, scale).double()
-    one_call = torch.cat([torch.nn.functional.scaled_dot_product_attention(
-        bf[0][i: i + 1].transpose(0, 1), bf[1][: p + 1].transpose(0, 1), bf[2][: p + 1].transpose(0, 1), scale=scale,
-        enable_gqa=True).transpose(0, 1) for i, p in enumerate(q_pos.tolist())]).double()
+    one_call = one_sdpa_call_per_query(*bf, q_pos, ordered, scale).double()
     blocks_err, one_err = (blocks - want).abs().max().item(), (one_call - want).abs().max().item()
     assert blocks_err <= 1.25 * one_err + 1e-3, (blocks_err, one_err)
 
@@ -164,11 +172,6 @@ def test_bfloat16_matmuls_are_as_accurate_as_sdpa_on_the_default_models_attentio
         want = dense(q.double(), keys.double(), values.double(), q_pos, k_pos, scale)
         bf = [t.bfloat16() for t in (q, keys, values)]
         got = attend(*bf, q_pos, k_pos, scale).double()
-        order = torch.argsort(k_pos)
-        one_call = torch.cat([torch.nn.functional.scaled_dot_product_attention(
-            bf[0][i: i + 1].transpose(0, 1), bf[1][order[: p + 1]].transpose(0, 1),
-            bf[2][order[: p + 1]].transpose(0, 1), scale=scale, enable_gqa=True).transpose(0, 1)
-            for i, p in enumerate(q_pos.tolist())]).double()
-        err, sdpa = (got - want).abs(), (one_call - want).abs()
+        err, sdpa = (got - want).abs(), (one_sdpa_call_per_query(*bf, q_pos, k_pos, scale).double() - want).abs()
         assert err.mean() <= 1.15 * sdpa.mean(), (err.mean().item(), sdpa.mean().item())
         assert err.max() <= 1.25 * sdpa.max(), (err.max().item(), sdpa.max().item())
