@@ -25,6 +25,8 @@ import yaml
 PACKAGED = Path(__file__).with_name("configs")  # package data: shipped in the wheel beside this module
 ENV_PREFIX = "CHUNKCACHE_"  # of every knob's variable; one without "__" names no knob ($CHUNKCACHE_CONFIG, _HOME)
 DOC = "doc"  # the field metadata key of a knob's doc line
+REMOTE_SECRET_ENV = "CHUNKCACHE_STORE_SECRET"  # store.remote_secret_env's default: the shared tier's HMAC secret
+REMOTE_SECRET_MIN_BYTES = 16  # shorter secrets are refused: a stored value's MAC lets anyone guess it offline
 
 # a byte size: an int to everything that reads the config; a file or a variable may write it "2GiB" (parse_bytes)
 Bytes = int
@@ -82,6 +84,12 @@ class StoreConfig:
     remote_probe_s: float = knob(
         30.0, "a link judged slower than computing is fetched from again after this many seconds, to follow a link "
         "that got faster")
+    remote_secret_env: str = knob(
+        REMOTE_SECRET_ENV, "environment variable holding the remote tier's secret, the same on every server sharing "
+        "the store (at least 16 bytes; e.g. `openssl rand -hex 32`): every value the tier writes carries an "
+        "HMAC-SHA256 of its key name and bytes under it, and one that fails is a counted miss (`forged`), deleted. "
+        "Required when remote_url is set; the secret itself is never in a config file (docs/shared-store.md "
+        "\"Authentication\")")
 
     def check(self) -> None:
         _at_least(self, "host_bytes", 0)
@@ -97,6 +105,22 @@ class StoreConfig:
         _at_least(self, "remote_retry_s", 0)
         _at_least(self, "remote_max_value_bytes", 1)
         _at_least(self, "remote_write_queue", 1)
+        _non_empty(self, "remote_secret_env")
+        if self.remote_url is not None:
+            self.remote_secret()
+
+    def remote_secret(self) -> bytes:
+        """The remote tier's HMAC secret, from the variable `remote_secret_env` names (surrounding whitespace, such
+        as a file's trailing newline, stripped); ConfigError saying what to set when it is unset, empty or short."""
+        value = os.environ.get(self.remote_secret_env, "").strip().encode()
+        if len(value) < REMOTE_SECRET_MIN_BYTES:
+            found = f"is {len(value)} bytes long" if value else "is unset or empty"
+            raise ConfigError("remote_secret_env", (
+                f"store.remote_url is set, but ${self.remote_secret_env} {found}: set it on every server sharing the "
+                f"store to one secret of at least {REMOTE_SECRET_MIN_BYTES} bytes (e.g. `export "
+                f"{self.remote_secret_env}=$(openssl rand -hex 32)`); the remote tier authenticates every value with "
+                f"it (docs/shared-store.md \"Authentication\")"))
+        return value
 
 
 def _check_remote_url(url: str) -> None:
@@ -256,6 +280,9 @@ class LimitsConfig:
         _at_least(self, "ingest_max_documents", 1)
 
 
+HEADS = ("chat", "none")  # auto.head
+
+
 @dataclass
 class AutoConfig:
     """Automatic chunk detection (docs/auto-chunks.md): a request without a chunk hint is cut into content-defined
@@ -272,28 +299,23 @@ class AutoConfig:
         16, "shortest segment cut inside a paragraph (at least 8, the cut's hash window); shorter pieces are never "
         "stored")
     segment_max_tokens: int = knob(256, "a paragraph this long without a content-defined cut is cut here")
-    exact_lead_tokens: int = knob(
-        128, "the first tokens of the run after the exact prefix are computed, not reused: their stored KV saw other "
-        "text before them (another prompt's documents) where this prompt has only its prefix, and later tokens "
-        "attend to them heavily (MuSiQue, 100 cases: first-token KL +30 % against hinted blending with 0, see "
-        "docs/bench/auto.md); this many tokens from the first stored segment's start are computed, and a segment "
-        "they end inside is reused from there on (128 against 64: MuSiQue first-token KL -12 % and +28 %, 40 cases, "
-        "docs/bench/speed.md); none when that segment was learned within its own prompt's first this many tokens "
-        "(ingested, sent alone, or leading an earlier prompt: a segment computed exactly in a prompt's head is kept "
-        "again under a head key beside its deep copy), or when its reuse starts this many tokens or more into the "
-        "prompt (the exact prefix holds a passage before it: docs/bench/auto.md)")
-    edge_tokens: int = knob(
-        8, "a segment that starts or ends a paragraph and is not stored is looked up again without up to this many "
-        "of its first (or last) tokens: a passage stored bare (ingest, the documents API, its own request) is found "
-        "inside a template that wraps it on the same line (`<document>...</document>`, `[1] ...`); 0: whole "
-        "segments only")
-    learn: bool = knob(True, "keep the KV of segments this server prefills (hinted or not) for later requests")
-    idle_head_forms: int = knob(
-        64, "an idle server computes each passage a prompt taught the store deep (a segment starting a paragraph past "
-        "the prompt's first exact_lead_tokens) again right after that prompt's head, as if it led the prompt, and "
-        "stores it under its head key: the passage then needs no exact lead when it leads a later prompt; at most "
-        "this many wait for an idle turn (the oldest dropped; one forward of the head and the segment each, after "
-        "the deferred deviations); 0: off (a passage gets the lead the first time it leads)")
+    head: str = knob(
+        "chat", "what every paragraph a prompt teaches is encoded after, alone (its entry's KV attended to this and "
+        "its own paragraph, nothing its key does not name): `chat`, the tokens the model's chat template puts before "
+        "a user message's text (its default system message included; the tokenizer's BOS without a template); "
+        "`none`, nothing (each paragraph from position 0)")
+    learn: bool = knob(True, "learn the paragraphs of the prompts this server serves (requests may opt out with "
+                       "`learn: false`; `exact: true` ones never teach)")
+    encode_queue: int = knob(
+        64, "paragraphs waiting to be encoded (one forward of the head and the paragraph each, when the server is "
+        "idle, after the deferred deviations); past this many the oldest is dropped (taught again by its next "
+        "sighting)")
+    encode_starved_s: float = knob(
+        5.0, "a server that is never idle still learns: when the oldest waiting paragraph has waited this long, one "
+        "is encoded after a batch's outputs are sent (the next batch waits that one forward); 0: only when idle")
+    require_tenant: bool = knob(
+        False, "serve requests that name no tenant (no `namespace` in their chunkcache payload and no `cache_salt`) "
+        "as stock: no detection, no learning, so a gateway that tags tenants is the only way into the store")
     admit_after: int = knob(
         2, "once the host tier is full, a segment is learned only when seen in this many prefills (1: always; 2: "
         "seen twice, which keeps one-off segments from evicting popular ones); while it has room every new segment "
@@ -303,9 +325,10 @@ class AutoConfig:
 
     def check(self) -> None:
         _at_least(self, "min_reuse_tokens", 1)
-        _at_least(self, "exact_lead_tokens", 0)
-        _at_least(self, "idle_head_forms", 0)
-        _at_least(self, "edge_tokens", 0)
+        if self.head not in HEADS:
+            raise ConfigError("head", f"must be one of {', '.join(HEADS)}, got {self.head!r}")
+        _at_least(self, "encode_queue", 1)
+        _at_least(self, "encode_starved_s", 0)
         _at_least(self, "segment_min_tokens", 8)  # the content-defined cut's hash window is 8 tokens
         m = self.segment_mean_tokens
         if m < 1 or m & (m - 1):
@@ -366,8 +389,9 @@ class AuditConfig:
         "and measured KL, greedy agreement, margin); null: none")
     keep_prompts: bool = knob(
         False, "with `cases`, each audited case's prompt token ids and chunk spans are written too, so `chunkcache "
-        "calibrate --served FILE` can fit the estimator on this traffic (docs/calibration.md); off: prompts are the "
-        "users' data")
+        "calibrate --served FILE` can fit the estimator on this traffic (docs/calibration.md), each tagged with its "
+        "tenant (`tenant`: `namespace`, the request's or else store.namespace, and `salted`, whether it carried a "
+        "cache_salt; never the salt); off: prompts are the users' data")
 
     def check(self) -> None:
         if not 0.0 <= self.rate <= 1.0:
@@ -383,6 +407,25 @@ class AuditConfig:
         _non_empty(self, "cases")
         if self.keep_prompts and not self.cases:
             raise ConfigError("keep_prompts", "writes the prompts into the cases file: set audit.cases too")
+
+
+REPORT_LEVELS = ("full", "private")  # report.to_clients
+
+
+@dataclass
+class ReportConfig:
+    """What clients are told of chunk reuse (docs/report-schema.md "Private reports"); /metrics and the log always
+    have everything."""
+
+    to_clients: str = knob(
+        "full", "the chunk report of responses (`meta_info`, `usage`, `metadata`) and /server_info's chunkcache "
+        "state: \"full\", every key; \"private\", only what the request itself decided (`private: true`, an exact round's "
+        "keys, an `input_logprobs`, `bad_hint` or `no_tenant` fallback), no report for a request automatic detection looked at, "
+        "and /server_info's state without the store's, the pool's and the timing fits' counters, so that no client "
+        "learns from them whether another sent a passage")
+
+    def check(self) -> None:
+        _one_of(self, "to_clients", REPORT_LEVELS)
 
 
 @dataclass
@@ -403,6 +446,7 @@ class Config:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     auto: AutoConfig = field(default_factory=AutoConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
 
     @classmethod

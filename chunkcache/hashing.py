@@ -1,10 +1,16 @@
-"""Content keys: 128-bit xxh3 digests, stable across processes, machines and Python versions.
+"""Content keys: 128-bit BLAKE2b digests, stable across processes, machines and Python versions.
 
 Every field is length-prefixed before hashing so that no two different field tuples produce the same byte stream.
+A key names everything its entry's KV is a function of (chunkcache.store.entry): the model, the tenant, the context
+the tokens attended to and the tokens. Keys are cryptographic: a client can craft text, and a crafted collision of a
+context digest would let KV that attended to other text answer for it (token ids are checked on every hit, the
+contexts they attended to only through their digest). Model fingerprints hash operator-supplied weight files with
+xxh3 (fast over gigabytes; no client chooses them).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -15,7 +21,7 @@ import numpy as np
 import torch
 import xxhash
 
-KEY_VERSION = b"chunkcache-key-v1"
+KEY_VERSION = b"chunkcache-key-v2"
 FINGERPRINT_VERSION = b"chunkcache-model-v1"
 # Weight files up to this size are hashed whole (270 MB takes ~0.1 s); bigger ones are sampled so that a 16 GB
 # model costs ~SAMPLE_BLOCKS MiB of reads, not 16 GB.
@@ -35,8 +41,9 @@ def _token_bytes(token_ids: TokenIds) -> bytes:
     return np.asarray(token_ids, dtype="<i8").reshape(-1).tobytes()
 
 
-def _digest(*fields: bytes) -> str:
-    h = xxhash.xxh3_128()
+def _digest(*fields: bytes, h=None) -> str:
+    """BLAKE2b-128 of the length-prefixed fields (`h`: another hash object, for the model fingerprint)."""
+    h = hashlib.blake2b(digest_size=16) if h is None else h
     for f in fields:
         h.update(struct.pack("<Q", len(f)))
         h.update(f)
@@ -44,20 +51,32 @@ def _digest(*fields: bytes) -> str:
 
 
 def prefix_key(token_ids: TokenIds) -> str:
-    """Identity of a shared prefix (the context every chunk's KV was computed after)."""
+    """Identity of a context: the token ids an entry's KV attended to before its own (a shared prefix, or automatic
+    detection's head and the paragraph before a segment)."""
     return _digest(KEY_VERSION, b"prefix", _token_bytes(token_ids))
+
+
+def tenant_key(namespace: str, cache_salt: str | None = None) -> str:
+    """Identity of a tenant: the namespace and SGLang's per-request isolation salt (requests with different salts
+    never share a chunk, as they never share a radix prefix)."""
+    fields = [KEY_VERSION, b"tenant", namespace.encode()]
+    if cache_salt:
+        fields += [b"salt", cache_salt.encode()]
+    return _digest(*fields)
+
+
+def entry_key(model_fingerprint: str, tenant: str, context: str, token_ids: TokenIds) -> str:
+    """Store key of one entry from its digests (tenant_key, prefix_key of its context): what a reader recomputes
+    from a stored entry's own header to check that the entry is what its key names."""
+    return _digest(KEY_VERSION, b"chunk", model_fingerprint.encode(), tenant.encode(), context.encode(),
+                   _token_bytes(token_ids))
 
 
 def chunk_key(model_fingerprint: str, namespace: str, prefix: str, token_ids: TokenIds,
               cache_salt: str | None = None) -> str:
-    """Store key of one chunk: its KV depends on the model, the tenant, the prefix it follows and its tokens.
-    `cache_salt` is SGLang's per-request isolation salt: requests with different salts never share a chunk, as they
-    never share a radix prefix. Unsalted keys are unchanged by it (the salt is an extra field only when given)."""
-    fields = [KEY_VERSION, b"chunk", model_fingerprint.encode(), namespace.encode(), prefix.encode(),
-              _token_bytes(token_ids)]
-    if cache_salt:
-        fields += [b"salt", cache_salt.encode()]
-    return _digest(*fields)
+    """Store key of one chunk: its KV depends on the model, the tenant (namespace, `cache_salt`), the context it
+    follows (`prefix`, a prefix_key) and its tokens."""
+    return entry_key(model_fingerprint, tenant_key(namespace, cache_salt), prefix, token_ids)
 
 
 def model_fingerprint(model_dir: str | os.PathLike) -> str:
@@ -72,7 +91,7 @@ def model_fingerprint(model_dir: str | os.PathLike) -> str:
         raise FileNotFoundError(f"{d}: no weight files ({', '.join(WEIGHT_SUFFIXES)})")
     for p in weights:
         fields += [p.name.encode(), struct.pack("<Q", p.stat().st_size), _file_identity(p)]
-    return _digest(*fields)
+    return _digest(*fields, h=xxhash.xxh3_128())  # unchanged since v1: calibrations name their weights by it
 
 
 def shard_fingerprint(fingerprint: str, tp_rank: int, tp_size: int) -> str:

@@ -8,7 +8,11 @@
 `char_spans` instead, which the server maps to token spans with the tokenizer's offsets before the scheduler sees
 them. Optional payload keys: `namespace` (str of at most MAX_NAMESPACE_CHARS), `selector` (a registered selector
 name), `ratio` (float in [0, 1]), `exact` (bool), `max_kl` (float > 0: the quality floor, a bound on the blend's
-estimated KL against full recompute over the answer tokens its estimator covers, chunkcache.blend.fidelity). The server bounds the number of spans (config `limits.max_spans`).
+estimated KL against full recompute over the answer tokens its estimator covers, chunkcache.blend.fidelity), `learn`
+(bool: false, the request teaches the store nothing). The server bounds the number of spans (config
+`limits.max_spans`).
+A payload may carry no spans: it then only says who the request is and how to serve it (`namespace`, `learn`,
+`selector`, `ratio`, `max_kl`), and a server with automatic detection finds its chunks in that namespace.
 A request without a chunkcache action is not ours: it must be served exactly like stock SGLang.
 
 `exact: true` asks for no approximate KV at all: the request is computed by SGLang's own prefill, reusing only the
@@ -33,7 +37,7 @@ PROTOCOL_VERSION = "1"  # of SGLang's kv_hints envelope: the only one whose sema
 # A namespace is hashed into chunk keys and names the request's radix partition: it identifies a tenant, it is not
 # a place for data, so it is bounded (a megabyte namespace would be copied into every radix key of the request).
 MAX_NAMESPACE_CHARS = 256
-OPTIONAL_KEYS = ("namespace", "selector", "ratio", "exact", "max_kl")
+OPTIONAL_KEYS = ("namespace", "selector", "ratio", "exact", "max_kl", "learn")
 EXACT_SELECTOR = "full"  # the selector that recomputes every token: served as `exact` is
 
 
@@ -60,6 +64,7 @@ class ChunkHint:
     ratio: float | None = None
     exact: bool | None = None  # True: SGLang's own prefill, no reused KV (token_spans may then be empty)
     max_kl: float | None = None  # the quality floor: the smallest rho whose estimated KL is at most this
+    learn: bool | None = None  # False: the request teaches the store nothing
 
     def to_payload(self) -> dict:
         """The canonical payload (token spans only), as the server forwards it to the scheduler."""
@@ -73,11 +78,9 @@ class ChunkHint:
 def envelope(token_spans: Sequence[Sequence[int]] | None = None, *, char_spans: Sequence[Sequence[int]] | None = None,
              message_id: str = "chunkcache", **options: Any) -> dict:
     """A `kv_hints` envelope (JSON-ready) carrying one chunkcache action; `options` are the optional payload keys,
-    None values left out. An `exact=True` envelope may carry no spans."""
+    None values left out. An envelope may carry no spans (options only: hints.parse)."""
     if token_spans is not None and char_spans is not None:
         raise ValueError("give one of token_spans and char_spans, not both")
-    if token_spans is None and char_spans is None and options.get("exact") is not True:
-        raise ValueError("give token_spans or char_spans (only an exact=True envelope may carry no spans)")
     unknown = set(options) - set(OPTIONAL_KEYS)
     if unknown:
         raise ValueError(f"unknown chunkcache payload keys {sorted(unknown)}; allowed: {', '.join(OPTIONAL_KEYS)}")
@@ -122,7 +125,7 @@ def parse(payload: dict, prompt_len: int, max_spans: int | None = None,
     """Validate a token-span payload against a prompt of `prompt_len` tokens (and at most `max_spans` spans);
     `selectors`: the registry a `selector` must be registered in (None: not judged here)."""
     spanless = ChunkHint((), *parse_options(payload, selectors))
-    if not _check_keys(payload, "token_spans", required=not spanless.exact):
+    if not _check_keys(payload, "token_spans"):
         return spanless
     spans = _check_spans(payload["token_spans"], "token_spans", prompt_len, "prompt tokens", max_spans)
     last = prompt_len - 1
@@ -134,10 +137,10 @@ def parse(payload: dict, prompt_len: int, max_spans: int | None = None,
 
 
 def parse_options(payload: dict, selectors: SelectorNames | None = None
-                  ) -> tuple[str | None, str | None, float | None, bool | None, float | None]:
-    """The optional payload keys, validated: (namespace, selector, ratio, exact, max_kl), None where absent;
+                  ) -> tuple[str | None, str | None, float | None, bool | None, float | None, bool | None]:
+    """The optional payload keys, validated: (namespace, selector, ratio, exact, max_kl, learn), None where absent;
     `selectors`: the registry a `selector` must be registered in (None: not judged here)."""
-    namespace, selector, ratio, exact, max_kl = (payload.get(k) for k in OPTIONAL_KEYS)
+    namespace, selector, ratio, exact, max_kl, learn = (payload.get(k) for k in OPTIONAL_KEYS)
     if namespace is not None and (not isinstance(namespace, str) or not namespace):
         raise HintError(f"namespace must be a non-empty string, got {namespace!r}")
     if namespace is not None and len(namespace) > MAX_NAMESPACE_CHARS:
@@ -155,6 +158,8 @@ def parse_options(payload: dict, selectors: SelectorNames | None = None
         ratio = float(ratio)
     if exact is not None and not isinstance(exact, bool):
         raise HintError(f"exact must be true or false, got {exact!r}")
+    if learn is not None and not isinstance(learn, bool):
+        raise HintError(f"learn must be true or false, got {learn!r}")
     if max_kl is not None:
         if isinstance(max_kl, bool) or not isinstance(max_kl, (int, float)) or not math.isfinite(max_kl) \
                 or max_kl <= 0:
@@ -170,7 +175,7 @@ def parse_options(payload: dict, selectors: SelectorNames | None = None
                             f"model's own prefill); leave selector out")
         if ratio is not None:
             raise HintError("ratio cannot apply with exact: true (every token is computed); leave ratio out")
-    return namespace, selector, ratio, exact, max_kl
+    return namespace, selector, ratio, exact, max_kl, learn
 
 
 def char_spans_to_token_payload(payload: dict, offsets: Sequence[Sequence[int]], text_len: int,
@@ -221,8 +226,8 @@ def _cut(j: int, span: tuple[int, int], which: str, offset: int, token: int, a: 
             f"(characters [{a}, {b})); a chunk must start and end on token boundaries, e.g. {a} or {b}")
 
 
-def _check_keys(payload: dict, spans_key: str, required: bool = True) -> bool:
-    """Whether the payload has `spans_key` (an error when `required`); any other key is an error."""
+def _check_keys(payload: dict, spans_key: str) -> bool:
+    """Whether the payload has `spans_key`; any other key is an error."""
     other = "char_spans" if spans_key == "token_spans" else "token_spans"
     if other in payload:
         kind = "a text request" if other == "char_spans" else "an input_ids request"
@@ -231,8 +236,6 @@ def _check_keys(payload: dict, spans_key: str, required: bool = True) -> bool:
     if unknown:
         raise HintError(f"unknown payload key(s) {', '.join(map(repr, unknown))}; "
                         f"allowed: {', '.join(map(repr, (spans_key, *OPTIONAL_KEYS)))}")
-    if spans_key not in payload and required:
-        raise HintError(f"payload has no {spans_key!r}")
     return spans_key in payload
 
 

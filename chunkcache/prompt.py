@@ -28,7 +28,7 @@ class RagPrompt:
     token_spans: list[tuple[int, int]]  # one per document, end exclusive
 
     def kv_hints(self, **options: Any) -> dict:
-        """The request's `kv_hints` (options: namespace, selector, ratio, exact)."""
+        """The request's `kv_hints` (options: hints.OPTIONAL_KEYS)."""
         return envelope(self.token_spans, **options)
 
 

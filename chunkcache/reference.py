@@ -32,7 +32,7 @@ from .blend.plan import Placement, RequestPlan
 from .blend.request import ChunkRequest, Detection, RequestHint
 from .draft import Draft
 from .draft import load as load_draft
-from .hashing import chunk_key, model_fingerprint, prefix_key
+from .hashing import entry_key, model_fingerprint, prefix_key, tenant_key
 from .rope import rerotate, rotate_half
 from .select.base import Layout, Selector
 from .store import ChunkEntry, ChunkStore
@@ -136,17 +136,20 @@ class ReferenceBlender:
     ) -> BlendResult:
         """Hinted chunks: each keyed by the prefix it follows and its tokens, computed standalone when missing."""
         layout = self._layout(prefix_ids, chunks_ids, query_ids)
-        pkey = prefix_key(layout.token_ids[: layout.prefix_len])
-        keys = [chunk_key(self.fingerprint, self.namespace, pkey, layout.token_ids[s:e]) for s, e in layout.chunk_spans]
-        return self.blend_spans(layout.token_ids, layout.chunk_spans, keys, selector, ratio, **selector_options)
+        tenant, pkey = tenant_key(self.namespace), prefix_key(layout.token_ids[: layout.prefix_len])
+        keys = [entry_key(self.fingerprint, tenant, pkey, layout.token_ids[s:e]) for s, e in layout.chunk_spans]
+        return self.blend_spans(layout.token_ids, layout.chunk_spans, keys, selector, ratio, context=pkey,
+                                **selector_options)
 
     @torch.inference_mode()
     def blend_spans(self, token_ids: TokenIds, spans: Sequence[tuple[int, int]], keys: Sequence[str],
                     selector: str | Selector = "none", ratio: float = 0.15, detection: Detection | None = None,
-                    **selector_options) -> BlendResult:
+                    context: str | None = None, matched: int = 0, **selector_options) -> BlendResult:
         """Chunks already keyed (sorted, disjoint spans before the last token): the exact prefix is everything before
         the first, the query everything after the last (automatic detection's segments, with its `detection`, or a
-        hint's chunks); detection's lead (`RequestHint.exact_until`) is computed exactly."""
+        hint's chunks). `context`: the prefix digest every key names (a hint's; RequestPlan.context): a missing
+        chunk is then stored, else it serves this call only. `matched`: the first tokens are computed exactly (a
+        server's radix match), a chunk reaching into them reused from there on."""
         t_start = time.perf_counter()
         if isinstance(selector, str):
             selector = selectors.create(selector, **selector_options)
@@ -154,10 +157,10 @@ class ReferenceBlender:
             raise ValueError("selector options go to the selector's constructor; pass a name, not an instance")
         ids = _as_ids(token_ids, "prompt")
         hint = RequestHint(ids, tuple((int(s), int(e)) for s, e in spans), tuple(keys), selector.name, ratio,
-                           self.namespace, auto=detection is not None,
-                           exact_until=0 if detection is None or detection.hint is None else detection.hint.exact_until)
+                           self.namespace, auto=detection is not None, tenant=tenant_key(self.namespace),
+                           context=context)
         request = ChunkRequest(rid="reference", hint=hint, detection=detection)
-        plan = request.plan(0)
+        plan = request.plan(matched)
         engine = _Engine(self, plan)
         prefetched = request.prefetched()
         run = pipeline.run(engine, self.store, [plan], lambda _: selector,
@@ -183,21 +186,21 @@ class ReferenceBlender:
         )
 
     @torch.inference_mode()
-    def learn_segments(self, result: BlendResult, auto: AutoChunks) -> int:
-        """What a server does after a prefill with automatic detection on: the prompt's segments that the store
-        lacks, their KV (computed in this prompt's context, at these positions) taken from `result`, which must be
-        a full prefill. Returns the segments stored."""
-        ids = result.layout.token_ids
-        request = ChunkRequest(rid="reference", segments=auto.segments(ids, self.namespace, None, edges=False))
-        layers = [(k[0].transpose(0, 1), v[0].transpose(0, 1)) for k, v, *_ in result.past_key_values]  # [N, H, D]
+    def learn(self, token_ids: TokenIds, auto: AutoChunks) -> int:
+        """What a server does after a prefill with automatic detection on: the prompt's paragraphs holding segments
+        the store lacks, each encoded alone after the canonical head (AutoChunks.to_encode) and stored. Returns the
+        segments stored."""
+        ids = _as_ids(token_ids, "prompt")
+        request = ChunkRequest(rid="reference", segments=auto.segments(ids, self.namespace, None))
+        return sum(int(pipeline.store_encode(self.store, encode, self.kv_alone, self.fingerprint)["segments"])
+                   for encode in pipeline.to_encode(self.store, auto, request, ids))
 
-        def read_kv(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return (torch.stack([k[positions] for k, _ in layers]).cpu(),
-                    torch.stack([v[positions] for _, v in layers]).cpu())
-
-        learned = pipeline.learn_segments(self.store, auto, request, ids, torch.ones(len(ids), dtype=torch.bool),
-                                          read_kv, self.fingerprint)
-        return int(learned["segments"])
+    @torch.inference_mode()
+    def kv_alone(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [layers, tokens, heads, dim] on the host of `token_ids` alone from position 0, one row."""
+        k, v = self._kv_buffers(1, len(token_ids))
+        self._forward(token_ids[None].to(self.device), torch.arange(len(token_ids), device=self.device), k, v)
+        return k[:, 0].cpu(), v[:, 0].cpu()
 
     @torch.inference_mode()
     def auto_blend(self, token_ids: TokenIds, auto: AutoChunks, selector: str | Selector = "none",
@@ -213,7 +216,7 @@ class ReferenceBlender:
         if found.hint is None:
             return None
         return self.blend_spans(ids, found.hint.spans, found.hint.keys, selector, ratio, detection=found,
-                                **selector_options)
+                                matched=matched, **selector_options)
 
     @torch.inference_mode()
     def generate(self, result: BlendResult, max_new_tokens: int) -> list[int]:
@@ -280,19 +283,20 @@ class ReferenceBlender:
                       query_span=(pos, token_ids.numel()))
 
     def _compute_chunks(self, chunks: dict[str, torch.Tensor], k_buf: torch.Tensor, v_buf: torch.Tensor,
-                        prefix_len: int) -> list[ChunkEntry]:
-        """KV of each chunk alone right after the prefix (already in the buffers), batched, as store entries."""
+                        prefix_len: int, tenant: str = "", context: str = "") -> list[ChunkEntry]:
+        """KV of each chunk alone right after the prefix (already in the buffers), batched, as store entries (of
+        `tenant`, computed after `context`: RequestPlan's)."""
         entries, batch = [], []
         for key, ids in sorted(chunks.items(), key=lambda kv: kv[1].numel()):  # similar lengths pad least
             if batch and (len(batch) + 1) * (prefix_len + ids.numel()) > CHUNK_BATCH_TOKENS:
-                entries += self._compute_batch(batch, k_buf, v_buf, prefix_len)
+                entries += self._compute_batch(batch, k_buf, v_buf, prefix_len, tenant, context)
                 batch = []
             batch.append((key, ids))
         if batch:
-            entries += self._compute_batch(batch, k_buf, v_buf, prefix_len)
+            entries += self._compute_batch(batch, k_buf, v_buf, prefix_len, tenant, context)
         return entries
 
-    def _compute_batch(self, batch, k_buf, v_buf, prefix_len: int) -> list[ChunkEntry]:
+    def _compute_batch(self, batch, k_buf, v_buf, prefix_len: int, tenant: str, context: str) -> list[ChunkEntry]:
         P, T = prefix_len, max(ids.numel() for _, ids in batch)
         ids = torch.zeros(len(batch), T, dtype=torch.long)
         for b, (_, c) in enumerate(batch):
@@ -305,7 +309,7 @@ class ReferenceBlender:
         return [
             ChunkEntry(key=key, token_ids=c.clone(), k=bk[:, b, P : P + c.numel()].cpu().contiguous(),
                        v=bv[:, b, P : P + c.numel()].cpu().contiguous(), start_pos=P,
-                       model_fingerprint=self.fingerprint)
+                       model_fingerprint=self.fingerprint, tenant=tenant, context=context)
             for b, (key, c) in enumerate(batch)
         ]
 
@@ -413,7 +417,7 @@ class _Engine:
         if P:
             b._forward(self.ids[None, :P], torch.arange(P, device=b.device), self.k_buf[:, :, :P], self.v_buf[:, :, :P])
         return b._compute_chunks({c.key: self.plan.chunk_ids(c) for _, c in chunks}, self.k_buf, self.v_buf,
-                                 self.plan.shared_prefix_len)
+                                 self.plan.shared_prefix_len, self.plan.tenant, self.plan.context or "")
 
     def copy(self, entries: list[list[ChunkEntry]]) -> None:
         b = self.blender

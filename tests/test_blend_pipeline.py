@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from chunkcache.blend import pipeline, plan
-from chunkcache.blend.auto import Detected, Segments
+from chunkcache.blend.auto import AutoChunks, Detected, Segments
 from chunkcache.blend.features import Models
 from chunkcache.blend.plan import Placement, plan_request, recompute_set, to_compute
 from chunkcache.blend.request import STAGES, ChunkRequest, RequestHint
+from chunkcache.config import AutoConfig
+from chunkcache.hashing import entry_key, prefix_key, tenant_key
 from chunkcache.select.base import Layout, Selection, finish
 from chunkcache.store import ChunkEntry, ChunkStore
 
@@ -124,9 +126,10 @@ def test_pipeline_runs_the_steps_in_order():
     store = CountingStore()
     store.put(entry("x", ids[2:4], 2))
     store.puts.clear()
-    plans = [plan_request(ids, [(2, 4), (4, 6)], ["x", "y"], 0, "grows", 0.1),
+    plans = [plan_request(ids, [(2, 4), (4, 6)], ["x", "y"], 0, "grows", 0.1, context="p"),
              plan_request(ids, [(2, 4), (4, 7)], ["y", "z"], 3, "grows", 0.1)]
-    # keys are plain labels here: the pipeline trusts them (real keys hash the chunk's tokens)
+    # keys are plain labels here: the pipeline trusts them (real keys hash the chunk's tokens); the second request's
+    # keys name no context its fill computes them after (automatic detection's): what it computes is not stored
     engine = FakeEngine(plans)
     run = pipeline.run(engine, store, plans, lambda name: GrowsFeatures())
     assert [s[0] for s in engine.steps] == ["fill", "copy", "query_attention", "recompute"]
@@ -138,8 +141,9 @@ def test_pipeline_runs_the_steps_in_order():
     assert run.requests[0].recomputed.tolist() == [2, 6, 7, 8, 9, 10, 11]
     assert run.requests[1].recomputed.tolist() == [3, 7, 8, 9, 10, 11]
     assert run.requests[0].reused_tokens == 3 and run.requests[1].reused_tokens == 3
-    # learn: the computed chunks, then the features selectors kept (request 0's "x", request 1's "y")
-    assert store.puts == [("put", "y"), ("put", "z"), ("add_features", "x", ["grows:kv"]),
+    # learn: the computed chunk its key names the context of, then the features selectors kept (request 0's "x",
+    # request 1's "y")
+    assert store.puts == [("put", "y"), ("add_features", "x", ["grows:kv"]),
                           ("add_features", "y", ["grows:kv"])]
     assert set(run.seconds) == set(STAGES)
 
@@ -148,7 +152,7 @@ def test_an_entry_holding_other_tokens_is_a_miss():
     ids = torch.arange(3, 15)
     store = CountingStore()
     store.put(entry("x", [1, 1], 2))
-    plans = [plan_request(ids, [(2, 4)], ["x"], 0, "grows", 0.1)]
+    plans = [plan_request(ids, [(2, 4)], ["x"], 0, "grows", 0.1, context="p")]
     engine = FakeEngine(plans)
     run = pipeline.run(engine, store, plans, lambda name: GrowsFeatures())
     assert engine.steps[0] == ("fill", ["x"]) and run.requests[0].hits == 0
@@ -168,14 +172,10 @@ class ThreeSegments:
         if len(picked) < 2:
             return None
         spans = tuple(s for s, _ in picked)
-        return Detected(spans, tuple(k for _, k in picked), sum(e - s for s, e in spans), matched)
-
-    def to_learn(self, segments, computed, stored, crowded=False, exact=0):
-        return [(span, key) for span, key in zip(segments.spans, segments.keys)
-                if key not in stored and bool(computed[span[0]: span[1]].all())]
+        return Detected(spans, tuple(k for _, k in picked), sum(e - s for s, e in spans))
 
 
-SEGMENTS = Segments(((2, 4), (4, 6), (6, 8)), ("a", "b", "c"))
+SEGMENTS = Segments(((2, 4), (4, 6), (6, 8)), ("a", "b", "c"), (2, 2, 2), ("x", "x", "x"), "t")
 DEFAULTS = pipeline.Defaults("grows", 0.1, "ns")
 
 
@@ -213,29 +213,48 @@ def test_too_few_stored_segments_detect_no_hint():
     assert found.hint is None and found.found.entries == {}
 
 
-def test_segments_are_learned_from_one_read_of_the_engine_kv():
-    ids = torch.arange(3, 15)
+def test_a_prompt_teaches_by_naming_paragraphs_each_stored_from_its_own_forward():
+    """to_encode names the paragraphs holding segments no tier holds (once per prompt, none for a request that may
+    not teach); store_encode stores each segment from one forward of exactly its head and paragraph, with the
+    tenant and context its key names."""
+    auto = AutoChunks(AutoConfig(enabled=True, segment_min_tokens=8, segment_mean_tokens=1 << 20), frozenset({0}), FP,
+                      head=[1])
+    ids = torch.tensor([0] + list(range(10, 20)) + [0] + list(range(30, 40)) + [0, 99])
+    segments = auto.segments(ids, "ns", None)
+    assert segments.spans == ((1, 11), (12, 22))
     store = ChunkStore(model_fingerprint=FP)
-    store.put(entry("b", ids[4:6], 4))
-    kv = torch.arange(SHAPE[0] * 12 * SHAPE[1] * SHAPE[2], dtype=torch.float32).view(SHAPE[0], 12, *SHAPE[1:])
-    reads = []
+    kv = torch.arange(SHAPE[0] * 11 * SHAPE[1] * SHAPE[2], dtype=torch.float32).view(SHAPE[0], 11, *SHAPE[1:])
+    forwards = []
 
-    def read_kv(positions):
-        reads.append(positions.tolist())
-        return kv[:, positions], -kv[:, positions]
+    def kv_of(token_ids):
+        forwards.append(token_ids.tolist())
+        return kv[:, : len(token_ids)], -kv[:, : len(token_ids)]
 
-    request = ChunkRequest("r", segments=SEGMENTS)
-    computed = torch.ones(12, dtype=torch.bool)
-    computed[7] = False  # segment "c" was not all computed in this prompt's context
-    learned = pipeline.learn_segments(store, ThreeSegments(), request, ids, computed, read_kv, FP)
-    assert reads == [[2, 3]] and learned["segments"] == 1 and learned["tokens"] == 2
-    a = store.get("a")
-    assert a.start_pos == 2 and a.token_ids.tolist() == [5, 6]
-    torch.testing.assert_close(a.k, kv[:, 2:4])
-    torch.testing.assert_close(a.v, -kv[:, 2:4])
-    assert request.segments is None  # learned once per prompt
-    assert pipeline.learn_segments(store, ThreeSegments(), request, ids, computed, read_kv, FP)["segments"] == 0
-    assert reads == [[2, 3]]
+    request = ChunkRequest("r", segments=segments)
+    store.put(ChunkEntry(segments.keys[0], ids[1:11], kv[:, 1:], -kv[:, 1:], 1, FP, tenant=segments.tenant,
+                         context=segments.contexts[0]))
+    encodes = pipeline.to_encode(store, auto, request, ids)
+    assert request.segments is None and pipeline.to_encode(store, auto, request, ids) == []  # once per prompt
+    assert [pipeline.store_encode(store, e, kv_of, FP)["segments"] for e in encodes] == [1]
+    assert forwards == [[1] + list(range(30, 40))]  # the head, then the second paragraph alone
+    b = store.get(segments.keys[1])
+    assert b.start_pos == 1 and b.token_ids.tolist() == list(range(30, 40))
+    assert (b.tenant, b.context) == (segments.tenant, segments.contexts[1])
+    torch.testing.assert_close(b.k, kv[:, 1:11])
+    torch.testing.assert_close(b.v, -kv[:, 1:11])
+    quiet = ChunkRequest("q", segments=auto.segments(ids, "other", None), learn=False)
+    assert pipeline.to_encode(ChunkStore(model_fingerprint=FP), auto, quiet, ids) == []  # learn: false
+
+
+def test_the_store_refuses_an_entry_that_is_not_what_its_key_names():
+    store = ChunkStore(model_fingerprint=FP)
+    good = entry_key(FP, tenant_key("ns"), prefix_key([1, 2]), [5, 6])
+    kv = torch.zeros(SHAPE[0], 2, *SHAPE[1:])
+    assert store.put(ChunkEntry(good, torch.tensor([5, 6]), kv, kv, 2, FP, tenant=tenant_key("ns"),
+                                context=prefix_key([1, 2])))
+    for tenant, context in ((tenant_key("other"), prefix_key([1, 2])), (tenant_key("ns"), prefix_key([9, 2]))):
+        with pytest.raises(ValueError, match="not what its tenant, context and tokens name"):
+            store.put(ChunkEntry(good, torch.tensor([5, 6]), kv, kv, 2, FP, tenant=tenant, context=context))
 
 
 def test_a_round_record_has_every_stage_and_the_request_report_merges_rounds():

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 from conftest import ROOT, WORDS
-from store_server import StoreServer
+from store_server import SECRET_ENV, StoreServer
 
 from sglang_patch.serve.server_process import ServerProcess, free_ports
 
@@ -31,7 +31,7 @@ class Cluster:
             [sys.executable, str(ROOT / "examples" / "cluster.py"), "--remote-url", store.url, "--workers", "2",
              "--port", str(self.port), "--policy", "round_robin", "--config", str(config), "--log-dir",
              str(self.log_dir), "--enable-metrics", "--skip-server-warmup"],  # the rest goes to `chunkcache serve`
-            url=self.router, log_path=tmp / "cluster.log")
+            url=self.router, log_path=tmp / "cluster.log", env=SECRET_ENV)  # the servers inherit the store's secret
         deadline = time.time() + 600
         while f"router {self.router}" not in self.proc.log():  # the script's "ready" line
             if not self.proc.alive() or time.time() > deadline:

@@ -10,7 +10,7 @@ import pytest
 import requests
 import yaml
 from conftest import WORDS, metric, start_server, with_test_defaults
-from store_server import StoreServer
+from store_server import SECRET_ENV, StoreServer
 
 from chunkbench.serving.slow_link import SlowLink
 from chunkcache.config import config_file
@@ -40,7 +40,7 @@ def server(tmp_path_factory, link):
     config["store"].update(host_bytes=0, remote_url=link.url(), remote_timeout_s=5.0, remote_probe_s=PROBE_S)
     path = tmp / "fetch.yaml"
     path.write_text(with_test_defaults(yaml.safe_dump(config)))
-    srv = start_server(tmp / "server.log", "--enable-metrics", "--chunkcache-config", str(path))
+    srv = start_server(tmp / "server.log", "--enable-metrics", "--chunkcache-config", str(path), env=SECRET_ENV)
     yield srv
     srv.stop()
 

@@ -24,8 +24,16 @@ def write_model(d, config=None, weights=(1.0, 2.0)):
 
 def test_fixed_vectors():
     # pinned: a change here invalidates every store on every machine, so it must be deliberate (bump KEY_VERSION)
-    assert prefix_key([1, 2, 3]) == "de4888eccb49b44a0367266b9f9bd6ea"
-    assert chunk_key(FP, "default", prefix_key([1, 2, 3]), [10, 20, 30]) == "aa002da3e50ab079b762c18f876ea684"
+    assert prefix_key([1, 2, 3]) == "d600116d1c47521095b6f5e3dabc3e05"
+    assert chunk_key(FP, "default", prefix_key([1, 2, 3]), [10, 20, 30]) == "c744f214a019a35cb0317e1bf462759e"
+    # BLAKE2b-128 over the length-prefixed fields: a key a client cannot craft a collision for
+    import hashlib
+
+    fields = [b"chunkcache-key-v2", b"prefix", np.asarray([1, 2, 3], dtype="<i8").tobytes()]
+    h = hashlib.blake2b(digest_size=16)
+    for f in fields:
+        h.update(struct.pack("<Q", len(f)) + f)
+    assert h.hexdigest() == prefix_key([1, 2, 3])
 
 
 def test_fixed_fingerprint(tmp_path):
@@ -120,7 +128,7 @@ def test_big_model_is_sampled_not_read(tmp_path, monkeypatch):
 def test_cache_salt_separates_tenants_and_leaves_unsalted_keys_unchanged():
     """SGLang's `cache_salt` isolates tenants in the radix tree; the chunk store must too."""
     args = (FP, "default", prefix_key([1, 2, 3]), [10, 20, 30])
-    assert chunk_key(*args, cache_salt=None) == chunk_key(*args, cache_salt="") == "aa002da3e50ab079b762c18f876ea684"
+    assert chunk_key(*args, cache_salt=None) == chunk_key(*args, cache_salt="") == "c744f214a019a35cb0317e1bf462759e"
     salted = {chunk_key(*args, cache_salt=s) for s in ("user-1", "user-2")}
     assert len(salted) == 2 and chunk_key(*args) not in salted
     # the salt is its own field: it cannot be forged by moving characters into the namespace

@@ -94,7 +94,6 @@ def test_payload_round_trip():
     ({"token_spans": [[0, 1, 2]]}, "token_spans[0] must be a pair of integers"),
     ({"token_spans": [[0, 2]], "foo": 1}, "unknown payload key(s) 'foo'; allowed: 'token_spans', 'namespace'"),
     ({"char_spans": [[0, 2]]}, "char_spans is for a text request; this request must mark its chunks with token_spans"),
-    ({}, "payload has no 'token_spans'"),
     ({"token_spans": [[0, 2]], "namespace": ""}, "namespace must be a non-empty string, got ''"),
     ({"token_spans": [[0, 2]], "namespace": 3}, "namespace must be a non-empty string, got 3"),
     ({"token_spans": [[0, 2]], "selector": "nope"}, "selector 'nope' is not registered; known: "),
@@ -108,7 +107,7 @@ def test_payload_round_trip():
     ({"token_spans": [[0, 2]], "exact": "true"}, "exact must be true or false, got 'true'"),
     ({"exact": True, "selector": "mix"}, "selector 'mix' cannot apply with exact: true"),
     ({"exact": True, "ratio": 0.2}, "ratio cannot apply with exact: true"),
-    ({"exact": False}, "payload has no 'token_spans'"),
+    ({"token_spans": [[0, 2]], "learn": "no"}, "learn must be true or false, got 'no'"),
     ({"exact": True, "token_spans": [[0, 11]]}, "end 11 is past the prompt"),
     ({"exact": True, "char_spans": [[0, 2]]}, "char_spans is for a text request"),
     ({"token_spans": [[0, 2]], "max_kl": 0}, "max_kl must be a number > 0 (nats of first-token KL), got 0"),
@@ -131,14 +130,18 @@ def test_max_kl_is_kept_as_a_float():
     assert parse(hint.to_payload(), 10) == hint
 
 
-def test_exact_needs_no_spans():
-    """`exact: true` alone is a whole hint: no spans, the canonical payload keeps only the flag."""
+def test_a_payload_of_options_needs_no_spans():
+    """`exact: true` alone is a whole hint, and so are options alone (a tenant, `learn: false`, a selector for what
+    automatic detection finds): no spans, the canonical payload keeps only the options."""
     hint = parse({"exact": True}, 10, selectors=REGISTRY)
     assert hint == ChunkHint((), exact=True) and hint.to_payload() == {"exact": True}
     assert parse({"exact": True, "selector": "full"}, 10).selector == "full"
     assert hints.envelope(exact=True)["actions"][0]["payload"] == {"exact": True}
-    with pytest.raises(ValueError, match="only an exact=True envelope may carry no spans"):
-        hints.envelope(selector="full")
+    options = parse({"namespace": "kb1", "learn": False, "ratio": 0.3}, 10, selectors=REGISTRY)
+    assert options == ChunkHint((), namespace="kb1", ratio=0.3, learn=False)
+    assert options.to_payload() == {"namespace": "kb1", "ratio": 0.3, "learn": False}
+    assert parse({}, 10) == ChunkHint(())
+    assert hints.envelope(namespace="kb1")["actions"][0]["payload"] == {"namespace": "kb1"}
 
 
 def test_selector_names_are_judged_by_the_registry_passed_in():

@@ -410,64 +410,89 @@ def test_metrics_off_is_a_no_op():
     assert samples(REGISTRY) == exported
 
 
-# --- auto_chunks: learning after the outputs are sent -----------------------------------------------------------------
+# --- auto_chunks: a prompt names the paragraphs it teaches; they are encoded alone later ---------------------------
 
 
-def _learning_forward(after_outputs):
-    """One finished 12-token prompt prefill (no radix match) in slots 20..31 of a 2-layer pool, its segments
-    (2, 4), (4, 6), (6, 8) new to the store (AutoChunks' own learning policy, the store not crowded): (reuse, scheduler whose tree cache holds it, request, pool, slots)."""
-    from chunkcache.blend.auto import AutoChunks, Segments
-    from chunkcache.config import AutoConfig
+def _learning_forward(monkeypatch, starved_s: float = 5.0):
+    """One finished 25-token prompt prefill (no radix match) in slots 20..44 of a 2-layer pool whose two paragraphs
+    are new to the store; the engine's one-row forward replaced by one that records what it computes and returns
+    KV that is a function of those tokens alone: (reuse, scheduler whose tree cache holds it, request, forwards)."""
+    from collections import deque
+
+    from chunkcache.blend.auto import AutoChunks
+    from chunkcache.blend.reuse import ChunkReuse
+    from chunkcache.config import AutoConfig, Config
+    from chunkcache.ranks import Ranks
     from sglang_patch.scheduler import auto_chunks
     from sglang_patch.scheduler.cache import ChunkRadixCache
 
-    keys, values = [torch.randn(40, 1, 4) for _ in range(2)], [torch.randn(40, 1, 4) for _ in range(2)]
+    keys, values = [torch.randn(50, 1, 4) for _ in range(2)], [torch.randn(50, 1, 4) for _ in range(2)]
     pool = SimpleNamespace(layer_num=2, get_key_buffer=keys.__getitem__, get_value_buffer=values.__getitem__)
-    slots = torch.arange(20, 32)
+    slots = torch.arange(20, 45)
     runner = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=SimpleNamespace(req_to_token=slots[None]))
-    batch = SimpleNamespace(seq_lens_cpu=torch.tensor([12]), req_pool_indices=torch.tensor([0]),
+    batch = SimpleNamespace(seq_lens_cpu=torch.tensor([25]), req_pool_indices=torch.tensor([0]),
                             extend_prefix_lens_cpu=torch.tensor([0]))
-    req = SimpleNamespace(origin_input_ids=list(range(3, 15)), output_ids=[])
-    request = ChunkRequest("r", segments=Segments(((2, 4), (4, 6), (6, 8)), ("a", "b", "c")))
+    ids = [9] * 3 + [0] + list(range(10, 20)) + [0] + list(range(30, 38)) + [0, 99]
+    req = SimpleNamespace(origin_input_ids=ids, output_ids=[])
     fingerprint = "f" * 32
-    reuse = SimpleNamespace(store=ChunkStore(model_fingerprint=fingerprint), fingerprint=fingerprint,
-                            auto=AutoChunks(AutoConfig(), frozenset(), fingerprint), after_outputs=after_outputs)
+    config = Config()
+    config.auto = AutoConfig(enabled=True, segment_min_tokens=8, segment_mean_tokens=1 << 20,
+                             encode_starved_s=starved_s)
+    reuse = ChunkReuse.__new__(ChunkReuse)
+    reuse.config, reuse.ranks, reuse.fingerprint = config, Ranks(), fingerprint
+    reuse.store = ChunkStore(model_fingerprint=fingerprint)
+    reuse.auto = AutoChunks(config.auto, frozenset({0}), fingerprint, head=[1, 2])
+    reuse.encodes = deque(maxlen=config.auto.encode_queue)
+    request = ChunkRequest("r", segments=reuse.auto.segments(ids, "default", None))
+    assert request.segments.spans == ((4, 14), (15, 23))
+    forwards = []
+
+    def alone_kv(model_runner, forward_batch, token_ids):
+        forwards.append(token_ids.tolist())
+        kv = token_ids.float()[None, :, None, None].expand(2, -1, 1, 4).clone()
+        return kv, -kv
+
+    monkeypatch.setattr(auto_chunks, "_alone_kv", alone_kv)
     tree_cache = ChunkRadixCache.__new__(ChunkRadixCache)  # only its `reuse`: the hook finds the scheduler's by it
     tree_cache.reuse = reuse
     auto_chunks.learn(reuse, runner, batch, [req], lambda r: request)
-    return reuse, SimpleNamespace(tree_cache=tree_cache), request, pool, slots
+    return reuse, SimpleNamespace(tree_cache=tree_cache), request, forwards
 
 
-def test_a_prompts_segments_are_stored_once_its_output_is_sent_from_the_slots_it_was_computed_in():
-    """Invariant: the forward only says what will be learned; the store gets it when the scheduler has processed
-    the batch's result (its outputs sent), read from the request's own slots."""
+def test_a_prompt_teaches_its_paragraphs_encoded_alone_never_its_own_kv(monkeypatch):
+    """Invariant (chunkcache/store/entry.py): the forward only names the paragraphs to learn, each queued; nothing
+    of the request's pool is stored. A starved server (the oldest waiting past auto.encode_starved_s) encodes one
+    after a batch's outputs: the head, then that paragraph, alone; its entry holds what that forward computed."""
     from sglang_patch.scheduler import auto_chunks
 
     registry = CollectorRegistry()
     metrics.start(True, model_name=MODEL, registry=registry)
-    reuse, scheduler, request, pool, slots = _learning_forward(after_outputs=[])
+    reuse, scheduler, request, forwards = _learning_forward(monkeypatch, starved_s=1e-9)
     token_bytes = 2 * 2 * 1 * 4 * 4  # K and V, 2 layers, 1 head of 4 float32
-    assert request.rounds[-1]["learned"] == {"segments": 3, "tokens": 6, "bytes": 6 * token_bytes}
-    assert "a" not in reuse.store and len(reuse.after_outputs) == 1  # nothing stored before the output
-    assert samples(registry).get(("chunkcache_auto_learn_seconds_count", ()), 0) == 0
-    auto_chunks.store_learned(None, scheduler)
-    assert reuse.after_outputs == []
-    counted = samples(registry)
-    assert counted[("chunkcache_auto_learned_segments_total", ())] == 3
-    assert counted[("chunkcache_auto_learn_seconds_count", ())] == 1
+    assert request.rounds[-1]["learned"] == {"segments": 2, "tokens": 18, "bytes": 18 * token_bytes}
+    assert len(reuse.encodes) == 2 and forwards == [] and not any(k in reuse.store for k in request_keys(reuse))
+    auto_chunks.encode_when_starved(None, scheduler)
+    assert forwards == [[1, 2, *range(10, 20)]] and len(reuse.encodes) == 1
+    assert samples(registry)[("chunkcache_auto_learned_segments_total", ())] == 1
     metrics.start(False)
-    for key, (s, e) in (("a", (2, 4)), ("b", (4, 6)), ("c", (6, 8))):
-        entry = reuse.store.get(key)
-        assert entry.start_pos == s and entry.token_ids.tolist() == list(range(3 + s, 3 + e))
-        torch.testing.assert_close(entry.k, torch.stack([pool.get_key_buffer(i)[slots[s:e]] for i in range(2)]))
-        torch.testing.assert_close(entry.v, torch.stack([pool.get_value_buffer(i)[slots[s:e]] for i in range(2)]))
+    first = reuse.store.get(reuse.auto.segments(list(range(10, 20)) + [0], "default", None).keys[0])
+    assert first.start_pos == 2 and first.token_ids.tolist() == list(range(10, 20))
+    torch.testing.assert_close(first.k[0, :, 0, 0], torch.arange(10, 20).float())
 
 
-def test_an_overlapping_scheduler_learns_in_the_forward():
-    """With no after-output queue (the scheduler launches its next forward before sending this one's outputs),
-    the segments are stored before the forward returns."""
-    reuse, _, _, _, _ = _learning_forward(after_outputs=None)
-    assert all(key in reuse.store for key in ("a", "b", "c"))
+def request_keys(reuse):
+    ids = [9] * 3 + [0] + list(range(10, 20)) + [0] + list(range(30, 38)) + [0, 99]
+    return reuse.auto.segments(ids, "default", None).keys
+
+
+def test_a_server_that_is_not_starved_leaves_encodes_to_its_idle_turns(monkeypatch):
+    from sglang_patch.scheduler import auto_chunks
+
+    reuse, scheduler, _, forwards = _learning_forward(monkeypatch, starved_s=3600.0)
+    auto_chunks.encode_when_starved(None, scheduler)
+    assert forwards == [] and len(reuse.encodes) == 2
+    assert reuse.encode_next()["segments"] == 1 and reuse.encode_next()["segments"] == 1
+    assert all(k in reuse.store for k in request_keys(reuse)) and reuse.encode_next() is None
 
 
 @pytest.mark.parametrize("return_logprob, start, expected", [

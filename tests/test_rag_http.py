@@ -147,7 +147,8 @@ def test_exact_chat_with_documents_is_the_plain_prompts_answer(server, default_m
 @pytest.mark.parametrize("chunkcache, message", [
     ({"exact": "yes"}, "chunkcache: exact must be true or false, got 'yes'"),
     ({"exact": True, "selector": "mix"}, "chunkcache: selector 'mix' cannot apply with exact: true"),
-    ({"exact": False}, "chunkcache.documents must be a non-empty list of strings, got nothing"),
+    ({"exact": False, "documents": []}, "chunkcache.documents must be a non-empty list of strings, got an empty list"),
+    ({"learn": 0}, "chunkcache: learn must be true or false, got 0"),
 ])
 def test_bad_exact_is_a_400_naming_the_field(server, chunkcache, message):
     r = requests.post(server.url + "/v1/chat/completions", timeout=600, json={

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from chunkcache.blend import pipeline
 from chunkcache.blend.auto import AutoChunks
 from chunkcache.blend.request import STAGES
 from chunkcache.config import AutoConfig
@@ -19,7 +20,7 @@ from chunkcache.rope import rerotate
 from chunkcache.select import REGISTRY
 from chunkcache.select.base import QUERY_PASS_TOKENS, Layout, Selection, finish
 from chunkcache.select.budget import rank
-from chunkcache.store import ChunkEntry, ChunkStore, FingerprintMismatch
+from chunkcache.store import ChunkEntry, ChunkStore, FingerprintMismatch, Lookup
 
 FP32 = dict(atol=1e-4, rtol=1e-5)  # fp32, prompts of ~100 tokens; observed differences are ~1e-6
 # random weights large enough that the continuation depends on the context (at the default 0.02 a tiny model
@@ -232,114 +233,93 @@ def test_every_token_sits_at_its_full_prompt_position(blender):
 
 
 
-def _lead_case(blender, seed: int):
-    """Automatic detection with a 12-token lead and line breaks (token 2) as the only cuts, and a prompt of a 5-token
-    prefix and three passages (20, 24 and 30 tokens with their breaks), prefilled in full: (auto, prefix, passages,
-    query, that prefill). Skips a model whose sliding window keeps too few tokens to learn segments from."""
+def _auto_case(blender, seed: int):
+    """Automatic detection with line breaks (token 2) as the only cuts and a 3-token canonical head, and a prompt of a
+    5-token prefix and three passages (20, 24 and 30 tokens with their breaks): (auto, prefix, passages, query)."""
     brk = 2  # the segmenter's line break: each segment ends after one (no content-defined cuts at this mean)
-    auto = AutoChunks(AutoConfig(enabled=True, min_reuse_tokens=16, segment_min_tokens=8, segment_mean_tokens=1 << 20,
-                                 exact_lead_tokens=12), frozenset({brk}), blender.fingerprint)
+    auto = AutoChunks(AutoConfig(enabled=True, min_reuse_tokens=16, segment_min_tokens=8, segment_mean_tokens=1 << 20),
+                      frozenset({brk}), blender.fingerprint, head=[5, 6, 7])
     p, docs, q = prompt(seed=seed, prefix=4, chunks=(19, 23, 29), query=7)  # a 5-token prefix run is no segment
-    p, docs = p + [brk], [d + [brk] for d in docs]
-    learned_from = blender.full_prefill(p, docs, q)
-    if any(layer.keys.shape[2] < learned_from.layout.n for layer in learned_from.past_key_values.layers):
-        pytest.skip("a sliding window's cache keeps too few tokens to learn segments from")
-    return auto, p, docs, q, learned_from
+    return auto, p + [brk], [d + [brk] for d in docs], q
 
 
-def test_an_automatic_lead_ending_inside_a_segment_is_exact_and_the_segments_rest_is_reused(blender):
-    """Automatic detection computes the first exact_lead_tokens after the exact prefix; a stored segment the lead
-    ends inside is reused from there on. The lead's KV (that segment's head included) must be full prefill's; the
-    segment's tail must be its stored KV moved to where it sits now."""
-    auto, p, docs, q, learned_from = _lead_case(blender, seed=6)
-    blender.learn_segments(learned_from, auto)
-    moved = [docs[2], docs[0], docs[1]]
-    ids = p + sum(moved, []) + q
-    res = blender.auto_blend(ids, auto, "none")
-    first, cut = len(p), len(p) + 12  # the lead: 12 tokens from the first stored segment's start
-    # the segment ends before its line break, a segment of its own
-    assert res.layout.prefix_len == cut and res.layout.chunk_spans[0] == (cut, first + len(moved[0]) - 1)
-    full = blender.full_prefill(p, moved, q)
-    entry = blender.store.get(auto.segments(ids, blender.namespace, None).keys[0])
-    assert entry.num_tokens == len(moved[0]) - 1
-    tail = torch.arange(entry.start_pos + 12, entry.start_pos + entry.num_tokens)
-    k_tail = rerotate(entry.k[:, 12:], first - entry.start_pos, blender.rope, tail)
+def _entries(blender, auto, passage):
+    """Every stored entry holding one of `passage`'s segments (as it sits after a line break), by key."""
+    segs = auto.segments([2] + passage + [1], blender.namespace, None)
+    return {k: blender.store.get(k) for k in segs.keys}
+
+
+def test_an_automatic_entry_is_the_same_bits_whatever_preceded_it_in_the_teaching_prompt(blender):
+    """The passage taught after other passages, after an instruction and a canary, or alone: every entry holding its
+    tokens is identical (key, start_pos, K and V bit for bit), and it is its paragraph's KV after the canonical head,
+    as a full prefill of exactly those tokens computes it."""
+    auto, p, docs, q = _auto_case(blender, seed=6)
+    injected = [int(t) for t in torch.randint(10, 60, (24,), generator=torch.Generator().manual_seed(1))] + [2]
+    teachers = [p + docs[0] + docs[1] + docs[2] + q, p + injected + docs[2] + q, p + docs[2] + q,
+                injected + docs[1] + docs[2] + q]
+    seen = []
+    for ids in teachers:
+        blender.store = ChunkStore(model_fingerprint=blender.fingerprint)
+        assert blender.learn(ids, auto) >= 1
+        seen.append(_entries(blender, auto, docs[2]))
+    assert all(None not in got.values() for got in seen)
+    for got in seen[1:]:
+        assert got.keys() == seen[0].keys()
+        for key, entry in got.items():
+            first = seen[0][key]
+            assert (entry.start_pos, entry.tenant, entry.context) == (first.start_pos, first.tenant, first.context)
+            assert torch.equal(entry.token_ids, first.token_ids)
+            assert torch.equal(entry.k, first.k) and torch.equal(entry.v, first.v)
+    (entry,) = seen[0].values()  # one segment: the passage before its break
+    alone = blender.full_prefill([5, 6, 7], [docs[2]], [1])
     for layer in range(blender.n_layers):
-        (k, v), (fk, fv) = cache_kv(res.past_key_values, layer), cache_kv(full.past_key_values, layer)
-        torch.testing.assert_close(k[:cut], fk[:cut], equal_nan=True, **FP32)
-        torch.testing.assert_close(v[:cut], fv[:cut], equal_nan=True, **FP32)
-        held = ~k[cut:first + entry.num_tokens, 0, 0].isnan()  # all but the tokens a sliding window dropped
-        assert torch.equal(k[cut:first + entry.num_tokens][held], k_tail[layer][held])
-        assert torch.equal(v[cut:first + entry.num_tokens][held], entry.v[layer, 12:][held])
+        k, v = cache_kv(alone.past_key_values, layer)
+        held = ~k[3:3 + entry.num_tokens, 0, 0].isnan()  # all but the tokens a sliding window dropped
+        torch.testing.assert_close(entry.k[layer][held], k[3:3 + entry.num_tokens][held], **FP32)
+        torch.testing.assert_close(entry.v[layer][held], v[3:3 + entry.num_tokens][held], **FP32)
 
 
-def test_an_automatic_first_segment_learned_in_its_own_prompts_head_needs_no_lead(blender):
-    """A passage that led the prompt it was learned from (ingested, sent alone) saw no other passage before it: it
-    is reused from its first token; learned after the others, the lead is computed again."""
-    auto, p, docs, q, learned_from = _lead_case(blender, seed=7)
+def test_an_automatic_segment_is_reused_from_its_first_token_its_kv_the_entry_moved(blender):
+    """A prompt of stored passages in another order: every stored segment past the exact prefix is a chunk from its
+    first token (no lead: its KV saw only the head and its paragraph), its KV the stored entry re-rotated to where it
+    sits; the exact prefix is full prefill's. One the exact prefix reaches into is reused from the prefix's end."""
+    auto, p, docs, q = _auto_case(blender, seed=7)
+    blender.learn(p + sum(docs, []) + q, auto)
     moved = [docs[2], docs[0], docs[1]]
     ids = p + sum(moved, []) + q
-    for alone in docs:  # each learned at len(p) = 5, inside the 12-token lead
-        blender.learn_segments(blender.full_prefill(p, [alone], q), auto)
-    res = blender.auto_blend(ids, auto, "none")
-    assert res.layout.prefix_len == len(p) and res.layout.chunk_spans[0] == (len(p), len(p) + len(moved[0]) - 1)
-    blender.store = ChunkStore(model_fingerprint=blender.fingerprint)
-    blender.learn_segments(learned_from, auto)  # docs[2] learned after the other two
-    assert blender.auto_blend(ids, auto, "none").layout.prefix_len == len(p) + 12
-
-
-def test_a_passage_learned_deep_that_led_a_prompt_is_reused_head_learned_when_it_leads_again(blender):
-    """Learned after other passages, a passage's KV gets the lead when it leads a prompt; a prompt it led, computed
-    exactly, teaches the store its head form beside the deep one: the next prompt it leads reuses that from its first
-    token, full prefill's own KV there (same tokens, same place, same prefix)."""
-    auto, p, docs, q, learned_from = _lead_case(blender, seed=9)
-    blender.learn_segments(learned_from, auto)  # docs[2] learned after the other two
-    moved = [docs[2], docs[0], docs[1]]
-    ids = p + sum(moved, []) + q
-    assert blender.auto_blend(ids, auto, "none").layout.prefix_len == len(p) + 12
-    led = blender.full_prefill(p, [docs[2], docs[1]], q)  # a prompt docs[2] leads, computed exactly
-    assert blender.learn_segments(led, auto) == 1  # its head form only: every segment of it is stored
-    res = blender.auto_blend(ids, auto, "none")
-    end = len(p) + len(moved[0]) - 1
-    assert res.layout.prefix_len == len(p) and res.layout.chunk_spans[0] == (len(p), end)
     full = blender.full_prefill(p, moved, q)
-    for layer in range(blender.n_layers):
-        (k, v), (fk, fv) = cache_kv(res.past_key_values, layer), cache_kv(full.past_key_values, layer)
-        torch.testing.assert_close(k[:end], fk[:end], equal_nan=True, **FP32)
-        torch.testing.assert_close(v[:end], fv[:end], equal_nan=True, **FP32)
-
-
-def test_an_automatic_first_segment_after_a_held_passage_needs_no_lead(blender):
-    """The exact prefix holds a whole passage (the radix tree holds what two prompts share): the first stored segment
-    after it, learned after other passages, follows other text here too and is reused from its first token (from the
-    prefix's end, when the prefix reaches into it), its KV the stored KV moved; one that starts within the lead's
-    length into the prompt still gets the lead."""
-    auto, p, docs, q, learned_from = _lead_case(blender, seed=8)
-    blender.learn_segments(learned_from, auto)  # docs[2] learned after the other two
-    moved = [docs[0], docs[2], docs[1]]
-    ids = p + sum(moved, []) + q
-    held = len(p) + len(moved[0])  # 25 >= 12
-    full = blender.full_prefill(p, moved, q)
-    entry = blender.store.get(auto.segments(ids, blender.namespace, None).keys[1])
-    assert entry.start_pos == len(p) + len(docs[0]) + len(docs[1]) and entry.num_tokens == len(moved[1]) - 1
-    k_moved = rerotate(entry.k, held - entry.start_pos, blender.rope,
-                       torch.arange(entry.start_pos, entry.start_pos + entry.num_tokens))
-    end = held + entry.num_tokens
-    for matched in (held, held + 3):  # the exact prefix ends where the segment starts, or reaches 3 tokens into it
+    for matched in (0, len(p) + 3):
         res = blender.auto_blend(ids, auto, "none", matched=matched)
-        assert res.layout.prefix_len == matched and res.layout.chunk_spans[0] == (matched, end)
+        start = max(len(p), matched)
+        end = len(p) + len(moved[0]) - 1  # the segment ends before its line break, a segment of its own
+        assert res.layout.prefix_len == start and res.layout.chunk_spans[0] == (start, end)
+        entry = blender.store.get(auto.segments(ids, blender.namespace, None).keys[0])
+        assert entry.start_pos == 3 and entry.num_tokens == len(moved[0]) - 1
+        k_moved = rerotate(entry.k, len(p) - 3, blender.rope, torch.arange(3, 3 + entry.num_tokens))
         for layer in range(blender.n_layers):
             (k, v), (fk, fv) = cache_kv(res.past_key_values, layer), cache_kv(full.past_key_values, layer)
-            torch.testing.assert_close(k[:matched], fk[:matched], equal_nan=True, **FP32)
-            torch.testing.assert_close(v[:matched], fv[:matched], equal_nan=True, **FP32)
-            kept = ~k[matched:end, 0, 0].isnan()  # all but the tokens a sliding window dropped
-            reused = slice(matched - held, entry.num_tokens)
-            assert torch.equal(k[matched:end][kept], k_moved[layer][reused][kept])
-            assert torch.equal(v[matched:end][kept], entry.v[layer][reused][kept])
-    # a lead longer than the held prefix: that segment starts inside the prompt's head, so its first tokens are exact
-    longer = AutoChunks(replace(auto.config, exact_lead_tokens=held + 1), auto.segmenter.break_ids,
-                        blender.fingerprint)
-    assert blender.auto_blend(ids, longer, "none", matched=held).layout.prefix_len == held + held + 1
+            torch.testing.assert_close(k[:start], fk[:start], equal_nan=True, **FP32)
+            torch.testing.assert_close(v[:start], fv[:start], equal_nan=True, **FP32)
+            kept = ~k[start:end, 0, 0].isnan()  # all but the tokens a sliding window dropped
+            assert torch.equal(k[start:end][kept], k_moved[layer][start - len(p):][kept])
+            assert torch.equal(v[start:end][kept], entry.v[layer][start - len(p):][kept])
+
+
+def test_a_segment_missing_at_the_blend_is_computed_for_the_request_and_never_stored(blender):
+    """Detection found a segment that is gone by the blend (evicted): the blend computes it after this prompt's
+    prefix, which is not the context its key names, so it serves this request and is not stored."""
+    auto, p, docs, q = _auto_case(blender, seed=8)
+    blender.learn(p + sum(docs, []) + q, auto)
+    ids = p + docs[1] + docs[0] + docs[2] + q
+    found = pipeline.detect(blender.store, auto, ids, auto.segments(ids, blender.namespace, None), 0,
+                            pipeline.Defaults("none", 0.15, blender.namespace))
+    gone = found.hint.keys[0]
+    assert gone in blender.store
+    blender.store = ChunkStore(model_fingerprint=blender.fingerprint)
+    res = blender.blend_spans(ids, found.hint.spans, found.hint.keys, "none", detection=replace(
+        found, found=Lookup({}, frozenset(), frozenset())))
+    assert res.chunk_misses == len(found.hint.keys) and gone in found.hint.keys
+    assert not any(key in blender.store for key in found.hint.keys)
 
 
 # ---- features selectors may ask for ------------------------------------------------------------------------------

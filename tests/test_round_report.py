@@ -66,7 +66,8 @@ def built() -> list[tuple[str, dict]]:
     full.add_learned({"segments": 0, "tokens": 0, "bytes": 0})
     report.fallback(bad := ChunkRequest("b"), "bad_hint", "token_spans[0] is empty")
     return rounds + [("exact", glue.report), ("auto_stock", auto.report), ("fallback", full.report),
-                     ("fallback", bad.report)]
+                     ("fallback", bad.report), ("private", round_report.private(glue.report)),
+                     ("private", round_report.private(bad.report)), ("private", round_report.private(auto.report))]
 
 
 def test_every_round_a_builder_makes_validates_as_built_and_read_back_from_json():

@@ -10,8 +10,10 @@ from collections import Counter
 import pytest
 import redis
 import redis.connection
+import torch
 from test_store import FP, assert_same, key, make_entry
-from test_store_remote import clock, drain, remote_store  # noqa: F401 - clock is a fixture
+from store_server import store_secret  # noqa: F401 - an autouse fixture: the remote tier's secret
+from test_store_remote import clock, drain, remote_store, stored  # noqa: F401 - clock is a fixture
 
 from chunkbench.serving.valkey_cluster import ValkeyCluster, wait_until
 from chunkcache.config import Config, ConfigError, StoreConfig
@@ -82,7 +84,7 @@ def test_entries_spread_over_every_primary_on_their_chunk_keys_slot(shared):
         node = next(n for n in shared.nodes if n.port == port)
         assert node.client().dbsize() == len(group)
         for k in group:
-            assert node.client().get(name(k)) == encode(make_entry(k, tokens=4, seed=keys.index(k)))
+            assert stored(node.client(), name(k)) == encode(make_entry(k, tokens=4, seed=keys.index(k)))
             # the hash tag: the entry's key is on the slot of its chunk key alone
             assert node.client().cluster("keyslot", name(k)) == node.client().cluster("keyslot", k)
     st = a.stats().remote
@@ -114,10 +116,32 @@ def test_compressed_entries_are_stored_on_their_primaries_and_read_decoded(share
     b = remote_store(shared.url)  # compress: none reads them all the same
     got = b.get_many([e.key for e in entries])
     for e in entries:
-        value = shared.node_of(name(e.key)).client().get(name(e.key))
+        value = stored(shared.node_of(name(e.key)).client(), name(e.key))
         assert value == encode(e, Codec(8)) and len(value) < len(encode(e))
         assert_same(got[e.key], decode(value))
     assert b.stats().remote.hits == 6 and b.stats().remote.corrupt == 0
+
+
+def test_values_are_sealed_under_their_hash_tagged_names_and_written_once(shared):
+    """On a cluster the authenticator covers the name as the primary stores it (braces included): a value moved to
+    another entry's name is forged; a second put of a key leaves the value as it was (SET NX through RedisCluster),
+    and only features grown on an entry replace it."""
+    a = remote_store(shared.url)
+    keys = fill(a, 2)
+    first, second = (shared.node_of(name(k)).client() for k in keys)
+    value = first.get(name(keys[0]))
+    second.set(name(keys[1]), value)
+    b = remote_store(shared.url)
+    assert b.get(keys[1]) is None and not second.exists(name(keys[1]))
+    assert (b.stats().remote.forged, b.stats().remote.corrupt) == (1, 0)
+    b.put(make_entry(keys[0], tokens=4, seed=9))  # other bits under a stored key: kept out
+    drain(b)
+    assert first.get(name(keys[0])) == value and b.stats().remote.already_stored == 1
+    fresh = remote_store(shared.url)
+    assert_same(fresh.get(keys[0]), make_entry(keys[0], tokens=4, seed=0))  # the cluster still holds the first
+    assert fresh.add_features(keys[0], {"spec:imp": torch.ones(4)}) is True
+    drain(fresh)
+    assert "spec:imp" in remote_store(shared.url).get(keys[0]).features
 
 
 def test_a_requests_keys_cost_one_round_trip_per_node(shared, monkeypatch):
@@ -269,7 +293,7 @@ def test_a_dead_primary_costs_its_keys_and_hits_resume_after_its_replica_takes_o
     new = next(f"{i:032x}" for i in range(1000, 2000) if own_cluster.node_of(name(f"{i:032x}")).port == replica.port)
     store.put(make_entry(new, tokens=4))  # puts reach the promoted replica too
     drain(store)
-    assert replica.client().get(name(new)) == encode(make_entry(new, tokens=4))
+    assert stored(replica.client(), name(new)) == encode(make_entry(new, tokens=4))
     assert node_stats(store)[replica.port].writes == 1
 
 

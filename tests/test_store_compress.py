@@ -10,7 +10,8 @@ import msgpack
 import pytest
 import torch
 from test_store import FP, assert_same, corrupt_file, key
-from test_store_remote import drain, remote_store, valkey  # noqa: F401 - valkey is a fixture
+from store_server import store_secret  # noqa: F401 - an autouse fixture: the remote tier's secret
+from test_store_remote import drain, remote_store, stored, valkey  # noqa: F401 - valkey is a fixture
 
 from chunkcache.config import Config, ConfigError
 from chunkcache.store import ChunkEntry, ChunkStore
@@ -166,10 +167,11 @@ def test_the_remote_tier_stores_compressed_and_returns_decoded_entries(valkey, t
     a = remote_store(valkey.url, compress="int4", disk_dir=str(tmp_path / "a"))
     a.put(e)
     drain(a)
-    value = valkey.client().get(key_prefix(FP) + e.key)
+    value = stored(valkey.client(), key_prefix(FP) + e.key)
     assert value == encode(e, INT4) and header(value)["version"] == COMPRESSED
     assert a.disk.path(e.key).read_bytes() == value  # the knob reaches both tiers
-    assert a.stats().remote.bytes_written == len(value) < 0.35 * len(encode(e))
+    sent = a.stats().remote.bytes_written
+    assert sent == len(valkey.client().get(key_prefix(FP) + e.key)) and len(value) < 0.35 * len(encode(e))
 
     b = remote_store(valkey.url, compress="none", disk_dir=str(tmp_path / "b"))
     got = b.get(e.key)

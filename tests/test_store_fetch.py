@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from store_server import StoreServer
+from store_server import StoreServer, store_secret  # noqa: F401 - store_secret is an autouse fixture
 from test_store import FP, key, make_entry
 from test_store_remote import drain, remote_store
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from store_server import StoreServer
+from store_server import SECRET, StoreServer, store_secret  # noqa: F401 - store_secret is an autouse fixture
 from test_store import FP, assert_same, key, make_entry
 
 from chunkcache.config import Config, StoreConfig
@@ -15,7 +15,7 @@ from chunkcache.hashing import chunk_key, prefix_key
 from chunkcache.store import ChunkStore, EntryLayout
 from chunkcache.store import endpoint
 from chunkcache.store.disk import encode
-from chunkcache.store.remote import RemoteTier, key_prefix
+from chunkcache.store.remote import RemoteTier, key_prefix, seal, unseal
 
 TIMEOUT = 0.2
 # Bounds on what a stall or an outage costs: orders of magnitude, so that a loaded 2-core host (a preempted thread,
@@ -48,6 +48,16 @@ def remote_store(url: str, fp: str = FP, retry_s: float = 60.0, compress: str = 
                                               compress=compress, **config), fp)
 
 
+def sealed(name: str, data: bytes) -> bytes:
+    """The value a server holding the tests' secret stores under `name` for the encoding `data`."""
+    return seal(SECRET.encode(), name, data)
+
+
+def stored(client, name: str) -> bytes:
+    """The encoding in the value under `name`, its authenticator checked."""
+    return bytes(unseal(SECRET.encode(), name, client.get(name)))
+
+
 def drain(store: ChunkStore, timeout: float = 10) -> None:
     """Wait for the background writer (a put returns before its SET)."""
     deadline = time.time() + timeout
@@ -61,10 +71,11 @@ def test_servers_share_entries_through_the_store(valkey, tmp_path):
     e = make_entry(key(1), tokens=16, dtype=torch.bfloat16, features={"scores": torch.rand(16)})
     a.put(e)
     drain(a)
-    # one key per entry, named by format version, model and chunk key, holding the disk tier's encoding
-    assert valkey.client().keys("*") == [f"cc:v1:{FP}:{key(1)}".encode()]
-    assert valkey.client().get(f"cc:v1:{FP}:{key(1)}") == encode(e)
-    assert a.stats().remote.writes == 1 and a.stats().remote.bytes_written == len(encode(e))
+    # one key per entry, named by format version, model and chunk key, holding the disk tier's encoding, sealed
+    name = f"cc:v1:{FP}:{key(1)}"
+    assert valkey.client().keys("*") == [name.encode()]
+    assert valkey.client().get(name) == sealed(name, encode(e)) and stored(valkey.client(), name) == encode(e)
+    assert a.stats().remote.writes == 1 and a.stats().remote.bytes_written == len(sealed(name, encode(e)))
 
     got = b.get(key(1))
     assert_same(got, e)
@@ -72,14 +83,7 @@ def test_servers_share_entries_through_the_store(valkey, tmp_path):
     assert (st.hits, st.remote_hits, st.remote.hits, st.remote.misses) == (1, 1, 1, 0)
     assert st.memory_entries == 1 and st.disk_entries == 1  # promoted into both tiers in front
     assert b.get(key(1)) is got and b.stats().memory_hits == 1 and b.stats().remote.hits == 1
-
-    # a put replaces what the key holds: the blend puts a chunk whose stored entry held other tokens (a forged value
-    # under the right key), and the store must not keep serving that one to every other server
-    forged = make_entry(key(1), tokens=16, dtype=torch.bfloat16, seed=5)
-    valkey.client().set(key_prefix(FP) + key(1), encode(forged))
-    b.put(e)
-    drain(b)
-    assert valkey.client().get(key_prefix(FP) + key(1)) == encode(e) and b.stats().remote.writes == 1
+    # what a put does to a key already holding a value (kept: SET NX), or a forged one: tests/test_store_auth.py
     assert b.get(key(2)) is None and b.stats().remote.misses == 1 and b.stats().misses == 1
 
 
@@ -108,7 +112,7 @@ def test_added_features_reach_other_servers_and_a_put_sends_the_entry_as_it_was(
     a.put(e)
     e.features["spec:imp"] = torch.rand(16)  # a selector writing into the entry while the writer may be encoding it
     drain(a)
-    assert valkey.client().get(key_prefix(FP) + key(1)) == encode(make_entry(key(1), tokens=16))
+    assert stored(valkey.client(), key_prefix(FP) + key(1)) == encode(make_entry(key(1), tokens=16))
     assert a.add_features(key(1), {"spec:imp": e.features["spec:imp"]}) is True
     drain(a)
     assert torch.equal(b.get(key(1)).features["spec:imp"], e.features["spec:imp"])
@@ -128,6 +132,8 @@ def test_models_and_tenants_stay_apart_across_servers(valkey):
 
 
 def test_corrupt_or_truncated_values_are_counted_misses_and_deleted(valkey):
+    """Authentic values (sealed with the secret: a server's own bug, a torn write) that fail the encoding's checks;
+    values without a valid authenticator are tests/test_store_auth.py's."""
     good = encode(make_entry(key(1), tokens=16))
     flipped = bytearray(good)
     flipped[-5] ^= 0x10
@@ -136,9 +142,9 @@ def test_corrupt_or_truncated_values_are_counted_misses_and_deleted(valkey):
     store = remote_store(valkey.url)
     name = key_prefix(FP) + key(1)
     for i, value in enumerate(values.values(), 1):
-        valkey.client().set(name, value)
+        valkey.client().set(name, sealed(name, value))
         assert store.get(key(1)) is None
-        assert store.stats().remote.corrupt == i and store.stats().misses == i
+        assert store.stats().remote.corrupt == i and store.stats().misses == i and store.stats().remote.forged == 0
         assert not valkey.client().exists(name)  # deleted, so that a good value can take its place
     store.put(make_entry(key(1), tokens=16))
     drain(store)
@@ -150,11 +156,12 @@ def test_values_that_do_not_fit_the_model_are_counted_misses(valkey):
     layout = EntryLayout(FP, num_layers=2, num_kv_heads=2, head_dim=4)
     store = ChunkStore.from_config(StoreConfig(remote_url=valkey.url, remote_timeout_s=TIMEOUT), FP, layout)
     name = key_prefix(FP) + key(1)
-    # checksummed and named right, but another model's KV, or another layout: written by anyone with server access
-    for i, forged in enumerate([make_entry(key(1), fp="e" * 32), make_entry(key(1), layers=3)], 1):
-        valkey.client().set(name, encode(forged))
+    # authentic, checksummed and named right, but another model's KV, or another layout: a misconfigured server of
+    # the fleet (one holding the secret)
+    for i, misfit in enumerate([make_entry(key(1), fp="e" * 32), make_entry(key(1), layers=3)], 1):
+        valkey.client().set(name, sealed(name, encode(misfit)))
         assert store.get(key(1)) is None and store.stats().remote.corrupt == i and not valkey.client().exists(name)
-    valkey.client().set(name, encode(make_entry(key(1))))
+    valkey.client().set(name, sealed(name, encode(make_entry(key(1)))))
     assert_same(store.get(key(1)), make_entry(key(1)))
 
 

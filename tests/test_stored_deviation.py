@@ -348,8 +348,8 @@ def test_a_batch_measures_once_and_each_measured_request_keeps_its_own():
         return engine.deviation_passes, list(Known.seen)
 
     # x and z at home (right after the 2-token prefix), y away in both; y has none stored: both requests measure
-    plans = [plan_request(ids, [(2, 5), (5, 8)], ["x", "y"], 0, "known", 0.1, shared_prefix_len=2),
-             plan_request(ids, [(2, 5), (5, 8)], ["z", "y"], 0, "known", 0.1, shared_prefix_len=2)]
+    plans = [plan_request(ids, [(2, 5), (5, 8)], ["x", "y"], 0, "known", 0.1, shared_prefix_len=2, context="p"),
+             plan_request(ids, [(2, 5), (5, 8)], ["z", "y"], 0, "known", 0.1, shared_prefix_len=2, context="p")]
     passes, seen = run(plans)
     assert passes == [[0, 1]]  # one pass for the batch
     ctx = plans[0].layout().context_mask().float()
@@ -360,12 +360,14 @@ def test_a_batch_measures_once_and_each_measured_request_keeps_its_own():
     torch.testing.assert_close(store.get("y").features[deviation_feature(1, "k")], torch.full((3,), 1.5 * at_ref(3)))
     assert all(deviation_feature(1, "k") not in store.get(k).features for k in "xz")
     # again, y now stored: no pass, the stored deviation where y sits and zeros for the chunk at home
-    passes, seen = run([plan_request(ids, [(2, 5), (5, 8)], ["z", "y"], 0, "known", 0.1, shared_prefix_len=2)])
+    passes, seen = run([plan_request(ids, [(2, 5), (5, 8)], ["z", "y"], 0, "known", 0.1, shared_prefix_len=2,
+                                     context="p")])
     assert passes == []
     torch.testing.assert_close(seen[0], torch.tensor([0.0] * 5 + [1.5] * 3 + [0.0] * 4))
     # y twice as deep (after a 6-token chunk at home): no pass, and y reads 2 ** DEPTH_EXPONENT its measurements
     deeper = torch.cat([ids[:2], torch.arange(20, 26), ids[5:8], ids[8:]])  # prefix, u (6 tokens), y, the query
-    passes, seen = run([plan_request(deeper, [(2, 8), (8, 11)], ["u", "y"], 0, "known", 0.1, shared_prefix_len=2)])
+    passes, seen = run([plan_request(deeper, [(2, 8), (8, 11)], ["u", "y"], 0, "known", 0.1, shared_prefix_len=2,
+                                     context="p")])
     assert passes == []
     torch.testing.assert_close(seen[0][8:11], torch.full((3,), 1.5 * 2.0 ** DEPTH_EXPONENT))
 
@@ -379,7 +381,7 @@ def test_a_remembered_deviation_averages_at_most_a_few_measurements():
     store, ids = ChunkStore(), torch.arange(3, 18)
     for i in range(DEVIATION_MEASUREMENTS + 2):  # x at home, a new chunk away (so the pass runs), y away after it
         plan = plan_request(ids, [(2, 5), (5, 8), (8, 11)], ["x", f"new{i}", "y"], 0, "known", 0.1,
-                            shared_prefix_len=2)
+                            shared_prefix_len=2, context="p")
         pipeline.run(BatchEngine([plan]), store, [plan], lambda _: Known())
         kept = store.get("y").features
         assert int(kept[f"{deviation_feature(1, 'k')}/n"]) == min(i + 1, DEVIATION_MEASUREMENTS)

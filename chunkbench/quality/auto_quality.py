@@ -7,8 +7,8 @@ Per case (a workload item, as `chunkcache eval` builds it), with an empty store:
   auto    what a server with `auto.enabled` does for the prompt sent unmarked after the same documents came in
           another prompt (another order, another question; `--warm drop-last`: without the prompt's last document;
           `--warm alone`: each document in a prompt of its own, as ingest or single-document requests store them):
-          that prompt's full prefill teaches the store its segments, then the prompt's stored segments become its
-          chunks.
+          that prompt teaches the store its paragraphs (each encoded alone after the canonical head, `--head`), then
+          the prompt's stored segments become its chunks.
 Both blends use the same selector and rho; rows hold the first-token KL against full, teacher-forced agreement with
 full's greedy answer and `contains` (every gold answer in the reply: needle accuracy).
 
@@ -25,15 +25,15 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
-from chunkcache.blend.auto import AutoChunks
-from chunkcache.config import AutoConfig
+from chunkcache.blend.auto import AutoChunks, canonical_head
+from chunkcache.config import HEADS, AutoConfig
 from chunkcache.reference import ReferenceBlender
 from chunkcache.segment import break_ids
 from chunkcache.store import ChunkStore
 from .. import scoring
 from ..intervals import mean_interval
 from ..workloads import WorkloadConfig, items, to_request
-from .reference_path import ReferenceMeasure, rho_used, split
+from .reference_path import ReferenceMeasure, rho_used
 
 WARM_QUESTION = "Which of the documents is the longest?"
 
@@ -46,8 +46,8 @@ def contains(text: str, answers) -> float:
 def run(args) -> None:
     blender = ReferenceBlender.from_pretrained(args.model)
     tok = blender.tokenizer
-    auto = AutoChunks(AutoConfig(enabled=True, exact_lead_tokens=args.exact_lead),
-                      break_ids(tok.batch_decode([[i] for i in range(len(tok))])), blender.fingerprint)
+    auto = AutoChunks(AutoConfig(enabled=True, head=args.head), break_ids(tok.batch_decode([[i] for i in range(len(tok))])),
+                      blender.fingerprint, canonical_head(tok, args.head))
     measure = ReferenceMeasure(blender, args.max_new_tokens)
     rng = random.Random(args.seed)
     done = set()
@@ -73,8 +73,7 @@ def run(args) -> None:
             warms = [replace(item, documents=tuple(item.documents[i] for i in order), question=WARM_QUESTION)]
             if args.warm == "alone":
                 warms = [replace(item, documents=(doc,), question=WARM_QUESTION) for doc in item.documents]
-            learned = sum(blender.learn_segments(blender.full_prefill(*split(to_request(tok, w).prompt)), auto)
-                          for w in warms)
+            learned = sum(blender.learn(to_request(tok, w).prompt.input_ids, auto) for w in warms)
             ids = ref.result.layout.token_ids
             # held-first: a server's radix tree holds the prompt up to its first document's end (the earlier prompt
             # began the same way)
@@ -136,8 +135,8 @@ def main() -> None:
                     "document's end, as the radix tree holds the prefix the two prompts share), any order without "
                     "the last document (a passage the store lacks at the prompt's end, as under churn), or each "
                     "document in a prompt of its own (ingest)")
-    ap.add_argument("--exact-lead", type=int, default=AutoConfig().exact_lead_tokens,
-                    help="auto.exact_lead_tokens (default: the shipped one)")
+    ap.add_argument("--head", choices=HEADS, default=AutoConfig().head,
+                    help="auto.head: what each paragraph is encoded after (default: the shipped one)")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--out", required=True, help="JSON Lines of rows; an existing file is resumed")
     ap.add_argument("--report", action="store_true", help="only summarize --out")

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import secrets
 import statistics
 import time
 from pathlib import Path
@@ -25,7 +27,7 @@ from pathlib import Path
 import requests
 import yaml
 
-from chunkcache.config import config_file
+from chunkcache.config import REMOTE_SECRET_ENV, config_file
 
 from .servers import start_server
 from .slow_link import SlowLink
@@ -118,6 +120,7 @@ def main() -> None:
     docs = documents(args.docs, args.words)
     rng = random.Random(1)
     table = []
+    os.environ.setdefault(REMOTE_SECRET_ENV, secrets.token_hex(32))  # the store's secret, inherited by the servers
     with ValkeyServer() as valkey:
         proxy = SlowLink(int(valkey.connection_url.rsplit(":", 1)[1]))
         servers = {}

@@ -123,16 +123,16 @@ def flush_cache(url: str, wait_s: float = 120) -> None:
 
 def drain(url: str, timeout_s: float = 600.0) -> None:
     """Wait until the server at `url` has done its idle work: the deviations its requests estimated measured, the
-    head forms of the passages they taught it computed."""
+    paragraphs they taught it encoded."""
     wait_measured(lambda: requests.get(url + "/server_info", timeout=30).json(), timeout_s)
 
 
 def wait_measured(server_info: Callable[[], dict], timeout_s: float = 600.0) -> None:
-    """Wait until `server_info()` (SGLang's /server_info) shows no deferred deviation left to measure and no head
-    form left to compute, so that no timed request shares the cores with a server's idle work."""
+    """Wait until `server_info()` (SGLang's /server_info) shows no deferred deviation left to measure and no
+    paragraph left to encode, so that no timed request shares the cores with a server's idle work."""
     deadline = time.monotonic() + timeout_s
     while any((state := server_info()["internal_states"][0]["chunkcache"]).get(k)
-              for k in ("deferred_deviations", "head_forms_waiting")):
+              for k in ("deferred_deviations", "encodes_waiting")):
         if time.monotonic() > deadline:
             raise TimeoutError(f"idle work still waiting after {timeout_s} s: {state}")
         time.sleep(0.2)

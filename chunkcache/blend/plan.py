@@ -47,6 +47,11 @@ class RequestPlan:
     selector: str
     ratio: float
     max_kl: float | None = None  # the quality floor: rho is then the smallest whose estimate meets it (blend.fidelity)
+    tenant: str = ""  # hashing.tenant_key its chunk keys were made for
+    # hashing.prefix_key of token_ids[:shared_prefix_len] when every chunk's key names that context (a client's
+    # chunks), so a missing chunk computed after it is what its key names and is stored; None when the keys name
+    # another (automatic detection's head and paragraph): a chunk computed here then serves this request only
+    context: str | None = None
 
     @property
     def n(self) -> int:
@@ -73,23 +78,22 @@ class RequestPlan:
 
 def plan_request(token_ids: torch.Tensor, spans: Sequence[tuple[int, int]], keys: Sequence[str], matched: int,
                  selector: str, ratio: float, shared_prefix_len: int | None = None,
-                 max_kl: float | None = None, exact_until: int = 0) -> RequestPlan:
+                 max_kl: float | None = None, tenant: str = "", context: str | None = None) -> RequestPlan:
     """`spans`: the chunks (sorted, disjoint, before the last token) with their store `keys`; `matched`: the exact
     prefix the engine holds; `shared_prefix_len`: by default where the first chunk starts (a prompt without chunks
-    must give it); `exact_until`: tokens before it are computed exactly, chunk tokens too. A chunk the exact prefix
-    or `exact_until` reaches into keeps the exact KV of its head."""
+    must give it); `tenant`, `context`: see RequestPlan. A chunk the exact prefix reaches into keeps the exact KV of
+    its head."""
     if len(spans) != len(keys):
         raise ValueError(f"a plan needs one key per span; got {len(spans)} spans and {len(keys)} keys")
     if shared_prefix_len is None:
         if not spans:
             raise ValueError("a plan without chunks needs the shared prefix's length")
         shared_prefix_len = spans[0][0]
-    exact = max(matched, exact_until)
-    chunks = tuple(Placement(key, (max(s, exact), e), max(s, exact) - s)
-                   for (s, e), key in zip(spans, keys) if e > exact)
+    chunks = tuple(Placement(key, (max(s, matched), e), max(s, matched) - s)
+                   for (s, e), key in zip(spans, keys) if e > matched)
     return RequestPlan(token_ids=token_ids, matched=matched, shared_prefix_len=shared_prefix_len,
                        query=spans[-1][1] if spans else shared_prefix_len,
-                       chunks=chunks, selector=selector, ratio=ratio, max_kl=max_kl)
+                       chunks=chunks, selector=selector, ratio=ratio, max_kl=max_kl, tenant=tenant, context=context)
 
 
 def to_compute(plans: Sequence[RequestPlan], stored: set[str] | dict) -> list[tuple[int, Placement]]:

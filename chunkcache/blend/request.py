@@ -31,12 +31,13 @@ class RequestHint:
     namespace: str
     auto: bool = False  # found by automatic chunk detection (chunkcache.blend.auto), not marked by the client
     max_kl: float | None = None  # the quality floor (RequestPlan.max_kl)
-    exact_until: int = 0  # tokens before it are computed exactly even where a span covers them (auto's lead)
+    tenant: str = ""  # hashing.tenant_key the keys were made for
+    context: str | None = None  # what every key names as its context, for a client's chunks (RequestPlan.context)
 
     def plan(self, matched: int) -> RequestPlan:
         """The blend plan of a prefill round that finds the prompt's first `matched` tokens already exact."""
         return plan_request(self.token_ids, self.spans, self.keys, matched, self.selector, self.ratio,
-                            max_kl=self.max_kl, exact_until=self.exact_until)
+                            max_kl=self.max_kl, tenant=self.tenant, context=self.context)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class ChunkRequest:
     hint: RequestHint | None = None  # None: no chunks to blend (a plain request, an exact one, or a bad hint)
     exact: str | None = None  # why the model's own prefill computes it ("exact", "selector_full"), else None
     segments: Segments | None = None  # the prompt's segments, until its prefill has taught the store (auto on)
+    learn: bool = True  # whether the prompt may teach the store (False: `exact`, `learn: false`, no tenant)
     detection: Detection | None = None  # automatic detection's answer, if it ran
     charged: int | None = None  # the tokens admission charged its prefill (None: SGLang's own charge)
     rounds: list[dict] = field(default_factory=list)  # one serialised report per prefill round

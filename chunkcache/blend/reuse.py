@@ -8,24 +8,25 @@ RoPE, the selectors and the models selectors load. `hint()` turns a validated ch
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
 
 from ..config import Config
-from ..hashing import chunk_key, prefix_key
+from ..hashing import entry_key, prefix_key, tenant_key
 from ..hints import parse
-from ..ranks import Ranks, all_hold, deepest_held
+from ..ranks import Ranks, all_hold, first
 from ..rope import RopeSpec
 from ..segment import break_ids
 from ..select import REGISTRY, Selector
 from ..store import ChunkStore, EntryLayout
 from . import fidelity
-from .auto import AutoChunks, HeadForm, Segments
+from .auto import AutoChunks, Encode, Segments, canonical_head
 from .cost import Calibration, ComputeCost, Rates
 from .features import DeviationJob, Models
-from .pipeline import Defaults, store_segments
+from .pipeline import Defaults, store_encode
 from .request import RequestHint
 
 log = logging.getLogger(__name__)
@@ -51,19 +52,17 @@ class ChunkReuse:
         # deviations estimated on requests' paths, measured when the server is idle (`measure_deferred`); the
         # oldest are dropped past DEFERRED_JOBS (their chunks are estimated again, and queued again, next use)
         self.deferred: deque[DeviationJob] = deque(maxlen=DEFERRED_JOBS)
-        # head forms of passages prompts taught the store deep, computed when the server is idle (`learn_head_form`,
-        # after the deferred deviations), each with the engine's forward that computes its KV; the oldest dropped past
-        # auto.idle_head_forms
-        self.head_forms: deque[tuple[HeadForm, KVOf]] = deque(maxlen=max(config.auto.idle_head_forms, 1))
+        # paragraphs prompts taught, computed when the server is idle (`encode_next`, after the deferred deviations)
+        # or starved (auto.encode_starved_s), each with the engine's forward that computes its KV and when it was
+        # queued; the oldest dropped past auto.encode_queue
+        self.encodes: deque[tuple[Encode, KVOf, float]] = deque(maxlen=config.auto.encode_queue)
         self.last_forward = 0.0  # time.monotonic() of the server's last extend forward (the glue sets it)
-        # work an engine may leave until its forward's outputs are sent (storing a prompt's learned segments: off
-        # the request's first token), run before any later forward can reuse the KV it reads; None: the engine's
-        # outputs are not sent in that order (an overlapping scheduler), so such work runs at once
-        self.after_outputs: list[Callable[[], None]] | None = None
         self.rates: Rates | None = None  # this host's rates when requests are blended only if predicted faster
         self.calibration = Calibration()  # this server's forwards against the rates' predictions
         self.compute = ComputeCost(lambda: self.rates, self.calibration)  # a chunk's cost here, against fetching it
-        self.auto = AutoChunks(config.auto, self._break_ids(), self.fingerprint) if config.auto.enabled else None
+        self.auto = AutoChunks(config.auto, self._break_ids(), self.fingerprint,
+                               canonical_head(self.models.tokenizer, config.auto.head)) \
+            if config.auto.enabled else None
         # this model's fidelity estimator; None: none was fitted
         self.fidelity = fidelity.coefficients(config.select.calibration).model(model_path)
         if self.fidelity is None:
@@ -93,39 +92,37 @@ class ChunkReuse:
             except Exception:  # noqa: BLE001 - as above; a store write involves no other rank
                 log.exception("chunkcache: storing chunk %s's measured deviation failed", key)
 
-    def queue_head_forms(self, forms: Sequence[HeadForm], kv_of: KVOf) -> None:
-        """Keep `forms` for idle turns (auto.idle_head_forms > 0), each computed by `kv_of` (the engine's forward of
-        its tokens from position 0, attending nothing else: K and V [layers, tokens, heads, dim] on the host); a form
-        already waiting is not queued twice."""
-        if not self.config.auto.idle_head_forms:
-            return
-        waiting = {f.key for f, _ in self.head_forms}
-        self.head_forms.extend((f, kv_of) for f in forms if f.key not in waiting)
+    def queue_encodes(self, encodes: Sequence[Encode], kv_of: KVOf) -> None:
+        """Keep `encodes` for idle (or starved) turns, each computed by `kv_of` (the engine's forward of its tokens
+        from position 0, one row, attending nothing else: K and V [layers, tokens, heads, dim] on the host); a
+        paragraph already waiting is not queued twice."""
+        waiting = {e.keys for e, _, _ in self.encodes}
+        now = time.monotonic()
+        self.encodes.extend((e, kv_of, now) for e in encodes if e.keys not in waiting)
 
-    def learn_head_form(self) -> dict[str, float] | None:
-        """Compute and store the oldest waiting head form worth it: forms whose passage the store lost (its deep
-        copy), whose head form it holds already (it led a prompt meanwhile) or whose copy it learned in a prompt's
-        head itself (ingested, sent alone: it needs no lead) are dropped on the way, so they take no idle turn of
-        their own. Returns what the store kept (store_segments), None when nothing was computed. A failure is logged
-        and the form dropped, as a deferred deviation's; under tensor parallelism raised (a forward of every rank)."""
-        while self.head_forms:
-            form, kv_of = self.head_forms.popleft()
-            keys = [form.deep_key, form.key]
-            _, (deep, head) = self.ranks.decide(
-                lambda: self.store.lookup(keys),
-                lambda here: [here.entries[k].start_pos if k in here.entries else None for k in keys], deepest_held)
-            if deep is not None and deep >= self.config.auto.exact_lead_tokens and head is None:
+    def starved(self) -> bool:
+        """Whether the oldest waiting paragraph has waited auto.encode_starved_s (0: never), by rank 0's clock."""
+        limit = self.config.auto.encode_starved_s
+        return bool(limit and self.encodes) and self.ranks.agree(
+            lambda: time.monotonic() - self.encodes[0][2] >= limit, first)
+
+    def encode_next(self) -> dict[str, float] | None:
+        """Compute and store the oldest waiting paragraph that still holds a segment no rank's store holds (one
+        another prompt's encode stored meanwhile is dropped on the way, taking no turn of its own). Returns what the
+        store kept (store_encode), None when nothing was computed. A failure is logged and the paragraph dropped,
+        as a deferred deviation's; under tensor parallelism raised (a forward of every rank)."""
+        while self.encodes:
+            encode, kv_of, _ = self.encodes.popleft()
+            if not all(self.held(list(encode.keys))):
                 break
         else:
             return None
         try:
-            k, v = kv_of(form.token_ids)
-            return store_segments(self.store, [((form.start, len(form.token_ids)), form.key)], form.token_ids,
-                                  lambda positions: (k[:, positions], v[:, positions]), self.fingerprint)
+            return store_encode(self.store, encode, kv_of, self.fingerprint)
         except Exception:  # noqa: BLE001 - an optimisation of later requests: never the server's failure
             if self.ranks.many:
                 raise
-            log.exception("chunkcache: computing a passage's head form failed; it gets a lead when it leads")
+            log.exception("chunkcache: encoding a paragraph a prompt taught failed; it is not stored")
             return None
 
     def held(self, keys: Sequence[str]) -> list[bool]:
@@ -143,30 +140,34 @@ class ChunkReuse:
             self._selectors[name] = REGISTRY.create(name, **self.config.select.options.get(name, {}))
         return self._selectors[name]
 
-    def hint(self, payload: dict, token_ids: Sequence[int], cache_salt: str | None = None) -> RequestHint:
-        """Raises HintError for a malformed payload."""
+    def hint(self, payload: dict, token_ids: Sequence[int], cache_salt: str | None = None) -> RequestHint | None:
+        """The client's chunks; None for a payload without spans (options only: `defaults` reads them). Raises
+        HintError for a malformed payload."""
         ids = list(token_ids)
         parsed = parse(payload, len(ids), self.config.limits.max_spans, selectors=REGISTRY)
+        if not parsed.token_spans:
+            return None
         select = self.config.select
         namespace = parsed.namespace or self.config.store.namespace
-        prefix = prefix_key(ids[: parsed.token_spans[0][0]])
+        tenant, prefix = tenant_key(namespace, cache_salt), prefix_key(ids[: parsed.token_spans[0][0]])
         return RequestHint(
             token_ids=torch.tensor(ids, dtype=torch.long), spans=parsed.token_spans,
-            keys=tuple(chunk_key(self.fingerprint, namespace, prefix, ids[s:e], cache_salt)
-                       for s, e in parsed.token_spans),
+            keys=tuple(entry_key(self.fingerprint, tenant, prefix, ids[s:e]) for s, e in parsed.token_spans),
             selector=parsed.selector or select.selector, ratio=select.ratio if parsed.ratio is None else parsed.ratio,
-            namespace=namespace, max_kl=self._floor(parsed.max_kl, parsed.ratio))
+            namespace=namespace, max_kl=self._floor(parsed.max_kl, parsed.ratio), tenant=tenant, context=prefix)
 
-    def segments(self, token_ids: Sequence[int], cache_salt: str | None, edges: bool = True) -> Segments:
-        """The prompt's reusable segments under the server's namespace (auto detection must be on); `edges`: see
-        AutoChunks.segments."""
-        return self.auto.segments(token_ids, self.config.store.namespace, cache_salt, edges)
+    def segments(self, token_ids: Sequence[int], namespace: str | None, cache_salt: str | None) -> Segments:
+        """The prompt's reusable segments for the tenant of `namespace` (None: the server's) and `cache_salt`
+        (auto detection must be on)."""
+        return self.auto.segments(token_ids, namespace or self.config.store.namespace, cache_salt)
 
-    @property
-    def defaults(self) -> Defaults:
-        """What a hint found by automatic detection asks for: the server's selector, ratio, namespace and floor."""
-        select = self.config.select
-        return Defaults(select.selector, select.ratio, self.config.store.namespace, select.max_kl)
+    def defaults(self, payload: dict | None = None) -> Defaults:
+        """What a hint found by automatic detection asks for: the server's selector, ratio, namespace and floor,
+        where the request's payload (options only, validated) does not set its own."""
+        select, parsed = self.config.select, parse(payload or {}, 1, selectors=REGISTRY)
+        return Defaults(parsed.selector or select.selector, select.ratio if parsed.ratio is None else parsed.ratio,
+                        parsed.namespace or self.config.store.namespace,
+                        self._floor(parsed.max_kl, parsed.ratio))
 
     def _floor(self, asked: float | None, ratio: float | None) -> float | None:
         """A request's quality floor: its own, else the server's unless the request set its ratio."""

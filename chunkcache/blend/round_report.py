@@ -7,7 +7,8 @@ Each builder hands `to_json` the shape it builds: chunkcache.blend.pipeline's `r
 sglang_patch.scheduler.report (`exact`, `auto_stock`, `fallback`). `to_json` refuses a missing or unknown key and a
 value of another type, so no builder drifts from the schema unseen: every shape's builder runs in the tests.
 `validate` checks a report as a client receives it (one round, or several merged: ChunkRequest.report) and names its
-shape. The shapes are told apart by their keys alone (`shape_of`), so the wire carries no shape name.
+shape. The shapes are told apart by their keys alone (`shape_of`), so the wire carries no shape name. `private` is
+the report a client gets under `report.to_clients: private` (shape `private`: what the request itself decided).
 
 No `from __future__ import annotations` here: TypedDict reads `NotRequired` from evaluated annotations (Python 3.11).
 """
@@ -138,15 +139,30 @@ class FallbackRound(_Priced):
     learned: NotRequired[Learned]
 
 
+class PrivateRound(TypedDict):
+    """A report as `report.to_clients: private` hands it to clients (`private`): only what the request itself
+    decided, never what depends on what other requests stored or ran (docs/report-schema.md "Private reports")."""
+
+    private: Literal[True]
+    exact: NotRequired[Literal[True]]  # an exact round: the request asked for it, nothing was looked up
+    reason: NotRequired[Literal["exact", "selector_full"]]
+    selector: NotRequired[Literal["full"]]
+    fallback: NotRequired[Literal["input_logprobs", "bad_hint", "no_tenant"]]  # PRIVATE_FALLBACKS
+    detail: NotRequired[str]
+
+
 SHAPES = {"blended": BlendedRound, "held": HeldRound, "exact": ExactRound, "auto_stock": AutoStockRound,
-          "fallback": FallbackRound}
+          "fallback": FallbackRound, "private": PrivateRound}
 # a blended or held round with `auto` is checked against its detected variant
 DETECTED = {BlendedRound: DetectedBlendedRound, HeldRound: DetectedHeldRound}
 
 
 def shape_of(fields: Mapping) -> str:
-    """Which shape a round is, from its keys: `exact` marks an exact round; a fallback round counts no chunks; an
-    auto-stock round names no selector; a held round found no chunk to look up (a blend has at least one)."""
+    """Which shape a round is, from its keys: `private` marks a private report; `exact` an exact round; a fallback
+    round counts no chunks; an auto-stock round names no selector; a held round found no chunk to look up (a blend
+    has at least one)."""
+    if "private" in fields:
+        return "private"
     if "exact" in fields:
         return "exact"
     if "chunk_hits" not in fields:
@@ -162,6 +178,38 @@ def to_json(shape: str, fields: Mapping) -> dict:
         raise ReportError(f"a {shape} round with the keys of a {shape_of(fields)} one: {sorted(fields)}")
     _check_round(fields, shape)
     return dict(fields)
+
+
+# The fallback reasons a private report keeps, each decided from the request alone before any store or radix
+# lookup, with the detail it carries (None: the round's own, which names only the request's hint). Every other reason
+# is dropped: `partial_prefill` follows the radix match and the server's load, `predicted_slower` the chunks stored,
+# `quality_floor` and a blended round's `uncalibrated` happen only once a blend ran, `auto_error`/`error` anything;
+# and an automatically detected request meets any of them only once detection found stored segments (so a fallback
+# round's `uncalibrated`, decided before any lookup for a client's own chunks, is dropped too).
+PRIVATE_FALLBACKS = {
+    # the round's own detail counts the scored tokens of this prefill round, whose bounds follow the radix match
+    "input_logprobs": "input logprobs of prompt tokens (logprob_start_len) need those tokens' logits, which a blend "
+                      "does not compute: computed in full (output logprobs alone are served blended)",
+    "bad_hint": None,
+    "no_tenant": None,  # the request named no tenant where the server requires one (auto.require_tenant)
+}
+PRIVATE_EXACT = ("exact", "reason", "selector")  # an exact round's keys a private report keeps
+
+
+def private(report: Mapping) -> dict:
+    """`report` (one round, or merged) as a client gets it under `report.to_clients: private`: `private: true`; an
+    exact round's `exact`, `reason` and `selector` (the request asked for exact KV: nothing was looked up); a
+    `fallback` in PRIVATE_FALLBACKS with its `detail`. Nothing else, so that the report's keys and values are the
+    same whatever other requests stored, fetched, taught or ran: no hits, misses, reused, recomputed or learned
+    tokens, no radix match, segments, fetches, stage seconds, batch, selector's rho, fidelity estimate, quality
+    floor, rounds, and no shape (blended, held, auto_stock and a dropped fallback all read `{"private": true}`). The
+    full report stays on the request for /metrics and the log (sglang_patch.scheduler.report)."""
+    kept: dict = {"private": True}
+    if "exact" in report:
+        kept |= {key: report[key] for key in PRIVATE_EXACT}
+    elif (reason := report.get("fallback")) in PRIVATE_FALLBACKS:
+        kept |= {"fallback": reason, "detail": PRIVATE_FALLBACKS[reason] or report["detail"]}
+    return to_json("private", kept)
 
 
 def validate(report: Mapping) -> str:

@@ -21,7 +21,8 @@ Contract (remote.py's, with each primary in the place of the one server, and):
   promoted in place of a failed primary, gets and puts reach it from the first request after that read, without a
   restart; entries the replica had not received (replication is asynchronous) are misses.
 - Fetch or compute (remote.py) is decided per primary: each node's link is measured on its own pipelines.
-- Puts go through RedisCluster: one SET, MOVED and ASK followed (at most 16 redirections), no retry after a
+- Puts go through RedisCluster: one SET (NX but for an entry grown by features, sealed with the key name as the
+  primary stores it, braces included: remote.py), MOVED and ASK followed (at most 16 redirections), no retry after a
   connection error (which also makes it read the slot map again).
 - No seed answering is an outage of the cluster as a whole, on the seeds' own breaker: for `retry_s` every get
   misses and every put is dropped.

@@ -76,6 +76,9 @@ def encode(entry: ChunkEntry, codec: Codec | None = None) -> bytes:
         "key": entry.key,
         "model_fingerprint": entry.model_fingerprint,
         "start_pos": entry.start_pos,
+        # the digests its key is checked against on read (ChunkEntry.check_key); an entry without them (made outside
+        # a server's store) is written as before they existed
+        **({"tenant": entry.tenant, "context": entry.context} if entry.tenant or entry.context else {}),
         "tensors": rows,
         "payload_bytes": len(payload),
     })
@@ -123,10 +126,13 @@ def _parse(data: bytes | bytearray) -> ChunkEntry:
         k, v = Codec(spec["bits"], spec["group"]).decode({n: tensors[n] for n in CODED}, DTYPES[spec["dtype"]])
     else:
         k, v = tensors["k"], tensors["v"]
-    return ChunkEntry(
+    entry = ChunkEntry(
         key=header["key"], token_ids=tensors["token_ids"], k=k, v=v,
         start_pos=header["start_pos"], model_fingerprint=header["model_fingerprint"], features=features,
+        tenant=header.get("tenant", ""), context=header.get("context", ""),
     )
+    entry.check_key()
+    return entry
 
 
 def _checksum(header: dict, payload: bytes | memoryview) -> str:

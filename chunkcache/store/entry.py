@@ -1,8 +1,18 @@
-"""One cached chunk: its tokens and the KV the target model computed for it right after the shared prefix.
+"""One cached chunk: its tokens and the KV the target model computed for them after a context.
+
+The invariant every write path keeps: an entry's K and V are a pure function of what its key hashes
+(hashing.entry_key) — the model (`model_fingerprint`), the tenant (`tenant`: namespace and salt), the exact tokens
+its KV attended to before its own (`context`: a hinted chunk's shared prefix; an automatically detected segment's
+head and the part of its paragraph before it) and its own tokens — computed in a forward of exactly those tokens
+(context, then the entry's tokens) and nothing else. Never KV read out of a request's pool, which attended to
+whatever that request's prompt held. So two servers, or one server taught by two prompts, store the same bits under
+one key, and no prompt can set what another tenant, or another prompt of its own tenant, is served.
+`tenant` and `context` travel with the entry (its header on disk and in the shared tier) so that a reader checks the
+key against them (`check_key`). Selector features (`features`) are learned per key, so per tenant.
 
 Canonical layout (other code depends on it): `k`, `v` are [num_layers, num_tokens, num_kv_heads, head_dim],
 token-major per layer like SGLang's `k_buffer[layer][slot]`; K is post-RoPE at positions
-`start_pos .. start_pos + num_tokens - 1`, with `start_pos` = the shared prefix's length.
+`start_pos .. start_pos + num_tokens - 1`, with `start_pos` = the context's length.
 """
 
 from __future__ import annotations
@@ -10,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from ..hashing import entry_key
 
 
 class FingerprintMismatch(ValueError):
@@ -44,6 +56,8 @@ class ChunkEntry:
     start_pos: int  # position of the chunk's first token when k was computed
     model_fingerprint: str  # hashing.model_fingerprint of the model that computed k and v
     features: dict[str, torch.Tensor] = field(default_factory=dict)  # selector features (e.g. draft KV, scores)
+    tenant: str = ""  # hashing.tenant_key of its namespace and salt; "" for an entry made outside a server's store
+    context: str = ""  # hashing.prefix_key of the tokens its KV attended to before its own; "" as for `tenant`
 
     def __post_init__(self) -> None:
         if self.k.dim() != 4 or self.k.shape != self.v.shape:
@@ -79,6 +93,13 @@ class ChunkEntry:
     def nbytes(self) -> int:
         tensors = [self.token_ids, self.k, self.v, *self.features.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def check_key(self) -> None:
+        """ValueError when the entry carries its digests and its key is not the key they and its tokens make: an
+        entry stored under another's key, or one whose header was altered."""
+        if (self.tenant or self.context) and entry_key(self.model_fingerprint, self.tenant, self.context,
+                                                       self.token_ids) != self.key:
+            raise ValueError(f"entry {self.key} is not what its tenant, context and tokens name")
 
     def check_model(self, fingerprint: str) -> None:
         if self.model_fingerprint != fingerprint:

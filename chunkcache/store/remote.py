@@ -2,23 +2,36 @@
 
 Contract:
 - One key per entry, `cc:v1:{model fingerprint}:{chunk key}` (on a cluster the chunk key is a hash tag,
-  `{chunk key}`: cluster.py), holding the disk tier's checksummed encoding (`disk.encode`; K and V compressed when
-  `codec` is given, `store.compress`). The chunk key already hashes the model, the namespace, the shared prefix and
-  the tokens, so tenants and models never share an entry across servers; the fingerprint in the name lets an
-  operator find or drop one model's entries (`SCAN MATCH cc:v1:{fingerprint}:*`). `v1` names the key space, not the
+  `{chunk key}`: cluster.py). Its value is `VALUE_TAG | MAC | encoding`: the 4-byte tag `CCA1` (this layout's
+  version), then HMAC-SHA256 under the fleet's secret (`store.remote_secret_env`, StoreConfig.remote_secret) over the
+  tag, the key name (length-prefixed) and the encoding, then the disk tier's checksummed encoding (`disk.encode`;
+  K and V compressed when `codec` is given, `store.compress`; its header carries the entry's tenant and context
+  digests, from which decode recomputes the key). The chunk key hashes the model, the tenant, the context and the
+  tokens, so tenants and models never share an entry across servers; the fingerprint in the name lets an operator
+  find or drop one model's entries (`SCAN MATCH cc:v1:{fingerprint}:*`). `v1` names the key space, not the
   encoding: a value's header says whether it is compressed, and every server reads both, whatever its own
   `store.compress` (a server older than compression counts a compressed value as corrupt: a miss, and deletes it).
+  Values are authenticated, not encrypted.
 - get and get_many are one MGET (get_many: all of a request's keys; on a cluster, one pipeline per node). A value
-  that fails verification (torn, truncated, foreign, another key's) or does not fit the serving model (`layout`:
-  fingerprint, layers, KV heads, head_dim; anyone who can write to the server can put a value there) is a miss,
-  counted in `corrupt`, and deleted so that the next put can store a good one. get never raises.
+  whose MAC does not verify (none, as a server older than authentication writes; another secret's; a byte altered;
+  a value copied under another key name; anything planted by a client without the secret) is a miss, counted in
+  `forged`, never decoded. An authentic value that fails the encoding's own checks (checksum, its key against its
+  header's digests and tokens, the key it was asked for) or does not fit the serving model (`layout`: fingerprint,
+  layers, KV heads, head_dim) is a miss counted in `corrupt`. Either is deleted, so that the next put can store a
+  good one. get never raises.
 - put never blocks and never raises: the entry as it is at the put (its feature dict copied: a selector may add
-  features to it while the writer encodes) is queued for one writer thread, which encodes it and stores it with a
-  plain SET. A put follows a miss in every tier, so it either fills an absent key or replaces a value its caller
-  found unusable (the blend drops an entry holding other tokens than its chunk, and its put must replace it here
-  too); two servers racing on a new chunk write the same bytes. The one other put is of the same entry grown by
-  selector features (ChunkStore.add_features): servers adding different features race, the last write wins, and a
-  feature it lacks is recomputed by the next server that asks for it. A put finding the queue full is dropped
+  features to it while the writer encodes) is queued for one writer thread, which encodes and seals it and stores it
+  with SET NX: where the key already holds a value the put changes nothing (`already_stored`). Every writer computes
+  the same bits for a key (entry.py's invariant; the value differs only by the writer's `store.compress`), so the
+  first writer's value is the one every other would write; no server missing an entry overwrites the fleet's copy
+  with its own. A put that follows a get which found a value
+  failing verification stores its entry, since that value was deleted. One that follows a value the blend refused
+  after it verified (an authentic value holding other tokens than its chunk: only a holder of the secret can write
+  one) does not replace it: every server that fetches it computes the chunk again. The one put that replaces is
+  the entry grown by selector features (ChunkStore.add_features: `put(..., replace_value=True)`, a plain SET, sealed
+  like any other): servers adding different features race, the last write wins, and a feature it lacks is
+  recomputed by the next server that asks for it; its K and V are this server's copy, the same bits by the
+  invariant. A put finding the queue full is dropped
   (`dropped`). An encoding larger than the server accepts (`max_value_bytes`, lowered to the server's
   `proto-max-bulk-len` when `CONFIG GET` answers) is not sent (`oversize`); where CONFIG is renamed away, a value
   over the server's limit is refused by the server, as `oversize` when its reply arrives or, when it resets the
@@ -41,12 +54,23 @@ Contract:
   writer thread writes.
 - How keys reach servers is the subclass's: this class speaks to one endpoint (one MGET per get_many); cluster.py's
   to the primaries of a cluster, with a breaker per node.
+- What whoever administers (or can write to) the Valkey server can still do, the secret not known: delete or evict
+  entries, flush the store, fill it or stop it (misses: each chunk computed again, never a wrong answer); read every
+  tenant's KV, token ids and selector features (values are not encrypted; keep the store on a private network, with
+  AUTH and TLS); replay an older authentic value of the same key name, which by the invariant holds the same K, V
+  and tokens (up to its writer's `store.compress`), so it matters little: only its selector features may be older or
+  fewer (recomputed when asked for). Planting, altering or moving a value is a counted miss. A holder of the secret
+  (any server of the fleet) can write anything under any key: the secret is the trust boundary, as the invariant
+  holds only for servers that keep it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import queue
+import struct
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -57,6 +81,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from ..config import REMOTE_SECRET_MIN_BYTES
 from .codec import Codec
 from .disk import CorruptEntry, decode, encode
 from .endpoint import Endpoint, NodeStats
@@ -67,6 +92,13 @@ log = logging.getLogger(__name__)
 
 FETCH = ("auto", "always", "never")  # store.remote_fetch
 KEY_SPACE = "cc:v1"  # the servers' key names, shared by both disk encodings (above)
+VALUE_TAG = b"CCA1"  # an authenticated value's prefix, version 1: HMAC-SHA256 over the tag, key name and encoding
+MAC_BYTES = 32
+SEALED = len(VALUE_TAG) + MAC_BYTES  # bytes before the disk encoding in a value
+
+
+class Forged(ValueError):
+    """A value that is not what a server holding the secret wrote under this key name."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +107,8 @@ class RemoteStats:
     up: bool  # False while an outage is in progress (in cluster mode: of any node serving slots)
     hits: int
     misses: int  # the server had no value for the key
-    corrupt: int  # values that failed verification (counted misses, deleted)
+    corrupt: int  # values that failed verification (authentic but unreadable, or not fitting the model; counted
+    # misses, deleted)
     errors: int  # commands that failed (connection refused or reset, timeout, auth, ...)
     outages: int  # times the tier (in cluster mode: a node) went from working to failing
     skipped: int  # gets and puts not sent because an outage was in progress
@@ -85,6 +118,9 @@ class RemoteStats:
     full: int  # writes the server refused because it was full
     dropped: int  # puts dropped because the writer's queue was full
     pending: int  # puts queued or being written
+    forged: int = 0  # values without a valid authenticator (other secret, altered, moved, planted; counted misses,
+    # deleted)
+    already_stored: int = 0  # puts of a new entry that found its key already holding a value (SET NX: kept)
     computed_instead: int = 0  # keys not fetched: computing them was predicted faster (fetch "auto") or "never"
     probes: int = 0  # fetches from a link judged too slow, to measure it again
     bytes_per_token: float | None = None  # of the entries fetched so far (what a fetch is predicted to carry)
@@ -102,12 +138,41 @@ def redacted(url: str) -> str:
     return f"{u.scheme}://{u.hostname}:{u.port or 6379}{u.path or '/0'}"
 
 
+def _mac(secret: bytes, name: str, data: bytes | memoryview) -> bytes:
+    h = hmac.new(secret, VALUE_TAG, hashlib.sha256)
+    encoded = name.encode()
+    h.update(struct.pack("<Q", len(encoded)))  # length-prefixed: no name and encoding run into another pair
+    h.update(encoded)
+    h.update(data)
+    return h.digest()
+
+
+def seal(secret: bytes, name: str, data: bytes) -> bytes:
+    """The value stored under the key `name` for the disk encoding `data`: VALUE_TAG | MAC | data."""
+    return b"".join((VALUE_TAG, _mac(secret, name, data), data))
+
+
+def unseal(secret: bytes, name: str, value: bytes) -> memoryview:
+    """The disk encoding inside `value` (a view, not a copy), if `value` is what `seal` makes of it under `name`;
+    Forged otherwise."""
+    if len(value) < SEALED or value[: len(VALUE_TAG)] != VALUE_TAG:
+        raise Forged(f"no authenticator (a value of {len(value)} bytes not starting {VALUE_TAG!r})")
+    data = memoryview(value)[SEALED:]
+    if not hmac.compare_digest(value[len(VALUE_TAG):SEALED], _mac(secret, name, data)):
+        raise Forged("authenticator mismatch: written with another secret or under another key name, or altered")
+    return data
+
+
 class RemoteTier:
     def __init__(self, url: str, prefix: str, timeout_s: float, retry_s: float, max_value_bytes: int, write_queue: int,
                  layout: EntryLayout | None = None, codec: Codec | None = None, fetch: str = "always",
-                 probe_s: float = 30.0):
+                 probe_s: float = 30.0, *, secret: bytes):
+        """`secret`: the fleet's HMAC key (StoreConfig.remote_secret) every value is sealed and checked with."""
         if fetch not in FETCH:
             raise ValueError(f"fetch must be one of {FETCH}, got {fetch!r}")
+        if len(secret) < REMOTE_SECRET_MIN_BYTES:
+            raise ValueError(f"the remote tier's secret must be at least {REMOTE_SECRET_MIN_BYTES} bytes")
+        self._secret = bytes(secret)
         self.fetch, self.probe_s = fetch, probe_s
         self._bytes_per_token: float | None = None
         self._decode_s_per_byte: float | None = None
@@ -120,10 +185,10 @@ class RemoteTier:
         self._lock = threading.Lock()
         self._full = False
         self._oversize_logged = False
-        self._n = dict.fromkeys(("corrupt", "bytes_written", "oversize", "full", "dropped", "pending",
-                                 "computed_instead", "probes"), 0)
+        self._n = dict.fromkeys(("corrupt", "forged", "already_stored", "bytes_written", "oversize", "full",
+                                 "dropped", "pending", "computed_instead", "probes"), 0)
         self._open(url, timeout_s)
-        self._queue: queue.Queue[ChunkEntry] = queue.Queue(maxsize=write_queue)
+        self._queue: queue.Queue[tuple[ChunkEntry, bool]] = queue.Queue(maxsize=write_queue)
         threading.Thread(target=self._write_loop, name="chunkcache-remote-writer", daemon=True).start()
 
     # --- how keys reach the server: one endpoint here, overridden by the cluster tier ---------------------------
@@ -240,34 +305,46 @@ class RemoteTier:
             old = self._decode_s_per_byte
             self._decode_s_per_byte = per_byte if old is None else 0.8 * old + 0.2 * per_byte
 
-    def _verified(self, key: str, name: str, data: bytes) -> ChunkEntry | None:
+    def _verified(self, key: str, name: str, value: bytes) -> ChunkEntry | None:
         try:
-            entry = decode(data)
+            data = unseal(self._secret, name, value)
+            entry = decode(bytearray(data))  # one copy, which the entry's tensors share
             if entry.key != key:
                 raise CorruptEntry(f"value holds key {entry.key}")
             if self.layout is not None:
                 self.layout.check(entry)
+        except Forged as e:
+            self._count("forged")
+            log.warning("chunkcache: dropping unauthenticated value %s from remote store %s: %s", name, self.server, e)
+            self._delete(name)
+            return None
         except ValueError as e:  # CorruptEntry, FingerprintMismatch and a layout misfit are ValueErrors
             self._count("corrupt")
             log.warning("chunkcache: dropping corrupt or unusable entry %s from remote store %s: %s: %s", name,
                         self.server, type(e).__name__, e)
-            endpoint, client = self._connect(name)
-            if client is not None:
-                try:
-                    client.delete(name)
-                except redis.RedisError as exc:
-                    endpoint.failed(exc)
+            self._delete(name)
             return None
         return entry
 
-    def put(self, entry: ChunkEntry) -> None:
+    def _delete(self, name: str) -> None:
+        """Remove a value that failed verification, so that the next put (SET NX) can store a good one."""
+        endpoint, client = self._connect(name)
+        if client is not None:
+            try:
+                client.delete(name)
+            except redis.RedisError as exc:
+                endpoint.failed(exc)
+
+    def put(self, entry: ChunkEntry, replace_value: bool = False) -> None:
+        """Queue `entry` for the writer: stored only where its key holds no value (SET NX), or, with
+        `replace_value` (the entry grown by selector features), over whatever the key holds (contract above)."""
         endpoint = self._route(self._name(entry.key))
         if endpoint is not None and not endpoint.available():
             endpoint.count("skipped")
             return
         with self._lock:
             try:
-                self._queue.put_nowait(replace(entry, features=dict(entry.features)))
+                self._queue.put_nowait((replace(entry, features=dict(entry.features)), replace_value))
             except queue.Full:
                 self._n["dropped"] += 1
                 return
@@ -286,26 +363,28 @@ class RemoteTier:
 
     def _write_loop(self) -> None:
         while True:
-            entry = self._queue.get()
+            entry, replace_value = self._queue.get()
             try:
-                self._write(entry)
+                self._write(entry, replace_value)
             except Exception:  # noqa: BLE001 - the writer must outlive any one entry (e.g. an encoding bug)
                 log.exception("chunkcache: remote put of %s failed", entry.key)
             finally:
                 self._count("pending", -1)
 
-    def _write(self, entry: ChunkEntry) -> None:
+    def _write(self, entry: ChunkEntry, replace_value: bool) -> None:
         name = self._name(entry.key)
         endpoint, client = self._connect(name)
         if client is None:
             endpoint.count("skipped")
             return
-        data = encode(entry, self.codec)
+        data = seal(self._secret, name, encode(entry, self.codec))
         try:
             if len(data) > self._value_limit(client, name):
                 self._oversize(entry.key, len(data))
                 return
-            client.set(name, data)
+            # SET NX: a new entry never overwrites (every writer computes the same bits for a key, entry.py); the
+            # entry grown by features replaces (contract above). NX answers None where the key holds a value.
+            stored = client.set(name, data, nx=not replace_value)
         except redis.OutOfMemoryError as e:
             self._count("full")
             if not self._full:
@@ -325,6 +404,9 @@ class RemoteTier:
             endpoint.failed(e)
             return
         endpoint.working()
+        if not stored:
+            self._count("already_stored")
+            return
         endpoint.count("writes")
         if self._full:
             self._full = False

@@ -6,14 +6,14 @@ Contract:
   request's keys with one remote round trip (per cluster node) for all the keys the local tiers lack. lookup does
   what get_many does and, given what computing each key's chunk would cost here, asks the remote tier only for the
   keys its fetch rule finds faster to fetch (remote.py: fetch or compute), saying which it fetched and which not.
-- put writes through to every tier (to the remote one in the background, see remote.py) and says whether a local
-  tier kept the entry. False: memory refused it (alone over the host budget) and so did the disk (over its budget,
-  full) or there is none; a later get finds it only on the remote tier, if at all, and the caller's copy may be the
-  only one.
+- put writes through to every tier (to the remote one in the background, and only where it holds no value for the
+  key: remote.py) and says whether a local tier kept the entry. False: memory refused it (alone over the host
+  budget) and so did the disk (over its budget, full) or there is none; a later get finds it only on the remote
+  tier, if at all, and the caller's copy may be the only one.
 - Memory holds `host_bytes` at most, every entry charged its `nbytes` as of its last put or add_features. A selector
   keeps per-chunk features by writing into an entry's `features` (Features.chunk_features); the engine then calls
-  add_features, which charges them and writes the grown entry through to disk and remote. Features written but not
-  yet added are neither charged nor seen by another process.
+  add_features, which charges them and writes the grown entry through to disk and remote (the one put that replaces
+  the remote tier's value). Features written but not yet added are neither charged nor seen by another process.
 - A store bound to a model raises FingerprintMismatch for another model's entry, on put and on get.
 - `compress` (`store.compress`: none, int8, int4) is how the disk and remote tiers write K and V (codec.py); they
   read any entry, compressed or not, and a hit they serve is promoted decoded: memory holds full-width KV only.
@@ -97,7 +97,8 @@ class ChunkStore:
             tier = ClusterTier if is_cluster_url(config.remote_url) else RemoteTier
             remote = tier(config.remote_url, key_prefix(model_fingerprint), config.remote_timeout_s,
                           config.remote_retry_s, config.remote_max_value_bytes, config.remote_write_queue, layout,
-                          codec.named(config.compress), config.remote_fetch, config.remote_probe_s)
+                          codec.named(config.compress), config.remote_fetch, config.remote_probe_s,
+                          secret=config.remote_secret())  # ConfigError saying what to set when there is none
         pin = torch.cuda.is_available() if config.pin_memory is None else config.pin_memory
         if pin and not torch.cuda.is_available():
             raise ValueError("store.pin_memory: true needs a CUDA device (page-locked memory is CUDA's); "
@@ -153,9 +154,11 @@ class ChunkStore:
         return Lookup(found, frozenset(remote), frozenset(absent) - frozenset(asked))
 
     def put(self, entry: ChunkEntry) -> bool:
-        """Write through to every tier; False if no local tier kept the entry (see the contract above)."""
+        """Write through to every tier; False if no local tier kept the entry (see the contract above). An entry
+        that is not what its key names (ChunkEntry.check_key) is refused: ValueError."""
         if self.model_fingerprint is not None:
             entry.check_model(self.model_fingerprint)
+        entry.check_key()
         with self._lock:
             kept = self._put_local(entry)
         if self.remote is not None:
@@ -178,7 +181,7 @@ class ChunkStore:
                 entry.features.update(features)
                 kept = self._put_local(entry)
         if entry is not None and self.remote is not None:
-            self.remote.put(entry)
+            self.remote.put(entry, replace_value=True)  # the one put that replaces the shared tier's value
         self._changed()  # a miss too: the disk drops a corrupt entry while looking
         return kept
 

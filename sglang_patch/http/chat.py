@@ -3,8 +3,8 @@
     {"messages": [{"role": "system", "content": "..."}, {"role": "user", "content": "the question"}],
      "chunkcache": {"documents": ["...", "..."], "selector": "prophet", "ratio": 0.15}}
 
-`"chunkcache": {"exact": true}` (documents optional) asks for stock's prefill, no reused KV: without documents the
-messages are templated by SGLang as usual and only the hint travels.
+`"chunkcache": {"exact": true}` (documents optional) asks for stock's prefill, no reused KV; without documents the
+messages are templated by SGLang as usual and only the options travel (`exact`, a tenant's `namespace`, `learn`).
 
 The request schema drops unknown fields, so the `chunkcache` object is read from the raw JSON body (or from
 `chat_template_kwargs.chunkcache`, which passes SGLang's router: see `routed`). Three hooks on
@@ -42,8 +42,8 @@ async def handle_request(original, serving, request, raw_request=None):
     try:
         # each document is one chunk: bounded like the spans of a hint
         docs = parse(body[KEY], where=KEY, allowed=CHAT_KEYS, max_documents=server_limits().max_spans,
-                     limit="limits.max_spans", selectors=REGISTRY)
-        if not docs.documents:  # exact, nothing to build
+                     limit="limits.max_spans", selectors=REGISTRY, options_only=True)
+        if not docs.documents:  # options only (exact, a tenant, learn): nothing to build
             raw_request.state.chunkcache_hints = envelope(**docs.hint_options())
             return await original(serving, request, raw_request)
         system, question = conversation(request)

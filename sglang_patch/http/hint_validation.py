@@ -34,8 +34,8 @@ def check_request(tokenized, manager, obj, input_text, input_ids, *args, **kwarg
     if input_ids is None:
         raise HintError("chunks need a prompt of token ids: send text or input_ids, not input_embeds")
     max_spans = server_limits().max_spans
-    spanless = payload.get("exact") is True and "char_spans" not in payload  # nothing to map
-    if obj.input_ids is None and obj.input_embeds is None and not spanless:  # SGLang tokenized `text` itself
+    spans = {"char_spans", "token_spans"} & set(payload)  # none: options alone (a tenant, exact, learn)
+    if obj.input_ids is None and obj.input_embeds is None and spans:  # SGLang tokenized `text` itself
         offsets = text_offsets(manager.tokenizer, input_text, input_ids)
         payload = char_spans_to_token_payload(payload, offsets, len(input_text), max_spans)
     hint = parse(payload, len(input_ids), max_spans, selectors=REGISTRY)

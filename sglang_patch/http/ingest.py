@@ -13,6 +13,10 @@ first tokens through the tree (a hinted prompt learns only the segments its own 
 whose first words another's prompt put in the tree would lose its first segment, the one a composed prompt's
 passage starts with).
 
+Under `report.to_clients: private` the reports say neither whether a document was new nor why one was computed in
+full (docs/report-schema.md "Private reports"): the answer is `{"documents": N}`, and a document that could not be
+stored (longer than the chunked-prefill size) is not told apart; the server's log says it.
+
 Bounds, so that one call cannot take the server from other clients: at most `limits.ingest_max_documents` documents
 per call (more is a 400), and at most `limits.ingest_in_flight` of them in the scheduler at once (the rest wait here,
 so other clients' requests queue behind a few documents, not behind the whole call). A document that another call
@@ -76,6 +80,9 @@ async def ingest(request: Request):
                           f"chunk reuse (not --no-chunk-reuse)? its log says why", 501)
         if "fallback" in report:  # e.g. longer than the chunked-prefill size: computed in full, nothing stored
             return _error(f"{where} was not stored ({report['fallback']}): {report['detail']}", 422)
+    if any("private" in report for report, _ in results):
+        # report.to_clients: private: whether a document was already stored would say that someone sent it
+        return {"documents": len(docs.documents)}
     new = sum(report["chunk_misses"] for report, computed_here in results if computed_here)
     return {"documents": len(docs.documents), "new": new, "existing": len(docs.documents) - new}
 

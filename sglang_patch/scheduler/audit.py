@@ -8,8 +8,8 @@ one job per idle turn, so a request that arrives waits for one audit forward at 
 layer of SGLang's model as a segment kept aside, attending nothing of the KV pool and writing none of it (the
 request's slots are freed or another request's by then), its last-token logits against the served ones. Its outcome
 goes to /metrics, to the margin (whose widening replaces the estimator the blends read, `ChunkReuse.fidelity`, and is
-logged at WARNING) and, with `audit.cases`, to a JSONL file (with `audit.keep_prompts`, the prompt too:
-`chunkcache calibrate --served` fits on it).
+logged at WARNING) and, with `audit.cases`, to a JSONL file (with `audit.keep_prompts`, the prompt too, tagged
+with its tenant, `tenant_of`: `chunkcache calibrate --served` fits on it).
 
 Under tensor parallelism the audit is refused at start-up: its forward would be a collective every rank must enter
 with the same prompt, and nothing here agrees the sample, the queue and the outcome over the ranks.
@@ -30,7 +30,7 @@ from chunkcache.blend.pipeline import Blended
 from chunkcache.blend.reuse import ChunkReuse
 from chunkcache.config import AuditConfig
 
-from . import metrics
+from . import metrics, request_hint
 from .cache import reuse_of
 from ..forward.forward_pass import Pass, Runner, one_row
 
@@ -51,6 +51,7 @@ class Sampled:
     ratio: float
     selector: str
     runner: Runner  # over a one-row copy of its forward batch (`one_row`)
+    tenant: dict | None = None  # whose prompt it is (`tenant_of`; kept with audit.keep_prompts)
 
 
 class Audit:
@@ -68,11 +69,12 @@ class Audit:
         if b.estimate is None or len(self.waiting) >= self.config.keep or not self.sampler.take():
             return
         spans = tuple(b.plan.layout().chunk_spans) if self.config.keep_prompts else ()
+        tenant = tenant_of(self.reuse, runner.forward_batch.chunkcache_reqs[row]) if self.config.keep_prompts else None
         self.waiting.append(Sampled(
             rid, b.plan.token_ids.detach().cpu().clone(), spans,
             output.next_token_logits[row].detach().float().cpu().clone(),
             b.estimate, b.plan.max_kl, b.ratio, b.plan.selector,
-            Runner(runner.model_runner, one_row(runner.forward_batch, b.plan.n))))
+            Runner(runner.model_runner, one_row(runner.forward_batch, b.plan.n)), tenant))
 
     def run_one(self) -> None:
         """Audit the oldest kept request. A failed recompute is logged and the request dropped uncounted."""
@@ -115,13 +117,25 @@ class Audit:
                 "selector": s.selector, "ratio": s.ratio, "max_kl": s.max_kl, "bound": outcome.bound,
                 "estimated_kl": outcome.estimated, "estimated_agree": s.estimate.agree, "margin": margin,
                 "kl": outcome.kl, "agree": outcome.agree, "unsafe": outcome.unsafe}
-        if self.config.keep_prompts:  # what `chunkcache calibrate --served` measures again
-            case |= {"prompt_ids": s.prompt.tolist(), "chunk_spans": [list(span) for span in s.chunk_spans]}
+        if self.config.keep_prompts:  # what `chunkcache calibrate --served` measures again, and whose it is
+            case |= {"tenant": s.tenant, "prompt_ids": s.prompt.tolist(),
+                     "chunk_spans": [list(span) for span in s.chunk_spans]}
         try:
             with open(self.config.cases, "a") as f:
                 f.write(json.dumps(case) + "\n")
         except OSError:
             log.exception("chunkcache: writing the audited case to %s failed", self.config.cases)
+
+
+def tenant_of(reuse: ChunkReuse, req) -> dict:
+    """Whose prompt a kept case holds: `namespace`, the request's (its chunkcache payload's, resolved into its hint)
+    or else the server's `store.namespace`, and `salted`, whether it carried a `cache_salt` (never the salt itself:
+    the file would hand it to whoever reads it), so that one tenant's prompts can be told apart, exported or
+    deleted."""
+    request = request_hint.record(req)
+    hint = None if request is None else request.hint
+    namespace = hint.namespace if hint is not None else reuse.config.store.namespace
+    return {"namespace": namespace, "salted": bool(getattr(req, "cache_salt", None))}
 
 
 def _full_logits(s: Sampled) -> torch.Tensor:

@@ -5,13 +5,13 @@
     chunkcache.blend.pipeline.detect turns the stored segments past it into an auto hint, and the request moves to
     the auto radix partition (its KV will be approximate), taking the exact match along (`carry_exact_prefix`).
     Too few stored tokens: the request stays a plain one, served exactly as stock.
-  * `learn`, after every extend forward: for each request whose prompt prefill finished in it, its segments that
-    this prefill computed and no tier holds (chunkcache.blend.pipeline.segments_to_learn); `store_learned`, once
-    the forward's outputs are sent, reads their KV once out of the pool and stores it (store_segments; their K at
-    the positions they had here: the entry's start_pos), so learning never delays a first token. A
-    plain request's whole prompt is exact (its radix match is in the exact partition); a hinted or auto request's
-    tokens past its radix match count as computed (chunk tokens hold their stored KV re-rotated, which the selector
-    already corrected where it mattered).
+  * `learn`, after every extend forward: for each request whose prompt prefill finished in it and that may teach
+    (request_hint.teaches), the paragraphs holding segments no tier holds (chunkcache.blend.pipeline.to_encode) are
+    queued with the forward that computes them (`_alone_kv`: the canonical head and the paragraph, one row from
+    position 0, nothing of the pool read or written). Nothing of a request's own KV is ever stored: what it attended
+    to is not what a segment's key names (chunkcache.store.entry). The plugin's idle hook encodes them one at a time;
+    `encode_when_starved`, after a batch's outputs are sent, encodes one when the oldest has waited
+    auto.encode_starved_s (a server that is never idle still learns).
 A request with input logprobs over its prompt is never detected (the blend does not compute those tokens' logits);
 one with output logprobs alone is.
 """
@@ -40,16 +40,19 @@ from ..forward.forward_pass import Pass, Runner, batch_rows, one_row
 log = logging.getLogger(__name__)
 
 
-def detect(reuse: ChunkReuse, tree_cache, req, request: ChunkRequest, input_logprobs: bool = False) -> None:
-    """The request's auto hint (on `request`; none: served as stock, as is one that asked for `input_logprobs`); its
-    segments are kept for learning."""
+def detect(reuse: ChunkReuse, tree_cache, req, request: ChunkRequest, payload: dict | None = None,
+           input_logprobs: bool = False) -> None:
+    """The request's auto hint (on `request`; none: served as stock, as is one that asked for `input_logprobs`), in
+    its tenant and with its options (`payload`: a chunkcache payload without spans, or None); its segments are kept
+    for learning."""
     t0 = time.perf_counter()
     ids = req.origin_input_ids
-    request.segments = reuse.segments(ids, getattr(req, "cache_salt", None))
+    defaults = reuse.defaults(payload)
+    request.segments = reuse.segments(ids, defaults.namespace, getattr(req, "cache_salt", None))
     if input_logprobs or not request.segments.spans:
         return
     matched = exact_prefix(tree_cache, req)
-    found = pipeline.detect(reuse.store, reuse.auto, ids, request.segments, matched, reuse.defaults, reuse.compute,
+    found = pipeline.detect(reuse.store, reuse.auto, ids, request.segments, matched, defaults, reuse.compute,
                             reuse.ranks)
     request.detection = dataclasses.replace(found, seconds=time.perf_counter() - t0)  # segmenting and matching too
     request.hint = found.hint
@@ -117,88 +120,50 @@ def _key(req, extra_key: str | None, n: int | None = None) -> RadixKey:
 
 
 def learn(reuse: ChunkReuse, model_runner, forward_batch, reqs, record_of) -> None:
-    """For every request whose prompt prefill finished in this forward (`record_of(req)`: its ChunkRequest), the new
-    segments to store, said in its report; their KV is read out of the pool and stored once the forward's outputs
-    are sent (`reuse.after_outputs`, run by `store_learned`), off the request's first token; at once when the
-    scheduler overlaps (`defer_learning`)."""
+    """For every request whose prompt prefill finished in this forward (`record_of(req)`: its ChunkRequest), the
+    paragraphs it teaches, queued for the idle (or starved) turns that encode them, and said in its report."""
     records = [record_of(r) for r in reqs]
     if not any(r is not None and r.segments is not None for r in records):
-        return  # decode rows and prompts already learned: nothing to read
+        return  # decode rows and prompts already learned: nothing to do
     pool = model_runner.token_to_kv_pool
-    head_kv = None  # the batch's forward of a head form (ChunkReuse.queue_head_forms), made for its first one
     token_bytes = 2 * pool.layer_num * pool.get_key_buffer(0)[0].numel() * pool.get_key_buffer(0).element_size()
+    kv_of = None  # the forward that encodes a paragraph, made for the batch's first one
     for row in batch_rows(model_runner, forward_batch, reqs):
         request = records[row.index]
         if request is None or request.segments is None or row.seq_len != len(row.req.origin_input_ids) or row.decode:
             continue
         hinted = request.hint is not None and getattr(row.req, "to_finish", None) is None
-        computed = torch.zeros(row.seq_len, dtype=torch.bool)
-        computed[row.matched if hinted else 0:] = True
-        segments = request.segments
-        todo = pipeline.segments_to_learn(reuse.store, reuse.auto, request, computed, token_bytes)
-        # a prompt nobody marked (served as stock or detected); a client's chunks, hinted or exact, need no head forms
-        if request.exact is None and (request.hint is None or request.hint.auto):
-            if forms := reuse.auto.head_forms(segments, row.token_ids):
-                if head_kv is None:
-                    head_kv = functools.partial(_head_kv, model_runner, copy.copy(forward_batch))
-                reuse.queue_head_forms(forms, head_kv)
-        tokens = sum(e - s for (s, e), _ in todo)
-        learning = {"segments": len(todo), "tokens": tokens, "bytes": tokens * token_bytes}
-        if todo:
-            slots = row.slots[torch.cat([torch.arange(s, e) for (s, e), _ in todo]).to(row.slots.device)]
-            work = functools.partial(_store, reuse, pool, todo, row.token_ids, slots)
-            if reuse.after_outputs is None:
-                work()
-            else:
-                reuse.after_outputs.append(work)
+        encodes = pipeline.to_encode(reuse.store, reuse.auto, request, row.token_ids, token_bytes, reuse.ranks)
+        if encodes:
+            if kv_of is None:
+                kv_of = functools.partial(_alone_kv, model_runner, copy.copy(forward_batch))
+            reuse.queue_encodes(encodes, kv_of)
+        tokens = sum(e - s for encode in encodes for (s, e), _, _ in encode.entries)
+        learning = {"segments": sum(len(encode.entries) for encode in encodes), "tokens": tokens,
+                    "bytes": tokens * token_bytes}
         if not hinted and request.exact is None:
             report.auto_stock(request, radix=row.matched, computed=row.seq_len - row.matched, learned=learning)
         else:
             request.add_learned(learning)
 
 
-def defer_learning(result, scheduler, *args, **kwargs) -> None:
-    """AFTER hook on Scheduler.init_chunked_prefill: a scheduler that runs a batch's forward, then sends its outputs
-    (no overlap) lets `learn` store after them. An overlapping one launches the next forward first, whose learning
-    would be read before its KV is computed: there, learning stays in the forward."""
+def encode_when_starved(result, scheduler, *args, **kwargs) -> None:
+    """AFTER hook on Scheduler.process_batch_result: a server that is never idle encodes one waiting paragraph once
+    the oldest has waited auto.encode_starved_s (ChunkReuse.starved), now that the batch's outputs are sent: the
+    next batch waits one paragraph's forward."""
     reuse = reuse_of(scheduler.tree_cache)
-    if reuse is not None and not scheduler.enable_overlap:
-        reuse.after_outputs = []
+    if reuse is not None and reuse.encodes and reuse.starved():
+        if learned := reuse.encode_next():
+            metrics.record_auto_learned(learned["segments"], learned["bytes"], learned["seconds"])
 
 
-def store_learned(result, scheduler, *args, **kwargs) -> None:
-    """AFTER hook on Scheduler.process_batch_result: store what the batch's prompts taught (`learn`), now that its
-    outputs are sent. This runs before the scheduler allocates the pool again: a finished request's slots are free
-    by now, and still hold its KV until then."""
-    reuse = reuse_of(scheduler.tree_cache)
-    while reuse is not None and reuse.after_outputs:
-        work = reuse.after_outputs.pop(0)
-        try:
-            work()
-        except Exception:  # noqa: BLE001 - learning is an optimisation: the requests' outputs are already sent
-            log.exception("chunkcache: storing a prompt's learned segments failed; they are not stored")
-
-
-def _store(reuse: ChunkReuse, pool, todo, token_ids: torch.Tensor, slots: torch.Tensor) -> None:
-    learned = pipeline.store_segments(reuse.store, todo, token_ids, lambda _positions: _read_kv(pool, slots),
-                                      reuse.fingerprint)
-    metrics.record_auto_learned(learned["segments"], learned["bytes"], learned["seconds"])
-
-
-def _head_kv(model_runner, forward_batch, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V [layers, tokens, heads, dim] on the host of `token_ids` from position 0 through every layer, kept
-    aside: nothing of the pool read or written (`forward_batch`, a copy of the batch that taught the store the
-    passage, is only the template of a one-row batch: that batch is long gone when an idle turn runs this)."""
+def _alone_kv(model_runner, forward_batch, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [layers, tokens, heads, dim] on the host of `token_ids` from position 0 through every layer, one row
+    kept aside: nothing of the pool read or written (`forward_batch`, a copy of the batch that taught the store the
+    paragraph, is only the template of a one-row batch: that batch is long gone when this runs)."""
     runner = Runner(model_runner, one_row(forward_batch, len(token_ids)))
     p = Pass()
     seg = p.add_aside(token_ids, torch.arange(len(token_ids)), torch.zeros(0, dtype=torch.long, device=runner.device))
     with torch.no_grad():
         runner.run(p)
     return torch.stack([k for k, _ in seg.kept_kv]).cpu(), torch.stack([v for _, v in seg.kept_kv]).cpu()
-
-
-def _read_kv(pool, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of `slots`, every layer, copied to host memory (the pool's slots are SGLang's to free)."""
-    k = torch.stack([pool.get_key_buffer(layer)[slots] for layer in range(pool.layer_num)]).cpu()
-    v = torch.stack([pool.get_value_buffer(layer)[slots] for layer in range(pool.layer_num)]).cpu()
-    return k, v

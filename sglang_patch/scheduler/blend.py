@@ -180,7 +180,8 @@ class BatchEngine:
         return [ChunkEntry(key=c.key, token_ids=self.plans[i].chunk_ids(c).clone(),
                            k=torch.stack([k for k, _ in seg.kept_kv]).cpu(),
                            v=torch.stack([v for _, v in seg.kept_kv]).cpu(),
-                           start_pos=self.plans[i].shared_prefix_len, model_fingerprint=self.fingerprint)
+                           start_pos=self.plans[i].shared_prefix_len, model_fingerprint=self.fingerprint,
+                           tenant=self.plans[i].tenant, context=self.plans[i].context or "")
                 for i, c, seg in aside]
 
     def copy(self, entries: list[list[ChunkEntry]]) -> None:

@@ -53,17 +53,31 @@ class ChunkRadixCache(UnifiedRadixCache):
         log.info("chunkcache: radix cache backend %r active in scheduler pid %d", BACKEND_NAME, os.getpid())
 
     def chunkcache_state(self) -> dict:
-        """What /server_info reports under internal_states[i]['chunkcache']."""
+        """What /server_info reports under internal_states[i]['chunkcache']: under `report.to_clients: private`
+        (`private_state`) the backend alone."""
+        if self.reuse.config.report.to_clients == "private":
+            return private_state(type(self).__name__)
         return {"backend": BACKEND_NAME, "tree_cache": type(self).__name__, "scheduler_pid": os.getpid(),
                 "store": dataclasses.asdict(self.reuse.store.stats()),
                 "deferred_deviations": len(self.reuse.deferred),  # estimated, to be measured when idle
-                "head_forms_waiting": len(self.reuse.head_forms),  # passages' head forms, computed when idle
+                "encodes_waiting": len(self.reuse.encodes),  # paragraphs prompts taught, encoded when idle
                 # the blend-or-full choice's fit to this server's forwards: a fixed time per forward, a scale per side
                 "calibration": self.reuse.calibration.state(),
                 # a chunk's measured compute cost, priced against a remote fetch (store.remote_fetch)
                 "compute_s_per_token": self.reuse.compute.per_token_s,
                 "kv_pool": {"available": int(self.token_to_kv_pool_allocator.available_size()),
                             "evictable": int(self.evictable_size()), "protected": int(self.protected_size())}}
+
+
+def private_state(tree_cache: str) -> dict:
+    """/server_info's chunkcache state for clients that must not learn each other's traffic: which backend
+    serves, nothing that moves with what requests sent. Dropped: the store's counters (entries, bytes, hits,
+    misses, remote fetches and writes), the deviations and paragraphs waiting for an idle turn (queued by blends and
+    by the prompts that teach), the blend-or-full calibration and the measured compute cost (refitted by each blend,
+    each chunk computed) and the KV pool's evictable and protected tokens (the radix tree's contents). /metrics
+    keeps the store's and the blends' counters (chunkcache_store_*, chunkcache_remote_*, chunkcache_chunk_*, ...);
+    the rest is /server_info's alone, so a private server does not show it."""
+    return {"backend": BACKEND_NAME, "tree_cache": tree_cache, "scheduler_pid": os.getpid(), "private": True}
 
 
 def _shape(hf_config, pool) -> ModelShape:

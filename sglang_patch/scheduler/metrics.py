@@ -22,6 +22,10 @@ REMOTE_COUNTERS = {
     "hits": ("chunkcache_remote_hits", "Chunk-store gets answered by the remote tier"),
     "misses": ("chunkcache_remote_misses", "Chunk-store gets the remote tier had no entry for"),
     "corrupt": ("chunkcache_remote_corrupt", "Remote entries that failed verification (counted misses, deleted)"),
+    "forged": ("chunkcache_remote_forged", "Remote values without a valid authenticator: another secret, altered, "
+               "moved or planted (counted misses, deleted)"),
+    "already_stored": ("chunkcache_remote_already_stored", "Remote puts of a new entry whose key already held a "
+                       "value, left as it was (SET NX)"),
     "errors": ("chunkcache_remote_errors", "Remote store commands that failed (down, timed out, refused)"),
     "outages": ("chunkcache_remote_outages", "Times the remote store went from working to failing"),
     "bytes_written": ("chunkcache_remote_bytes_written", "Bytes of entries stored in the remote tier"),

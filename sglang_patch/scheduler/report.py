@@ -10,7 +10,10 @@ per-request extras to the TokenizerManager: `Req.customized_info` -> BatchTokenI
 BatchStrOutput -> `TokenizerManager.update_request_meta_info`. The report rides on it through three hooks
 (plugin.hooks):
   * scheduler, before `_GenerationStreamAccumulator.accept` (`attach`): copy the report of the request's record
-    (request_hint.record(req).report) into `req.customized_info`;
+    (request_hint.record(req).report) into `req.customized_info`; under `report.to_clients: private`, the one place
+    where it is made private (`for_clients`) before it leaves the scheduler, so that every client path (/generate,
+    chat, OpenAI usage, ingest, the Engine API) gets the private report, while /metrics (counted by the builders
+    below) and the log keep every key;
   * scheduler, after `SchedulerOutputStreamer.is_request_level_customized_info_key` (`request_level`): our key is
     request-level, so it is sent once (when a non-streamed request finishes, or with a streamed request's first
     chunk) rather than sliced per output token;
@@ -20,8 +23,10 @@ BatchStrOutput -> `TokenizerManager.update_request_meta_info`. The report rides 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import weakref
 
 from chunkcache.blend import pipeline, round_report
 from chunkcache.blend.request import ChunkRequest
@@ -93,13 +98,48 @@ def _line(event: str, request: ChunkRequest, **fields) -> str:
                                                 {"rid": request.rid, **fields}.items())])
 
 
-def _report(req) -> dict | None:
-    request = req.__dict__.get(ATTR)
-    return None if request is None else request.report
+@functools.cache
+def to_clients() -> str:
+    """The server's `report.to_clients` ("full" or "private"), read once per process."""
+    from ..serve.launcher import load_server_config
+
+    return load_server_config().report.to_clients
+
+
+def for_clients(request: ChunkRequest | None) -> dict | None:
+    """The request's report as its client gets it: as is under "full"; under "private", round_report.private for a
+    request whose client marked its chunks or asked for exact KV (`marked`), and none at all for one whose chunks
+    automatic detection looked for: whether it gets a report, and of what kind, would say whether its segments were
+    stored (such a request then reads as on a server without detection)."""
+    info = None if request is None else request.report
+    if info is None or to_clients() != "private":
+        return info
+    return round_report.private(info) if marked(request) else None
+
+
+def marked(request: ChunkRequest) -> bool:
+    """Whether what happened to the request follows from the request itself: its client marked the chunks (a hint
+    not found by detection), asked for exact KV, or was refused before any lookup (a malformed hint, no tenant)."""
+    if request.exact is not None:
+        return True
+    if request.hint is not None:
+        return not request.hint.auto
+    return any(r.get("fallback") in round_report.PRIVATE_FALLBACKS for r in request.rounds)
+
+
+# Req -> (its report, what for_clients made of it): a private report is made once per report, not once per output
+# step (a report changes as a new dict: ChunkRequest.add_round, add_learned)
+_handed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def attach(*args, req, **kwargs) -> None:
-    info = _report(req)
+    request = req.__dict__.get(ATTR)
+    info = None if request is None else request.report
+    if info is not None and to_clients() != "full":
+        made = _handed.get(req)
+        if made is None or made[0] is not info:
+            made = _handed[req] = (info, for_clients(request))
+        info = made[1]
     if info is not None:
         if req.customized_info is None:
             req.customized_info = {}

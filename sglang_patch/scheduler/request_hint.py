@@ -36,40 +36,70 @@ RESERVED_EXTRA_KEY = "chunkcache\x1f"
 
 def attach(reuse: ChunkReuse | None, tree_cache, req, input_logprobs: bool = False) -> None:
     """`reuse`: the scheduler's, None when its tree cache is not chunkcache's (a stock server still partitions).
-    With automatic detection on, a request without a hint may get one (auto_chunks.detect), unless it asked for
-    `input_logprobs` over its prompt, and every request's segments are kept for learning."""
+    With automatic detection on, a request without chunks of its own may get some (auto_chunks.detect), in its own
+    tenant (its payload's namespace, else the server's, and its cache_salt), unless it asked for `input_logprobs`
+    over its prompt; and a request that may teach keeps its segments for learning (`teaches`)."""
     request = ChunkRequest(rid=str(getattr(req, "rid", "?")))
     req.__dict__[ATTR] = request
     try:
         payload = find_payload(getattr(req, "kv_hints", None))
         if payload is not None:
             request.exact = exact_reason(reuse, payload)
-            if request.exact is None:
+            if request.exact is None and "token_spans" in payload:
                 req.extra_key = radix_partition(payload.get("namespace"), req.extra_key)
                 if reuse is not None:
                     request.hint = reuse.hint(payload, req.origin_input_ids, getattr(req, "cache_salt", None))
-            if reuse is not None and reuse.auto is not None:
-                request.segments = reuse.segments(req.origin_input_ids, getattr(req, "cache_salt", None), edges=False)
-        elif (reuse is not None and reuse.auto is not None and getattr(req, "to_finish", None) is None
-              and reuse.config.select.selector != EXACT_SELECTOR):  # a server serving `full` blends nothing
-            try:
-                auto_chunks.detect(reuse, tree_cache, req, request, input_logprobs)
-            except Exception as exc:  # noqa: BLE001 - e.g. the shared tier failing mid-lookup: serve it as stock
-                log.exception("chunkcache: automatic chunk detection failed for request %s", request.rid)
-                request.hint = request.detection = None
-                report.fallback(request, "auto_error", f"{type(exc).__name__}: {exc}")
-            if request.hint is not None:
-                plain, req.extra_key = req.extra_key, auto_partition(req.extra_key)
-                try:
-                    carried = auto_chunks.carry_exact_prefix(tree_cache, req, plain)
-                except Exception:  # noqa: BLE001 - the blend's fill computes the prefix instead
-                    log.exception("chunkcache: carrying request %s's exact prefix into the auto partition failed; "
-                                  "its fill computes it", request.rid)
-                    carried = 0
-                request.detection = dataclasses.replace(request.detection, carried=carried)
+        if reuse is None or reuse.auto is None:
+            return
+        named = tenant_named(payload, req)
+        request.learn = teaches(reuse, payload, request, named)
+        namespace = None if payload is None else payload.get("namespace")
+        if request.hint is not None or request.exact is not None or getattr(req, "to_finish", None) is not None \
+                or reuse.config.select.selector == EXACT_SELECTOR:  # a server serving `full` blends nothing
+            if request.learn:
+                request.segments = reuse.segments(req.origin_input_ids, namespace, getattr(req, "cache_salt", None))
+        elif not named and reuse.config.auto.require_tenant:
+            report.fallback(request, "no_tenant", NO_TENANT)
+        else:
+            _detect(reuse, tree_cache, req, request, payload, input_logprobs)
     except HintError as exc:  # validated at the HTTP layer; an Engine-side bypass still must not fail the request
         if reuse is not None:
             report.fallback(request, "bad_hint", str(exc))
+
+
+NO_TENANT = ("the request names no tenant (no chunkcache namespace, no cache_salt) and auto.require_tenant is set: "
+             "served as stock, nothing learned")
+
+
+def _detect(reuse: ChunkReuse, tree_cache, req, request: ChunkRequest, payload: dict | None,
+            input_logprobs: bool) -> None:
+    try:
+        auto_chunks.detect(reuse, tree_cache, req, request, payload, input_logprobs)
+    except Exception as exc:  # noqa: BLE001 - e.g. the shared tier failing mid-lookup: serve it as stock
+        log.exception("chunkcache: automatic chunk detection failed for request %s", request.rid)
+        request.hint = request.detection = None
+        report.fallback(request, "auto_error", f"{type(exc).__name__}: {exc}")
+    if request.hint is not None:
+        plain, req.extra_key = req.extra_key, auto_partition(req.extra_key)
+        try:
+            carried = auto_chunks.carry_exact_prefix(tree_cache, req, plain)
+        except Exception:  # noqa: BLE001 - the blend's fill computes the prefix instead
+            log.exception("chunkcache: carrying request %s's exact prefix into the auto partition failed; "
+                          "its fill computes it", request.rid)
+            carried = 0
+        request.detection = dataclasses.replace(request.detection, carried=carried)
+
+
+def tenant_named(payload: dict | None, req) -> bool:
+    """Whether the request names its tenant: a namespace in its chunkcache payload, or a cache_salt."""
+    return bool((payload or {}).get("namespace") or getattr(req, "cache_salt", None))
+
+
+def teaches(reuse: ChunkReuse, payload: dict | None, request: ChunkRequest, named: bool) -> bool:
+    """Whether the request's paragraphs may be learned (in its own tenant): not when the server does not learn, the
+    request asked for exact KV or `learn: false`, or names no tenant where the server requires one."""
+    return (reuse.config.auto.learn and request.exact is None and (payload or {}).get("learn") is not False
+            and (named or not reuse.config.auto.require_tenant))
 
 
 def exact_reason(reuse: ChunkReuse | None, payload: dict) -> str | None:

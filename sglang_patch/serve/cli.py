@@ -126,6 +126,9 @@ def serve(args: argparse.Namespace, extra: list[str]) -> int:
     prepare_environment(config_path)
     if args.remote_url:
         os.environ[REMOTE_URL_ENV] = args.remote_url
+    if os.environ.get(REMOTE_URL_ENV) and not args.no_chunk_reuse:  # what the scheduler would refuse, refused now
+        config.store.remote_url = os.environ[REMOTE_URL_ENV]
+        config.store.remote_secret()  # ConfigError (exit 2) saying what to set when the shared tier has no secret
     if args.auto_chunks:
         os.environ[AUTO_CHUNKS_ENV] = "1"
     argv = [sys.executable, "-m", "sglang.launch_server", *to_argv(settings), *config.serve.sglang_args, *extra]
