@@ -304,6 +304,11 @@ class AutoConfig:
         "its own paragraph, nothing its key does not name): `chat`, the tokens the model's chat template puts before "
         "a user message's text (its default system message included; the tokenizer's BOS without a template); "
         "`none`, nothing (each paragraph from position 0)")
+    edge_tokens: int = knob(
+        8, "a paragraph is also looked up as if its first 1..this many tokens were a wrapper the taught paragraph "
+        "lacked, and its last segment without up to this many of its last tokens: a passage taught bare (ingest, the "
+        "documents API, a request of its own) is found on a line that wraps it (`<document>...</document>`); 0: "
+        "paragraphs as they are")
     learn: bool = knob(True, "learn the paragraphs of the prompts this server serves (requests may opt out with "
                        "`learn: false`; `exact: true` ones never teach)")
     encode_queue: int = knob(
@@ -328,6 +333,7 @@ class AutoConfig:
         if self.head not in HEADS:
             raise ConfigError("head", f"must be one of {', '.join(HEADS)}, got {self.head!r}")
         _at_least(self, "encode_queue", 1)
+        _at_least(self, "edge_tokens", 0)
         _at_least(self, "encode_starved_s", 0)
         _at_least(self, "segment_min_tokens", 8)  # the content-defined cut's hash window is 8 tokens
         m = self.segment_mean_tokens

@@ -2,6 +2,7 @@
 detect / encode decisions (chunkcache.blend.auto), on the default model's tokenizer and MuSiQue passages."""
 
 import json
+from dataclasses import replace
 import pytest
 import torch
 
@@ -158,3 +159,23 @@ def test_auto_config_is_checked(tmp_path):
     bad.write_text("auto:\n  segment_mean_tokens: 48\n")
     with pytest.raises(ConfigError, match="segment_mean_tokens: must be a power of two"):
         Config.load(bad)
+
+
+def test_a_passage_taught_bare_is_found_on_a_line_that_wraps_it_in_tags(tok, auto, passages):
+    """Ingest and the documents API teach a passage as a paragraph of its own ("Documents:\n\n" + passage + "\n\n");
+    a client pasting it in tags has the tags on the passage's line. Read as a wrapper and the taught paragraph
+    (Form.lead), and its last segment trimmed, the detected chunks cover >= 95 % of the passage's tokens, each token
+    once; with edge_tokens 0 nothing of it is found (every segment's context holds the tag)."""
+    target, other = passages[4].replace("\n", " "), passages[5].replace("\n", " ")
+    taught = chat(tok, "Documents:\n\n" + target + "\n\n" + other + "\n\nQuestion: x")
+    stored = set(auto.segments(taught, "default", None).keys)
+    ids = chat(tok, "Answer from these.\n" + "\n".join(f"<document>{p}</document>" for p in (other, target))
+               + "\nQuestion: y")
+    found = auto.detect(auto.segments(ids, "default", None), len(ids), matched=0, stored=stored)
+    own = tok(target, add_special_tokens=False)["input_ids"]
+    at = next(i for i in range(len(ids)) if ids[i: i + len(own)] == own)
+    covered = [span for span in found.spans if at <= span[0] and span[1] <= at + len(own)]
+    assert sum(e - s for s, e in covered) >= 0.95 * len(own), (len(own), covered)
+    assert all(e <= s2 for (_, e), (s2, _) in zip(found.spans, found.spans[1:]))  # no token twice
+    bare = AutoChunks(replace(auto.config, edge_tokens=0), auto.segmenter.break_ids, FP)
+    assert bare.detect(bare.segments(ids, "default", None), len(ids), 0, stored) is None

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from chunkcache.blend import pipeline, plan
-from chunkcache.blend.auto import AutoChunks, Detected, Segments
+from chunkcache.blend.auto import AutoChunks, Detected, Form, Segments
 from chunkcache.blend.features import Models
 from chunkcache.blend.plan import Placement, plan_request, recompute_set, to_compute
 from chunkcache.blend.request import STAGES, ChunkRequest, RequestHint
@@ -175,7 +175,8 @@ class ThreeSegments:
         return Detected(spans, tuple(k for _, k in picked), sum(e - s for s, e in spans))
 
 
-SEGMENTS = Segments(((2, 4), (4, 6), (6, 8)), ("a", "b", "c"), (2, 2, 2), ("x", "x", "x"), "t")
+SEGMENTS = Segments(((2, 4), (4, 6), (6, 8)), ("a", "b", "c"), (2, 2, 2), ("x", "x", "x"), "t",
+                    (Form(0, 0, (2, 4), "a"), Form(1, 0, (4, 6), "b"), Form(2, 0, (6, 8), "c")))
 DEFAULTS = pipeline.Defaults("grows", 0.1, "ns")
 
 

@@ -19,6 +19,10 @@ Contract:
   prompt's last token become the hint's chunks when they add up to `min_reuse_tokens`; otherwise None and the
   request is served as stock. A segment the exact prefix reaches into is reused from the prefix's end. No segment
   needs a lead of exact tokens: like a hinted chunk's, its KV saw only the head and its own paragraph.
+- A paragraph is also looked up as a wrapper and a taught one (`Form.lead`): read as if its first `lead` tokens
+  (1..`edge_tokens`) were not part of it, and its last segment without up to `edge_tokens` of its last tokens, so a
+  passage taught bare (ingest, the documents API, a request of its own) is found on a line that wraps it
+  (`<document>...</document>`); per paragraph, the reading with the most stored tokens is used.
 """
 
 from __future__ import annotations
@@ -36,19 +40,32 @@ from ..segment import Segmenter
 
 
 @dataclass(frozen=True)
+class Form:
+    """One way a segment of the prompt may be stored: in its paragraph read from `paragraph + lead` on (`lead` tokens
+    taken as a wrapper the taught paragraph lacked; 0: the paragraph as it is), as `span` (the segment, or its first
+    or last tokens trimmed at the paragraph's edges)."""
+
+    segment: int  # which segment (index into Segments.spans)
+    lead: int
+    span: tuple[int, int]
+    key: str
+
+
+@dataclass(frozen=True)
 class Segments:
     """One prompt's segments that may be reused (at least the segmenter's minimum length), for one tenant."""
 
     spans: tuple[tuple[int, int], ...]
-    keys: tuple[str, ...]
+    keys: tuple[str, ...]  # each segment's key as its paragraph teaches it
     paragraphs: tuple[int, ...]  # where each segment's paragraph starts in the prompt
     contexts: tuple[str, ...]  # each segment's context digest (prefix_key of the head and its paragraph before it)
     tenant: str  # hashing.tenant_key of the namespace and salt its keys were made for
+    forms: tuple[Form, ...] = ()  # every form detection looks up: the segments as taught, then the wrapped readings
 
     def lookup_keys(self, matched: int) -> list[tuple[int, str]]:
-        """(tokens, key) of every segment that ends past `matched` (one the exact prefix reaches into may be reused
-        from there on)."""
-        return [(e - s, k) for (s, e), k in zip(self.spans, self.keys) if e > matched]
+        """(tokens, key) of every form that ends past `matched` (one the exact prefix reaches into may be reused from
+        there on)."""
+        return [(f.span[1] - f.span[0], f.key) for f in self.forms if f.span[1] > matched]
 
 
 @dataclass(frozen=True)
@@ -102,15 +119,46 @@ class AutoChunks:
         paragraph = np.maximum.accumulate(after_break) if len(arr) else after_break  # [i]: a paragraph starts there
         starts = [int(paragraph[s - 1]) if s else 0 for s, _ in spans]
         tenant = tenant_key(namespace, cache_salt)
-        contexts = tuple(prefix_key(torch.cat([self.head, ids[p:s]])) for (s, _), p in zip(spans, starts))
+
+        def context(p: int, s: int) -> str:
+            return prefix_key(torch.cat([self.head, ids[p:s]]))
+
+        contexts = tuple(context(p, s) for (s, _), p in zip(spans, starts))
         keys = tuple(entry_key(self.fingerprint, tenant, c, ids[s:e]) for (s, e), c in zip(spans, contexts))
-        return Segments(spans, keys, tuple(starts), contexts, tenant)
+        forms = [Form(i, 0, span, key) for i, (span, key) in enumerate(zip(spans, keys))]
+        edge, floor, n = self.config.edge_tokens, self.config.segment_min_tokens, len(ids)
+        last = {p: i for i, p in enumerate(starts)}  # each paragraph's last segment
+        for i, ((s, e), p) in enumerate(zip(spans, starts)):
+            ends = e == n or int(ids[e]) in self.segmenter.break_ids  # the segment ends its paragraph
+            for lead in range(edge + 1):
+                a = max(s, p + lead)  # the segment as this reading of its paragraph has it
+                c = contexts[i] if lead == 0 else context(p + lead, a)
+                cuts = [(a, e)] if lead else []
+                cuts += [(a, e - j) for j in range(1, edge + 1) if ends and last[p] == i]
+                forms += [Form(i, lead, (x, y), entry_key(self.fingerprint, tenant, c, ids[x:y]))
+                          for x, y in cuts if y - x >= floor]
+        return Segments(spans, keys, tuple(starts), contexts, tenant, tuple(forms))
 
     def detect(self, segments: Segments, n: int, matched: int, stored: Container[str]) -> Detected | None:
         """The stored segments of a prompt of `n` tokens past its first `matched` (held exactly), ending before its
-        last token; None when they cover fewer than min_reuse_tokens past it. `stored`: the keys every rank holds."""
-        picked = [(span, key) for span, key in zip(segments.spans, segments.keys)
-                  if key in stored and matched < span[1] < n]
+        last token; None when they cover fewer than min_reuse_tokens past it. `stored`: the keys every rank holds.
+        Per paragraph, the reading (`Form.lead`) whose stored forms cover the most tokens (the paragraph as it is on
+        a tie), and per segment its longest stored form in it."""
+        best: dict[tuple[int, int], Form] = {}  # (segment, lead) -> its longest stored form
+        for f in segments.forms:
+            if f.key in stored and matched < f.span[1] < n:
+                kept = best.get((f.segment, f.lead))
+                if kept is None or f.span[1] - f.span[0] > kept.span[1] - kept.span[0]:
+                    best[f.segment, f.lead] = f
+        covered: dict[tuple[int, int], int] = {}  # (paragraph, lead) -> its stored tokens
+        for (i, lead), f in best.items():
+            at = (segments.paragraphs[i], lead)
+            covered[at] = covered.get(at, 0) + f.span[1] - f.span[0]
+        reading: dict[int, int] = {}  # paragraph -> the lead read
+        for (p, lead), tokens in sorted(covered.items()):  # leads in order: a tie keeps the smaller
+            if p not in reading or tokens > covered[p, reading[p]]:
+                reading[p] = lead
+        picked = sorted((f.span, f.key) for (i, lead), f in best.items() if reading[segments.paragraphs[i]] == lead)
         tokens = sum(e - max(s, matched) for (s, e), _ in picked)
         if tokens < self.config.min_reuse_tokens:
             return None

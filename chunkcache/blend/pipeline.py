@@ -285,8 +285,9 @@ def _with_features(entry: ChunkEntry, names: frozenset[str]) -> ChunkEntry:
 
 def _holding(entry: ChunkEntry | None, ids: torch.Tensor, key: str, engine: Engine) -> ChunkEntry | None:
     """`entry` if it holds these tokens' KV, else a miss: a value under the right key with other tokens or another
-    shape (a forged or foreign shared-tier value with a valid checksum) must never be copied into a request. The
-    chunk is then computed, and its put replaces the bad value in every tier. An entry of another model is refused
+    shape (a value written by a server that holds the shared tier's secret, or another model's) must never be copied
+    into a request. The chunk is then computed, and its put replaces the bad value in the local tiers (the shared
+    tier writes only where no value is: each server that fetches it computes the chunk again). An entry of another model is refused
     outright (FingerprintMismatch): the store was set up for the wrong model."""
     if entry is None:
         return None
