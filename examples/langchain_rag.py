@@ -6,7 +6,8 @@ the server's /v1 and a stuff-documents chain; the prompt is LangChain's, nothing
 
 The chain answers the question over the documents in examples/documents twice, the second time with them in reverse
 order (as another retriever's ranking would give them), and prints each answer with the server's chunk report: the
-second request finds the documents' segments in the chunk store (`chunk_hits`, `reused_tokens`). `--exact` passes
+second request (sent once the server has learned the first one's paragraphs) finds the documents' segments in the
+chunk store (`chunk_hits`, `reused_tokens`). `--exact` passes
 `{"chunkcache": {"exact": true}}` through ChatOpenAI's `extra_body`: the server computes those requests with SGLang's
 own prefill, reusing nothing, and reports `"exact": true`. The report is the answer's `usage.chunkcache`, which
 ChatOpenAI keeps in the reply's `response_metadata["token_usage"]`; the chain's output parser keeps only the reply's
@@ -16,8 +17,10 @@ text, so a callback handler keeps the reply itself.
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
+import requests
 from langchain_classic.chains.combine_documents import create_stuff_documents_chain
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
@@ -68,7 +71,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
         report = usage["chunkcache"]
         print(f"answer: {answer.strip()!r}\nchunks: {report}\n")
         reports.append(report)
+        learned(args.url)
     return reports
+
+
+def learned(url: str, timeout_s: float = 120.0) -> None:
+    """Wait until the server has encoded the paragraphs a question taught it: automatic detection learns them when
+    it is idle (`encodes_waiting` in /server_info; a server that does not say it returns at once)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = requests.get(url + "/server_info", timeout=30).json()["internal_states"][0].get("chunkcache", {})
+        if not state.get("encodes_waiting"):
+            return
+        time.sleep(0.2)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ prompt, in the index's order); the prompt is LlamaIndex's, nothing in it marks t
 
 The query engine answers the question over the documents in examples/documents twice, the second time from an index of
 them in reverse order (as another retriever's ranking would give them), and prints each answer with the server's chunk
-report: the second request finds the documents' segments in the chunk store (`chunk_hits`, `reused_tokens`). `--exact`
+report: the second request (sent once the server has learned the first one's paragraphs) finds the documents'
+segments in the chunk store (`chunk_hits`, `reused_tokens`). `--exact`
 passes `{"chunkcache": {"exact": true}}` as the OpenAI client's `extra_body` through OpenAILike's `additional_kwargs`:
 the server computes those requests with SGLang's own prefill, reusing nothing, and reports `"exact": true`. The report
 is the answer's `usage.chunkcache`, in the `raw` OpenAI response of the LLM's ChatResponse; the query engine's response
@@ -17,8 +18,10 @@ holds only the answer's text, so an instrumentation event handler keeps the Chat
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
+import requests
 from llama_index.core import Document, SummaryIndex
 from llama_index.core.base.llms.types import ChatResponse
 from llama_index.core.instrumentation import get_dispatcher
@@ -70,7 +73,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
         report = usage["chunkcache"]
         print(f"answer: {answer.strip()!r}\nchunks: {report}\n")
         reports.append(report)
+        learned(args.url)
     return reports
+
+
+def learned(url: str, timeout_s: float = 120.0) -> None:
+    """Wait until the server has encoded the paragraphs a question taught it: automatic detection learns them when
+    it is idle (`encodes_waiting` in /server_info; a server that does not say it returns at once)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = requests.get(url + "/server_info", timeout=30).json()["internal_states"][0].get("chunkcache", {})
+        if not state.get("encodes_waiting"):
+            return
+        time.sleep(0.2)
 
 
 if __name__ == "__main__":
