@@ -286,6 +286,7 @@ def test_every_path_stores_a_passage_as_the_same_bits_whatever_preceded_it(auto_
     by_form: dict[tuple, dict[str, object]] = {}
     for e in mine:
         assert e.key == entry_key(fp, e.tenant, e.context, e.token_ids), "an entry is not what its key names"
+        assert e.tenant in tenants, "a request taught another tenant than its own (the server's default namespace?)"
         by_form.setdefault((e.context, e.start_pos, tuple(e.token_ids.tolist())), {})[tenants[e.tenant]] = e
     taught = {name for forms in by_form.values() for name in forms}
     paths = {"plain", "blended", "docs-a", "docs-b", "ingest", "hinted-a", "hinted-b"}

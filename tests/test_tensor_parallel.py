@@ -90,7 +90,11 @@ def _serve(model, rag, prompts, tmp_path_factory, tp_size):
         (ids, spans), (again, again_spans) = prompts[0], rag.build([3, 4, 2, 1], "Which code comes first?")
         stores.drop(tp_size - 1, "epic-0", ids, spans, ORDERS[0].index(4))
         out["drift"] = gen(engine, again, hints(again_spans, selector="epic", namespace="epic-0"))
-        # automatic detection: unmarked prompts whose documents every earlier prompt's prefill taught the store
+        # automatic detection: unmarked prompts whose documents every earlier prompt taught the store, once the idle
+        # scheduler encoded them (a forward of every rank each)
+        from chunkbench.serving.http_client import wait_measured
+
+        wait_measured(engine.get_server_info, 300)
         for k, order in enumerate(([4, 2, 0], [1, 3, 4])):
             out["auto", k] = gen(engine, rag.build(order, f"What is the code of document {order[0]}?")[0])
         # the deviations mix estimated on its first reuses, measured by the idle scheduler (a forward of every rank)
