@@ -17,16 +17,15 @@ text, so a callback handler keeps the reply itself.
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
-import requests
 from langchain_classic.chains.combine_documents import create_stuff_documents_chain
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
 from langchain_core.messages import AIMessage
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_openai import ChatOpenAI
+from server_state import learned  # examples/server_state.py, beside this script
 
 DOCUMENTS = Path(__file__).resolve().parent / "documents"
 PROMPT = ChatPromptTemplate.from_messages([
@@ -74,16 +73,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
         learned(args.url)
     return reports
 
-
-def learned(url: str, timeout_s: float = 120.0) -> None:
-    """Wait until the server has encoded the paragraphs a question taught it: automatic detection learns them when
-    it is idle (`encodes_waiting` in /server_info; a server that does not say it returns at once)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        state = requests.get(url + "/server_info", timeout=30).json()["internal_states"][0].get("chunkcache", {})
-        if not state.get("encodes_waiting"):
-            return
-        time.sleep(0.2)
 
 
 if __name__ == "__main__":

@@ -18,16 +18,15 @@ holds only the answer's text, so an instrumentation event handler keeps the Chat
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
-import requests
 from llama_index.core import Document, SummaryIndex
 from llama_index.core.base.llms.types import ChatResponse
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.llm import LLMChatEndEvent
 from llama_index.llms.openai_like import OpenAILike
+from server_state import learned  # examples/server_state.py, beside this script
 
 DOCUMENTS = Path(__file__).resolve().parent / "documents"
 
@@ -76,16 +75,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
         learned(args.url)
     return reports
 
-
-def learned(url: str, timeout_s: float = 120.0) -> None:
-    """Wait until the server has encoded the paragraphs a question taught it: automatic detection learns them when
-    it is idle (`encodes_waiting` in /server_info; a server that does not say it returns at once)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        state = requests.get(url + "/server_info", timeout=30).json()["internal_states"][0].get("chunkcache", {})
-        if not state.get("encodes_waiting"):
-            return
-        time.sleep(0.2)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,9 @@ def ask_openai(url: str, docs: list[str], question: str, max_tokens: int = 32, e
 
 def example(name: str):
     """examples/NAME_rag.py, imported when a test runs (the fast tier collects this file without importing the
-    frameworks)."""
+    frameworks), with the examples' folder on the path as when a script there runs (examples/server_state.py)."""
+    if str(ROOT / "examples") not in sys.path:
+        sys.path.append(str(ROOT / "examples"))
     spec = importlib.util.spec_from_file_location(f"{name}_rag", ROOT / "examples" / f"{name}_rag.py")
     module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # pydantic resolves its annotations there
     spec.loader.exec_module(module)
