@@ -7,8 +7,7 @@ taken from rank-local facts (a rank's heads, its store, its clock, its exception
 it reaches a forward:
 
   * `agree(local, combine)`: every rank computes its own part, the parts are gathered in rank order and combined
-    the same way on every rank (`first`: rank 0's choice; `all_hold`: what every rank holds; `deepest_held`: a
-    value of what every rank holds, the largest of the ranks'); `decide` keeps what a
+    the same way on every rank (`first`: rank 0's choice; `all_hold`: what every rank holds); `decide` keeps what a
     rank computed and shares only a summary of it. A rank whose part raised makes every rank raise `RanksFailed` at
     that point, so all take the same fallback;
   * `sum_(tensor)`: a per-head feature summed over the ranks' heads, so every rank scores with all of them.
@@ -88,9 +87,3 @@ def first(parts: list[T]) -> T:
 def all_hold(parts: list[Sequence[bool]]) -> list[bool]:
     """Per item, whether every rank holds it (a chunk counts as stored only where every rank has its shard)."""
     return [all(held) for held in zip(*parts, strict=True)]
-
-
-def deepest_held(parts: list[Sequence[int | None]]) -> list[int | None]:
-    """Per item, None where a rank lacks it (None), else the largest of the ranks' values (a stored chunk's learned
-    position: the deepest copy decides, so every rank computes the same lead)."""
-    return [None if None in values else max(values) for values in zip(*parts, strict=True)]

@@ -14,7 +14,7 @@ from test_blend_pipeline import FP, CountingStore, FakeEngine, entry
 
 from chunkcache.blend import pipeline
 from chunkcache.blend.plan import plan_request
-from chunkcache.ranks import Ranks, RanksFailed, all_hold, deepest_held
+from chunkcache.ranks import Ranks, RanksFailed, all_hold
 from chunkcache.select.base import Selection, finish
 
 
@@ -44,8 +44,6 @@ def _worker(rank: int, port: int) -> None:
     # agree: rank 0's choice, what both hold, and one rank's failure raised on both
     assert ranks.agree(lambda: f"rank {rank}") == "rank 0"
     assert ranks.agree(lambda: [True, rank == 0, rank == 1], all_hold) == [True, False, False]
-    # a stored segment's learned position: none where a rank lacks it, else the deepest rank's
-    assert ranks.agree(lambda: [5 + rank, None if rank else 3, 7], deepest_held) == [6, None, 7]
     with pytest.raises(RanksFailed, match="rank 1: ValueError: only here"):
         ranks.agree(lambda: (_ for _ in ()).throw(ValueError("only here")) if rank == 1 else 1)
     assert ranks.sum_(torch.tensor([1.0 + rank, 2.0])).tolist() == [3.0, 4.0]
