@@ -191,7 +191,7 @@ class ReferenceBlender:
         the store lacks, each encoded alone after the canonical head (AutoChunks.to_encode) and stored. Returns the
         segments stored."""
         ids = _as_ids(token_ids, "prompt")
-        request = ChunkRequest(rid="reference", segments=auto.segments(ids, self.namespace, None))
+        request = ChunkRequest(rid="reference", segments=auto.segments(ids, self.namespace, None, readings=False))
         return sum(int(pipeline.store_encode(self.store, encode, self.kv_alone, self.fingerprint)["segments"])
                    for encode in pipeline.to_encode(self.store, auto, request, ids))
 

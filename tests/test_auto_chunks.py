@@ -148,6 +148,11 @@ def test_to_encode_names_each_paragraph_alone_after_the_head_and_when_crowded_on
                                             (((18, 32), segs.keys[2], segs.contexts[2]),)]
     assert {e.tenant for e in encodes} == {segs.tenant}
     assert seg.to_encode(segs, ids, [True] * 3) == []  # all held
+    # the paragraph's last segment held, its first missing: the forward still covers the whole paragraph (a
+    # forward of another length may round the first segment's KV otherwise)
+    (first,) = seg.to_encode(segs, ids, [True, False, True])
+    assert first.token_ids.tolist() == [7, 8] + ids[21:51] and first.entries == (((2, 18), segs.keys[1],
+                                                                                   segs.contexts[1]),)
     other = _seg(admit_after=2)
     assert other.to_encode(other.segments(ids, "ns", None), ids, [False] * 2, crowded=True) == []  # seen once
     assert len(other.to_encode(other.segments(ids, "ns", None), ids, [False] * 2, crowded=True)) == 2  # twice

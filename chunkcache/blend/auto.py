@@ -111,7 +111,10 @@ class AutoChunks:
                                    max_tokens=config.segment_max_tokens)
         self._seen: OrderedDict[str, int] = OrderedDict()  # sightings per key, least recent first
 
-    def segments(self, token_ids: Sequence[int] | torch.Tensor, namespace: str, cache_salt: str | None) -> Segments:
+    def segments(self, token_ids: Sequence[int] | torch.Tensor, namespace: str, cache_salt: str | None,
+                 readings: bool = True) -> Segments:
+        """`readings`: with the wrapped readings detection looks up (a prompt that only teaches, a client's chunks,
+        needs none: `forms` then holds the segments as taught)."""
         ids = torch.as_tensor(token_ids, dtype=torch.long)
         spans = tuple((s, e) for s, e in self.segmenter.spans(ids.numpy()) if e - s >= self.config.segment_min_tokens)
         arr = ids.numpy()
@@ -126,7 +129,7 @@ class AutoChunks:
         contexts = tuple(context(p, s) for (s, _), p in zip(spans, starts))
         keys = tuple(entry_key(self.fingerprint, tenant, c, ids[s:e]) for (s, e), c in zip(spans, contexts))
         forms = [Form(i, 0, span, key) for i, (span, key) in enumerate(zip(spans, keys))]
-        edge, floor, n = self.config.edge_tokens, self.config.segment_min_tokens, len(ids)
+        edge, floor, n = self.config.edge_tokens if readings else 0, self.config.segment_min_tokens, len(ids)
         last = {p: i for i, p in enumerate(starts)}  # each paragraph's last segment
         for i, ((s, e), p) in enumerate(zip(spans, starts)):
             ends = e == n or int(ids[e]) in self.segmenter.break_ids  # the segment ends its paragraph
@@ -168,15 +171,18 @@ class AutoChunks:
                   crowded: bool = False) -> list[Encode]:
         """The paragraphs of a prompt of `token_ids` (its `segments`) holding a segment that `held` (per segment:
         whether every rank's store holds it) says is missing and, when `crowded`, that was now seen admit_after
-        times; one Encode per paragraph, storing those segments."""
+        times; one Encode per paragraph, storing those segments. The forward covers the paragraph through its last
+        segment whichever of them are missing, so its token ids (and the bits of each segment's KV, which a forward
+        of another length may round differently) are a function of the head and the paragraph alone."""
         ids = torch.as_tensor(token_ids, dtype=torch.long)
         by_paragraph: dict[int, list[int]] = {}
         for i, (key, have) in enumerate(zip(segments.keys, held)):
             if not have and (self._sighted(key) >= self.config.admit_after or not crowded):
                 by_paragraph.setdefault(segments.paragraphs[i], []).append(i)
+        ends = {p: e for (_, e), p in zip(segments.spans, segments.paragraphs)}  # each paragraph's last segment's end
         out, h = [], len(self.head)
         for p, todo in by_paragraph.items():
-            end = segments.spans[todo[-1]][1]
+            end = ends[p]
             entries = tuple(((h + s - p, h + e - p), segments.keys[i], segments.contexts[i])
                             for i in todo for s, e in [segments.spans[i]])
             out.append(Encode(torch.cat([self.head, ids[p:end]]), entries, segments.tenant))

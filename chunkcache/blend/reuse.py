@@ -156,10 +156,11 @@ class ChunkReuse:
             selector=parsed.selector or select.selector, ratio=select.ratio if parsed.ratio is None else parsed.ratio,
             namespace=namespace, max_kl=self._floor(parsed.max_kl, parsed.ratio), tenant=tenant, context=prefix)
 
-    def segments(self, token_ids: Sequence[int], namespace: str | None, cache_salt: str | None) -> Segments:
+    def segments(self, token_ids: Sequence[int], namespace: str | None, cache_salt: str | None,
+                 readings: bool = True) -> Segments:
         """The prompt's reusable segments for the tenant of `namespace` (None: the server's) and `cache_salt`
-        (auto detection must be on)."""
-        return self.auto.segments(token_ids, namespace or self.config.store.namespace, cache_salt)
+        (auto detection must be on); `readings`: see AutoChunks.segments."""
+        return self.auto.segments(token_ids, namespace or self.config.store.namespace, cache_salt, readings)
 
     def defaults(self, payload: dict | None = None) -> Defaults:
         """What a hint found by automatic detection asks for: the server's selector, ratio, namespace and floor,

@@ -57,7 +57,8 @@ def attach(reuse: ChunkReuse | None, tree_cache, req, input_logprobs: bool = Fal
         if request.hint is not None or request.exact is not None or getattr(req, "to_finish", None) is not None \
                 or reuse.config.select.selector == EXACT_SELECTOR:  # a server serving `full` blends nothing
             if request.learn:
-                request.segments = reuse.segments(req.origin_input_ids, namespace, getattr(req, "cache_salt", None))
+                request.segments = reuse.segments(req.origin_input_ids, namespace, getattr(req, "cache_salt", None),
+                                                  readings=False)  # only taught: nothing is looked up
         elif not named and reuse.config.auto.require_tenant:
             report.fallback(request, "no_tenant", NO_TENANT)
         else:
