@@ -90,12 +90,15 @@ def _serve(model, rag, prompts, tmp_path_factory, tp_size):
         (ids, spans), (again, again_spans) = prompts[0], rag.build([3, 4, 2, 1], "Which code comes first?")
         stores.drop(tp_size - 1, "epic-0", ids, spans, ORDERS[0].index(4))
         out["drift"] = gen(engine, again, hints(again_spans, selector="epic", namespace="epic-0"))
-        # automatic detection: unmarked prompts whose documents every earlier prompt taught the store, once the idle
-        # scheduler encoded them (a forward of every rank each)
+        # automatic detection: an unmarked prompt teaches the default tenant its paragraphs, the idle scheduler
+        # encodes them (a forward of every rank each), then the same documents in another order are found; every
+        # request waits for the encodes the one before it queued, so both servers hold the same entries
         from chunkbench.serving.http_client import wait_measured
 
-        wait_measured(engine.get_server_info, 300)
-        for k, order in enumerate(([4, 2, 0], [1, 3, 4])):
+        for k, (taught, order) in enumerate((([0, 2, 4], [4, 2, 0]), ([4, 3, 1], [1, 3, 4]))):
+            wait_measured(engine.get_server_info, 300)
+            gen(engine, rag.build(taught, "Which code comes first?")[0])
+            wait_measured(engine.get_server_info, 300)
             out["auto", k] = gen(engine, rag.build(order, f"What is the code of document {order[0]}?")[0])
         # the deviations mix estimated on its first reuses, measured by the idle scheduler (a forward of every rank)
         deadline = time.monotonic() + 120
@@ -154,6 +157,7 @@ def test_automatic_detection_on_two_ranks_finds_and_blends_as_one_rank_does(serv
     for k in range(2):
         one, two = served[1]["auto", k], served[2]["auto", k]
         assert report(two).get("auto") and "fallback" not in report(two), report(two)
+        assert report(one)["chunk_hits"] >= 3, report(one)  # every document was taught before
         for field in ("chunk_hits", "reused_tokens", "recomputed_tokens"):
             assert report(two)[field] == report(one)[field], (field, report(one), report(two))
         assert two["output_ids"] == one["output_ids"], k
