@@ -12,6 +12,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import hashlib
+import json
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -483,6 +485,22 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        """A short digest of the settings, for comparing the tensor-parallel ranks' (chunkcache.ranks.Ranks.
+        check_alike): every knob's value but store.disk_dir's, of which only whether it is set counts, since each rank
+        writes its own directory (the scheduler appends `tpXofY` to it when it starts; on other nodes it may be
+        another disk's path)."""
+        settings = self.to_dict()
+        settings["store"]["disk_dir"] = self.store.disk_dir is not None
+        return digest(settings)
+
+
+def digest(content: Any) -> str:
+    """A short, stable digest of `content` (JSON-able, dataclasses as dicts; anything else by its str): the same on
+    every process and host that holds the same content, whatever its dicts' order."""
+    canonical = json.dumps(content, sort_keys=True, default=str)
+    return hashlib.blake2b(canonical.encode(), digest_size=8).hexdigest()
 
 
 def config_file(name: str | Path | None) -> Path:

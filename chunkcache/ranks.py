@@ -10,7 +10,9 @@ it reaches a forward:
     the same way on every rank (`first`: rank 0's choice; `all_hold`: what every rank holds); `decide` keeps what a
     rank computed and shares only a summary of it. A rank whose part raised makes every rank raise `RanksFailed` at
     that point, so all take the same fallback;
-  * `sum_(tensor)`: a per-head feature summed over the ranks' heads, so every rank scores with all of them.
+  * `sum_(tensor)`: a per-head feature summed over the ranks' heads, so every rank scores with all of them;
+  * `check_alike(facts)`: what every rank must start from alike (its config, fidelity estimator, host rates), by
+    fingerprint: a difference stops every rank with a ValueError naming it.
 
 Every call is a collective: every rank must make the same calls in the same order, which holds because SGLang's
 schedulers are replicas of one state machine (rank 0 broadcasts the requests). One rank (`Ranks()`) agrees with
@@ -19,7 +21,7 @@ itself at no cost, and a local exception propagates as it is.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -67,6 +69,21 @@ class Ranks:
         if failed:
             raise RanksFailed("; ".join(f"rank {r}: {detail}" for r, detail in failed))
         return mine, combine([shared for _, shared in parts])
+
+    def check_alike(self, facts: Mapping[str, str]) -> None:
+        """Refuses ranks that start from different facts: `facts` names each fact every rank must hold alike by a
+        short fingerprint of it (the config's, chunkcache.config.Config.fingerprint; the fidelity estimator's,
+        chunkcache.blend.fidelity.estimator_fingerprint; the host rates', chunkcache.blend.cost.rates_fingerprint).
+        The ranks gather them; where one differs, or a rank lacks it, every rank raises the same ValueError naming
+        each such fact and every rank's value, so all stop together instead of blending apart. A collective: every
+        rank calls it with the same names, once it has its facts (one rank holds its facts alike at no cost)."""
+        held = self.agree(lambda: dict(facts), list)
+        unlike = [name for name in sorted(set().union(*held)) if len({part.get(name) for part in held}) > 1]
+        if unlike:
+            raise ValueError("chunkcache: tensor-parallel ranks differ in " + "; in ".join(
+                f"{name}: " + ", ".join(f"rank {r} {part.get(name, 'missing')}" for r, part in enumerate(held))
+                for name in unlike) + "; every rank must load the same (the same files and CHUNKCACHE_* variables "
+                "on every node)")
 
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` summed over the ranks, in place (through the host: the group is the CPU one)."""

@@ -1,5 +1,6 @@
 """chunkcache.blend.cost: the blend-or-full prediction, priced by hand on rates chosen to isolate each term."""
 
+import functools
 import math
 from types import SimpleNamespace
 
@@ -92,6 +93,19 @@ def test_rates_are_measured_once_per_host_and_shape(tmp_path, monkeypatch):
     assert host_rates(shape) == host_rates(shape) == Rates(1e-4, 1e-9, 1e-7) and runs == [shape]
     host_rates(ModelShape(4, 64, 128, 4, 2, 16, "float32"))
     assert len(runs) == 2
+
+
+def test_measuring_rates_leaves_the_global_generator_as_it_was(tmp_path, monkeypatch):
+    """Only the tensor-parallel ranks lacking a kept rates file measure; torch's global generator, seeded alike on
+    every rank, samples their tokens: measuring must not draw from it."""
+    from chunkcache.blend import cost
+
+    monkeypatch.setenv("CHUNKCACHE_HOME", str(tmp_path))  # no kept rates: measured now
+    monkeypatch.setattr(cost, "measure", functools.partial(cost.measure, tokens=16, keys=32))
+    torch.manual_seed(1)
+    before = torch.get_rng_state()
+    host_rates(ModelShape(2, 64, 128, 4, 2, 16, "float32"))
+    assert (tmp_path / "host-rates.json").is_file() and torch.equal(torch.get_rng_state(), before)
 
 
 def test_the_measurement_gives_positive_rates():

@@ -3,7 +3,7 @@ float order, its exceptions) comes out the same on both ranks, through the blend
 selector are stand-ins; tests/test_tensor_parallel.py runs SGLang's own engine with --tp-size 2)."""
 
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import pytest
@@ -12,8 +12,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from test_blend_pipeline import FP, CountingStore, FakeEngine, entry
 
-from chunkcache.blend import pipeline
+from chunkcache.blend import fidelity, pipeline
+from chunkcache.blend.cost import Rates, rates_fingerprint
 from chunkcache.blend.plan import plan_request
+from chunkcache.config import Config
 from chunkcache.ranks import Ranks, RanksFailed, all_hold
 from chunkcache.select.base import Selection, finish
 
@@ -47,6 +49,14 @@ def _worker(rank: int, port: int) -> None:
     with pytest.raises(RanksFailed, match="rank 1: ValueError: only here"):
         ranks.agree(lambda: (_ for _ in ()).throw(ValueError("only here")) if rank == 1 else 1)
     assert ranks.sum_(torch.tensor([1.0 + rank, 2.0])).tolist() == [3.0, 4.0]
+
+    # check_alike: facts held alike pass; one that differs, or that a rank lacks, stops both ranks, named
+    ranks.check_alike({"config": "ab12", "rates": "none"})
+    with pytest.raises(ValueError, match=r"differ in config: rank 0 ab12, rank 1 cd34; every rank must load"):
+        ranks.check_alike({"config": "ab12" if rank == 0 else "cd34", "rates": "none"})
+    with pytest.raises(ValueError, match=r"in estimator: rank 0 missing, rank 1 ef56; in rates: rank 0 none, rank 1 "):
+        ranks.check_alike({"config": "ab12", "rates": "none"} if rank == 0 else
+                          {"config": "ab12", "estimator": "ef56", "rates": "9a"})
 
     # the pipeline: rank 1's store lacks "y" and rank 0's "x" remembers a feature rank 1's does not
     ids = torch.arange(3, 15)
@@ -89,3 +99,26 @@ def test_one_rank_agrees_with_itself_and_raises_its_own_errors():
         ranks.agree(lambda: int("x"))
     t = torch.ones(2)
     assert ranks.sum_(t) is t
+    ranks.check_alike({"config": "ab12"})
+
+
+def test_the_facts_ranks_compare_fingerprint_what_every_rank_must_hold_alike():
+    """The config's fingerprint leaves out the disk directory each rank writes (the scheduler appends tpXofY) but
+    not whether there is one, nor any other knob; the estimator's and the rates' follow their numbers."""
+    config = Config()
+    assert config.fingerprint() == Config().fingerprint() and len(config.fingerprint()) == 16
+    config.store.disk_dir = "/cache/tp0of2"
+    other_rank = Config()
+    other_rank.store.disk_dir = "/cache/tp1of2"
+    assert config.fingerprint() == other_rank.fingerprint() != Config().fingerprint()
+    other_rank.select.ratio = config.select.ratio / 2
+    assert other_rank.fingerprint() != config.fingerprint()
+
+    shipped = fidelity.load().model()
+    assert fidelity.estimator_fingerprint(None) == "none"
+    assert fidelity.estimator_fingerprint(shipped) == fidelity.estimator_fingerprint(replace(shipped))
+    moved = replace(shipped, margin=shipped.margin + 1e-9)
+    assert fidelity.estimator_fingerprint(moved) != fidelity.estimator_fingerprint(shipped)
+    assert rates_fingerprint(None) == "none"
+    assert rates_fingerprint(Rates(1e-4, 1e-9, 1e-7)) == rates_fingerprint(Rates(1e-4, 1e-9, 1e-7))
+    assert rates_fingerprint(Rates(1e-4, 1e-9, 1e-7)) != rates_fingerprint(Rates(1e-4, 2e-9, 1e-7))

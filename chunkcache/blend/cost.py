@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from ..config import home
+from ..config import digest, home
 from ..cpu_dtype import best_seconds, host_signature, kept_per_host
 from ..select.base import QUERY_PASS_TOKENS, needs
 from .plan import RequestPlan
@@ -199,17 +199,32 @@ def host_rates(shape: ModelShape) -> Rates:
     return Rates(**kept_per_host(home() / "host-rates.json", key, lambda: asdict(measure(shape))))
 
 
+def rates_fingerprint(rates: Rates | None) -> str:
+    """A short digest of `rates` ("none": the server runs without them), for comparing the tensor-parallel ranks'
+    (chunkcache.ranks.Ranks.check_alike): ranks measuring their own (no kept file, or one per node) would price the
+    same blend apart."""
+    return "none" if rates is None else digest(asdict(rates))
+
+
 def measure(shape: ModelShape, tokens: int = 512, keys: int = 1024) -> Rates:
+    """This host's rates for `shape`, timed on `tokens` rows and a causal attention over `keys`. The operands are
+    drawn from a generator of their own: torch's global one is seeded alike on every tensor-parallel rank by SGLang
+    and samples their tokens, and only the ranks lacking a kept file measure, so drawing from it would set the ranks'
+    sampling apart."""
     dtype = getattr(torch, shape.dtype)
     h, d = shape.hidden, shape.head_dim
-    x = torch.randn(tokens, h).to(dtype)
-    weights = [torch.randn(h, (shape.heads + 2 * shape.kv_heads) * d), torch.randn(shape.heads * d, h),
-               torch.randn(h, 2 * shape.intermediate), torch.randn(shape.intermediate, h)]
-    weights = [w.to(dtype) for w in weights]
-    inputs = [x, torch.randn(tokens, shape.heads * d).to(dtype), x, torch.randn(tokens, shape.intermediate).to(dtype)]
+    gen = torch.Generator().manual_seed(0)
+
+    def drawn(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=gen).to(dtype)
+
+    x = drawn(tokens, h)
+    weights = [drawn(h, (shape.heads + 2 * shape.kv_heads) * d), drawn(shape.heads * d, h),
+               drawn(h, 2 * shape.intermediate), drawn(shape.intermediate, h)]
+    inputs = [x, drawn(tokens, shape.heads * d), x, drawn(tokens, shape.intermediate)]
     layer = best_seconds(lambda: [a @ w for a, w in zip(inputs, weights)])
-    q = torch.randn(1, shape.heads, keys, d).to(dtype)
-    k, v = (torch.randn(1, shape.kv_heads, keys, d).to(dtype) for _ in range(2))
+    q = drawn(1, shape.heads, keys, d)
+    k, v = (drawn(1, shape.kv_heads, keys, d) for _ in range(2))
     attention = best_seconds(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                              enable_gqa=shape.heads != shape.kv_heads))
     kv_bytes = 2 * shape.layers * shape.kv_heads * d * dtype.itemsize

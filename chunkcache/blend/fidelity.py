@@ -15,13 +15,13 @@ import json
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from ..config import home
+from ..config import digest, home
 from ..hashing import model_fingerprint
 from ..select.base import Layout, Selector
 from .plan import recompute_set
@@ -159,6 +159,13 @@ class Estimate:
     agree: float  # probability that the greedy first token is full recompute's
     fitted_for: str  # the model whose cases the estimator was fitted on (Model.name)
     covers: int  # the answer tokens the kl bounds (Model.covers)
+
+
+def estimator_fingerprint(model: Model | None) -> str:
+    """A short digest of the estimator's coefficients and what it was fitted on ("none": the server has none for its
+    model), for comparing the tensor-parallel ranks' (chunkcache.ranks.Ranks.check_alike): ranks reading another
+    calibrations file would choose another rho for the same request."""
+    return "none" if model is None else digest(asdict(model))
 
 
 def estimate(s: Signals, model: Model) -> Estimate | None:
