@@ -17,7 +17,7 @@ import pytest
 import requests
 
 from chunkcache.prompt import _SLOT
-from chunkcache.store.disk import decode, encode
+from chunkcache.store.wire import decode, encode
 from sglang_patch.scheduler.request_hint import radix_partition
 from sglang_patch.serve import cli
 

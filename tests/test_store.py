@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from chunkcache.store import ChunkEntry, ChunkStore, FingerprintMismatch
-from chunkcache.store.disk import DiskTier, decode, encode
+from chunkcache.store.disk import DiskTier
+from chunkcache.store.wire import decode, encode
 
 FP = "f" * 32
 

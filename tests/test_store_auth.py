@@ -16,8 +16,8 @@ from test_store_remote import drain, remote_store, sealed, stored
 from chunkcache.config import REMOTE_SECRET_ENV, Config, ConfigError, StoreConfig
 from chunkcache.hashing import chunk_key, prefix_key, tenant_key
 from chunkcache.store import ChunkEntry, ChunkStore
-from chunkcache.store.disk import encode
 from chunkcache.store.remote import MAC_BYTES, VALUE_TAG, key_prefix
+from chunkcache.store.wire import encode
 
 OTHER_SECRET = "another-fleets-secret-0123456789"
 

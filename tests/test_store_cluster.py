@@ -19,8 +19,8 @@ from chunkbench.serving.valkey_cluster import ValkeyCluster, wait_until
 from chunkcache.config import Config, ConfigError, StoreConfig
 from chunkcache.store import ChunkStore
 from chunkcache.store.cluster import ClusterTier
-from chunkcache.store.disk import encode
 from chunkcache.store.remote import key_prefix
+from chunkcache.store.wire import encode
 
 PASSWORD = "s3cret"
 STALL_TIMEOUT = 0.5  # the tier's timeout where a test tells one stalled node's wait from two in a row
@@ -106,7 +106,7 @@ def test_entries_spread_over_every_primary_on_their_chunk_keys_slot(shared):
 
 def test_compressed_entries_are_stored_on_their_primaries_and_read_decoded(shared):
     from chunkcache.store.codec import Codec
-    from chunkcache.store.disk import decode
+    from chunkcache.store.wire import decode
 
     a = remote_store(shared.url, compress="int8")
     entries = [make_entry(key(i), tokens=40, seed=i) for i in range(6)]

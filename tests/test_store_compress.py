@@ -16,8 +16,9 @@ from test_store_remote import drain, remote_store, stored, valkey  # noqa: F401 
 from chunkcache.config import Config, ConfigError
 from chunkcache.store import ChunkEntry, ChunkStore
 from chunkcache.store.codec import GROUP, Codec, named
-from chunkcache.store.disk import COMPRESSED, PLAIN, DiskTier, decode, encode
+from chunkcache.store.disk import DiskTier
 from chunkcache.store.remote import key_prefix
+from chunkcache.store.wire import COMPRESSED, PLAIN, decode, encode
 
 INT8, INT4 = Codec(8), Codec(4)
 

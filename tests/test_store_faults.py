@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 
 from chunkcache.store import ChunkStore, EntryLayout
-from chunkcache.store.disk import DiskTier, encode
+from chunkcache.store.disk import DiskTier
+from chunkcache.store.wire import encode
 
 from test_store import FP, key, make_entry
 

@@ -14,8 +14,8 @@ from chunkcache.config import Config, StoreConfig
 from chunkcache.hashing import chunk_key, prefix_key
 from chunkcache.store import ChunkStore, EntryLayout
 from chunkcache.store import endpoint
-from chunkcache.store.disk import encode
 from chunkcache.store.remote import RemoteTier, key_prefix, seal, unseal
+from chunkcache.store.wire import encode
 
 TIMEOUT = 0.2
 # Bounds on what a stall or an outage costs: orders of magnitude, so that a loaded 2-core host (a preempted thread,

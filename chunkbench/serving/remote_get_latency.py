@@ -25,7 +25,7 @@ import torch
 from chunkcache.config import REMOTE_SECRET_ENV, StoreConfig
 from chunkcache.models import DEFAULT_MODEL, resolve_model
 from chunkcache.store import ChunkEntry, ChunkStore
-from chunkcache.store.disk import encode
+from chunkcache.store.wire import encode
 
 
 def main() -> None:

@@ -3,7 +3,7 @@ costs, per model.
 
 * Bytes per token of a stored 400-token chunk (MuSiQue prose, the model's own KV in bfloat16): K and V as the disk
   and remote tiers write them, and the whole encoding (token ids, header) over the tokens.
-* Encode and decode seconds per chunk: `disk.encode` / `disk.decode` (quantise or dequantise, serialise, checksum),
+* Encode and decode seconds per chunk: `wire.encode` / `wire.decode` (quantise or dequantise, serialise, checksum),
   the fastest of 5 calls: on a busy host a floor, not what one call costs.
 * Why K is quantised per channel: K's and V's relative error (Frobenius) on that chunk, K per channel over 32-token
   groups (the codec) against per token over 32-channel groups (as V is).
@@ -41,7 +41,7 @@ from chunkcache.config import SelectConfig
 from chunkcache.cpu_dtype import best_seconds
 from chunkcache.store import ChunkEntry, ChunkStore
 from chunkcache.store.codec import TENSORS, Codec, named
-from chunkcache.store.disk import decode, encode
+from chunkcache.store.wire import decode, encode
 from .. import intervals, scoring
 from ..serving.ab import first_line
 from ..workloads import DEFAULT_MUSIQUE, WorkloadConfig, items, musique_paragraphs

@@ -4,7 +4,7 @@ Contract:
 - One key per entry, `cc:v1:{model fingerprint}:{chunk key}` (on a cluster the chunk key is a hash tag,
   `{chunk key}`: cluster.py). Its value is `VALUE_TAG | MAC | encoding`: the 4-byte tag `CCA1` (this layout's
   version), then HMAC-SHA256 under the fleet's secret (`store.remote_secret_env`, StoreConfig.remote_secret) over the
-  tag, the key name (length-prefixed) and the encoding, then the disk tier's checksummed encoding (`disk.encode`;
+  tag, the key name (length-prefixed) and the encoding, then the checksummed wire format (`wire.encode`;
   K and V compressed when `codec` is given, `store.compress`; its header carries the entry's tenant and context
   digests, from which decode recomputes the key). The chunk key hashes the model, the tenant, the context and the
   tokens, so tenants and models never share an entry across servers; the fingerprint in the name lets an operator
@@ -83,18 +83,18 @@ from redis.retry import Retry
 
 from ..config import REMOTE_SECRET_MIN_BYTES
 from .codec import Codec
-from .disk import CorruptEntry, decode, encode
 from .endpoint import Endpoint, NodeStats
 from .entry import ChunkEntry, EntryLayout
 from .link import LinkEstimate, worth_fetching
+from .wire import CorruptEntry, decode, encode
 
 log = logging.getLogger(__name__)
 
 FETCH = ("auto", "always", "never")  # store.remote_fetch
-KEY_SPACE = "cc:v1"  # the servers' key names, shared by both disk encodings (above)
+KEY_SPACE = "cc:v1"  # the servers' key names, shared by both wire format versions (above)
 VALUE_TAG = b"CCA1"  # an authenticated value's prefix, version 1: HMAC-SHA256 over the tag, key name and encoding
 MAC_BYTES = 32
-SEALED = len(VALUE_TAG) + MAC_BYTES  # bytes before the disk encoding in a value
+SEALED = len(VALUE_TAG) + MAC_BYTES  # bytes before the wire encoding in a value
 
 
 class Forged(ValueError):
@@ -148,12 +148,12 @@ def _mac(secret: bytes, name: str, data: bytes | memoryview) -> bytes:
 
 
 def seal(secret: bytes, name: str, data: bytes) -> bytes:
-    """The value stored under the key `name` for the disk encoding `data`: VALUE_TAG | MAC | data."""
+    """The value stored under the key `name` for the wire encoding `data`: VALUE_TAG | MAC | data."""
     return b"".join((VALUE_TAG, _mac(secret, name, data), data))
 
 
 def unseal(secret: bytes, name: str, value: bytes) -> memoryview:
-    """The disk encoding inside `value` (a view, not a copy), if `value` is what `seal` makes of it under `name`;
+    """The wire encoding inside `value` (a view, not a copy), if `value` is what `seal` makes of it under `name`;
     Forged otherwise."""
     if len(value) < SEALED or value[: len(VALUE_TAG)] != VALUE_TAG:
         raise Forged(f"no authenticator (a value of {len(value)} bytes not starting {VALUE_TAG!r})")
@@ -335,20 +335,22 @@ class RemoteTier:
             except redis.RedisError as exc:
                 endpoint.failed(exc)
 
-    def put(self, entry: ChunkEntry, replace_value: bool = False) -> None:
+    def put(self, entry: ChunkEntry, replace_value: bool = False) -> bool:
         """Queue `entry` for the writer: stored only where its key holds no value (SET NX), or, with
-        `replace_value` (the entry grown by selector features), over whatever the key holds (contract above)."""
+        `replace_value` (the entry grown by selector features), over whatever the key holds (contract above). False
+        if dropped instead: its server's breaker is open (`skipped`) or the queue is full (`dropped`)."""
         endpoint = self._route(self._name(entry.key))
         if endpoint is not None and not endpoint.available():
             endpoint.count("skipped")
-            return
+            return False
         with self._lock:
             try:
                 self._queue.put_nowait((replace(entry, features=dict(entry.features)), replace_value))
             except queue.Full:
                 self._n["dropped"] += 1
-                return
+                return False
             self._n["pending"] += 1
+        return True
 
     def stats(self) -> RemoteStats:
         totals = dict.fromkeys(Endpoint.COUNTERS, 0)

@@ -1,5 +1,6 @@
 """ChunkStore: host memory in front of an optional disk tier and an optional remote tier (a Redis-protocol server,
-or a cluster of them, shared by every chunkcache server).
+or a cluster of them, shared by every chunkcache server); further local tiers (tier.py's LocalTier), if given, sit
+between the disk and the remote tier.
 
 Contract:
 - get looks in memory, then disk, then remote, and promotes a hit into the tiers in front; get_many does so for a
@@ -25,7 +26,7 @@ Contract:
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,7 @@ from .disk import DiskTier
 from .entry import ChunkEntry, EntryLayout
 from .memory import MemoryTier
 from .remote import RemoteStats, RemoteTier, key_prefix
+from .tier import LocalTier
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ class StoreStats:
     memory_hits: int
     disk_hits: int
     remote_hits: int
-    evictions: int  # both tiers
+    evictions: int  # all local tiers
     memory_entries: int
     memory_bytes: int
     disk_entries: int
@@ -76,18 +78,23 @@ class ChunkStore:
         on_change: Callable[[StoreStats], None] | None = None,
         pin_memory: bool = False,
         compress: str = "none",
+        tiers: Sequence[LocalTier] = (),
     ):
         """`model_fingerprint`, if given, binds the store to one model: entries of any other are refused. `layout`,
         if given, is the model's KV layout: a disk or remote entry that does not fit it is dropped on read.
         `on_change`: see the contract above. `pin_memory`: the memory tier keeps KV page-locked (MemoryTier).
-        `compress`: how the disk tier writes KV (a remote tier is given its own)."""
+        `compress`: how the disk tier writes KV (a remote tier is given its own). `tiers`: local tiers asked after
+        the disk, in this order (their hits count in `hits` only)."""
         self.memory = MemoryTier(host_bytes, pin_memory)
         self.disk = DiskTier(disk_dir, disk_bytes, layout, codec.named(compress)) if disk_dir else None
         self.remote = remote
+        # the local tiers in lookup order: a hit is promoted into those in front of its tier, a put written to all
+        self.tiers: tuple[LocalTier, ...] = (self.memory, *([self.disk] if self.disk is not None else []), *tiers)
         self.model_fingerprint = model_fingerprint
         self.on_change = on_change
         self._lock = threading.Lock()
-        self._hits = self._misses = self._memory_hits = self._disk_hits = self._remote_hits = 0
+        self._hits = self._misses = self._remote_hits = 0
+        self._tier_hits = [0] * len(self.tiers)  # per local tier, in `tiers` order
 
     @classmethod
     def from_config(cls, config: StoreConfig, model_fingerprint: str | None = None, layout: EntryLayout | None = None,
@@ -121,14 +128,12 @@ class ChunkStore:
         found: dict[str, ChunkEntry] = {}
         with self._lock:
             for key in keys:
-                entry = self.memory.get(key)
-                if entry is not None:
-                    self._memory_hits += 1
-                elif self.disk is not None and (entry := self.disk.get(key)) is not None:
-                    self._disk_hits += 1
-                    self.memory.put(entry)
-                if entry is not None:
-                    found[key] = entry
+                for depth, tier in enumerate(self.tiers):
+                    if (entry := tier.get(key)) is not None:
+                        self._tier_hits[depth] += 1
+                        self._promote(entry, self.tiers[:depth])
+                        found[key] = entry
+                        break
         absent = [key for key in keys if key not in found]
         remote: dict[str, ChunkEntry] = {}
         asked = absent
@@ -140,9 +145,7 @@ class ChunkStore:
             with self._lock:
                 for entry in remote.values():
                     self._remote_hits += 1
-                    self.memory.put(entry)
-                    if self.disk is not None:
-                        self.disk.put(entry)
+                    self._promote(entry, self.tiers)
             found.update(remote)
         with self._lock:
             self._hits += len(found)
@@ -174,9 +177,7 @@ class ChunkStore:
         entry."""
         kept = False
         with self._lock:
-            entry = self.memory.get(key)
-            if entry is None and self.disk is not None:
-                entry = self.disk.get(key)
+            entry = next((held for tier in self.tiers if (held := tier.get(key)) is not None), None)
             if entry is not None:
                 entry.features.update(features)
                 kept = self._put_local(entry)
@@ -186,9 +187,15 @@ class ChunkStore:
         return kept
 
     def _put_local(self, entry: ChunkEntry) -> bool:
-        in_memory = self.memory.put(entry)
-        on_disk = self.disk is not None and self.disk.put(entry)
-        return in_memory or on_disk
+        """Write through to every local tier; True if any kept it."""
+        kept = [tier.put(entry) for tier in self.tiers]  # each one written, whatever those before answered
+        return any(kept)
+
+    @staticmethod
+    def _promote(entry: ChunkEntry, tiers: Iterable[LocalTier]) -> None:
+        """Copy a hit into the tiers in front of the one that served it; one refusing it (over budget) is no error."""
+        for tier in tiers:
+            tier.put(entry)
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -203,7 +210,7 @@ class ChunkStore:
         """Local tiers only: admission asks this for every chunk of every waiting request, too often for a network
         round trip each; a chunk only the remote tier holds is charged as compute there, and found by get."""
         with self._lock:
-            return key in self.memory or (self.disk is not None and key in self.disk)
+            return any(key in tier for tier in self.tiers)
 
     def stats(self) -> StoreStats:
         with self._lock:
@@ -212,10 +219,10 @@ class ChunkStore:
             return StoreStats(
                 hits=self._hits,
                 misses=self._misses,
-                memory_hits=self._memory_hits,
-                disk_hits=self._disk_hits,
+                memory_hits=self._tier_hits[0],  # memory is always the first tier, the disk (if any) the second
+                disk_hits=self._tier_hits[1] if on_disk else 0,
                 remote_hits=self._remote_hits,
-                evictions=self.memory.evictions + (disk.evictions if on_disk else 0),
+                evictions=sum(tier.evictions for tier in self.tiers),
                 memory_entries=len(self.memory),
                 memory_bytes=self.memory.bytes,
                 disk_entries=len(disk) if on_disk else 0,
