@@ -102,7 +102,8 @@ def test_stock_command_is_left_alone_on_gpu_or_without_chunk_reuse(monkeypatch, 
 
 def _args(**overrides):
     fields = dict(tp_size=1, pp_size=1, attn_dp_size=1, enable_dp_attention=False, attn_cp_size=1, dcp_size=1,
-                  enable_attn_tp_input_scattered=False, enable_layernorm_sp=False)
+                  enable_attn_tp_input_scattered=False, enable_layernorm_sp=False, disaggregation_mode="null", nnodes=1,
+                  enable_pdmux=False)
     return argparse.Namespace(**{**fields, **overrides})
 
 
@@ -127,19 +128,6 @@ def test_tensor_parallelism_over_evenly_split_heads_is_served():
     assert "9 query and 3 KV heads" in launcher.parallel_problems(_args(tp_size=2), padded)
 
 
-def test_chunkcache_serve_refuses_pipeline_parallelism_before_starting_sglang():
-    import subprocess
-    import sys
-
-    from chunkcache.models import tiny_model
-
-    proc = subprocess.run([sys.executable, "-m", "sglang_patch.serve.cli", "serve", "--model", str(tiny_model()),
-                           "--pp-size", "2"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "chunk reuse cannot be served with pipeline parallelism (--pp-size)" in proc.stderr, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr and "sglang.launch_server" not in proc.stdout
-
-
 # ---- speculative decoding: refused with the reason, whatever the algorithm ------------------------------------------
 
 @pytest.mark.parametrize("algorithm", ["NGRAM", "EAGLE", "EAGLE3", "NEXTN", "STANDALONE"])
@@ -157,32 +145,79 @@ def test_no_speculative_decoding_or_only_its_hidden_state_capture_is_served():
                                                enable_return_aux_hidden_states=True)) is None
 
 
-def test_a_scheduler_started_by_sglangs_own_command_refuses_speculative_decoding(monkeypatch):
-    """The radix-cache factory (what `python -m sglang.launch_server --radix-cache-backend chunkcache` reaches at the
-    scheduler's start) stops it with the same reason, before it builds anything."""
-    import sglang.srt.runtime_context
+# ---- deployments and the audit: refused with the reason, by `chunkcache serve` and at the scheduler's start ----------
 
+AUDITED = "audit:\n  rate: 0.1\n"  # a chunkcache config that audits a tenth of the blends
+
+
+@pytest.mark.parametrize("overrides, named", [
+    ({"disaggregation_mode": "prefill"}, "prefill/decode disaggregation (--disaggregation-mode prefill): "),
+    ({"disaggregation_mode": "decode"}, "prefill/decode disaggregation (--disaggregation-mode decode): "),
+    ({"nnodes": 2}, "multi-node serving (--nnodes 2): "),
+    ({"enable_pdmux": True}, "PD multiplexing (--enable-pdmux): ")])
+def test_a_deployment_chunk_reuse_has_not_run_in_is_named_with_its_reason(overrides, named):
+    refused = launcher.serving_problems(_args(**overrides), HEADS, Config())
+    assert refused.startswith(named) and len(refused) > len(named)
+
+
+def test_the_audit_is_refused_under_tensor_parallelism_only(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(AUDITED)
+    audited = Config.load(path)
+    refused = launcher.serving_problems(_args(tp_size=2), HEADS, audited)
+    assert refused.startswith("the online audit (audit.rate 0.1) under tensor parallelism (--tp-size 2): ")
+    assert launcher.serving_problems(_args(), HEADS, audited) is None
+    assert launcher.serving_problems(_args(tp_size=2), HEADS, Config()) is None
+
+
+def test_sglangs_default_settings_are_served():
+    """The checks read SGLang's own field names: a ServerArgs as SGLang builds it passes them all."""
+    from sglang.srt.server_args import ServerArgs
+
+    assert launcher.serving_problems(ServerArgs(model_path="/models/m"), HEADS, Config()) is None
+
+
+@pytest.mark.parametrize("overrides, config_text, named", [
+    ({"speculative_algorithm": "NGRAM"}, "", "speculative decoding (--speculative-algorithm NGRAM)"),
+    ({"disaggregation_mode": "prefill"}, "", "prefill/decode disaggregation (--disaggregation-mode prefill)"),
+    ({"nnodes": 2}, "", "multi-node serving (--nnodes 2)"),
+    ({"enable_pdmux": True}, "", "PD multiplexing (--enable-pdmux)"),
+    ({"tp_size": 2}, AUDITED, "the online audit (audit.rate 0.1) under tensor parallelism (--tp-size 2)")])
+def test_a_scheduler_started_by_sglangs_own_command_refuses_with_the_same_reason(monkeypatch, tmp_path, overrides,
+                                                                                config_text, named):
+    """The radix-cache factory (what `python -m sglang.launch_server --radix-cache-backend chunkcache` reaches at the
+    scheduler's start) stops it with the reason `chunkcache serve` gives, before it builds anything."""
     from sglang_patch.scheduler import cache
 
-    monkeypatch.setattr(sglang.srt.runtime_context, "get_disagg", lambda: argparse.Namespace(enable_pdmux=False))
-    ctx = argparse.Namespace(server_args=_args(speculative_algorithm="NGRAM"),
-                             model_config=argparse.Namespace(hf_config=HEADS))
-    with pytest.raises(ValueError, match=r"chunk reuse cannot be served with speculative decoding "
-                                         r"\(--speculative-algorithm NGRAM\)"):
+    path = tmp_path / "c.yaml"
+    path.write_text(config_text)
+    monkeypatch.setenv(launcher.CONFIG_ENV, str(path))  # the scheduler's config, as `chunkcache serve` passes it
+    ctx = argparse.Namespace(server_args=_args(**overrides), model_config=argparse.Namespace(hf_config=HEADS))
+    with pytest.raises(ValueError) as refused:
         cache.factory(ctx)
+    assert str(refused.value).startswith(f"chunkcache: chunk reuse cannot be served with {named}: ")
 
 
-def test_chunkcache_serve_refuses_speculative_decoding_before_starting_sglang():
+@pytest.mark.parametrize("argv, config_text, named", [
+    (["--pp-size", "2"], "", "pipeline parallelism (--pp-size)"),
+    (["--speculative-algorithm", "NGRAM"], "", "speculative decoding (--speculative-algorithm NGRAM)"),
+    (["--disaggregation-mode", "decode"], "", "prefill/decode disaggregation (--disaggregation-mode decode)"),
+    (["--nnodes", "2"], "", "multi-node serving (--nnodes 2)"),
+    (["--enable-pdmux"], "", "PD multiplexing (--enable-pdmux)"),
+    (["--tp-size", "2"], AUDITED, "the online audit (audit.rate 0.1) under tensor parallelism (--tp-size 2)")])
+def test_chunkcache_serve_refuses_before_starting_sglang(tmp_path, argv, config_text, named):
     import subprocess
     import sys
 
     from chunkcache.models import tiny_model
 
+    path = tmp_path / "c.yaml"
+    path.write_text(config_text)
+    # the tiny model's 4 query and 2 KV heads split evenly over --tp-size 2: the audit is what refuses that one
     proc = subprocess.run([sys.executable, "-m", "sglang_patch.serve.cli", "serve", "--model", str(tiny_model()),
-                           "--speculative-algorithm", "NGRAM"], capture_output=True, text=True, timeout=120)
+                           "--chunkcache-config", str(path), *argv], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert ("chunk reuse cannot be served with speculative decoding (--speculative-algorithm NGRAM)"
-            in proc.stderr), proc.stderr[-2000:]
+    assert f"chunk reuse cannot be served with {named}: " in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and "sglang.launch_server" not in proc.stdout
 
 

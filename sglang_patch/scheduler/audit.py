@@ -150,13 +150,12 @@ def _full_logits(s: Sampled) -> torch.Tensor:
 
 def start(result, scheduler, *args, **kwargs) -> None:
     """AFTER hook on Scheduler.init_chunked_prefill (the tree cache exists): this scheduler's audit, when
-    audit.rate > 0; under tensor parallelism a start-up error."""
+    audit.rate > 0. This scheduler has one rank: under tensor parallelism the radix-cache factory that built its tree
+    cache has already refused the audit (sglang_patch.serve.launcher.audit_problems, which `chunkcache serve` runs
+    before launching too)."""
     reuse = reuse_of(scheduler.tree_cache)
     if reuse is None or reuse.config.audit.rate == 0:
         return
-    if reuse.ranks.many:
-        raise ValueError(f"chunkcache: the online audit (audit.rate {reuse.config.audit.rate}) is not served under "
-                         f"tensor parallelism (tp size {reuse.ranks.size}): set audit.rate: 0 or serve with one rank")
     global _audit
     _audit = Audit(reuse, reuse.config.audit)
     log.info("chunkcache: auditing %g of the blended requests while idle (window %d, promise %g, margin %g)",

@@ -28,7 +28,7 @@ from chunkcache import architectures
 from chunkcache.store import ChunkStore, EntryLayout
 
 from . import metrics
-from ..serve.launcher import BACKEND_NAME, load_server_config, parallel_problems, speculative_problems
+from ..serve.launcher import BACKEND_NAME, load_server_config, serving_problems
 
 log = logging.getLogger(__name__)
 
@@ -93,13 +93,7 @@ def reuse_of(tree_cache) -> ChunkReuse | None:
 
 
 def factory(ctx: TreeCacheBuildContext) -> ChunkRadixCache:
-    from sglang.srt.runtime_context import get_disagg
-
-    if getattr(get_disagg(), "enable_pdmux", False):
-        # PD multiplexing runs extends layer by layer (ForwardMode.SPLIT_PREFILL), outside the hooked eager runner
-        raise ValueError("chunkcache: PD multiplexing (enable_pdmux) splits prefills by layer outside the blended "
-                         "forward; serve without it or without --radix-cache-backend chunkcache")
-    refused = parallel_problems(ctx.server_args, ctx.model_config.hf_config) or speculative_problems(ctx.server_args)
+    refused = serving_problems(ctx.server_args, ctx.model_config.hf_config, load_server_config())
     if refused:
         raise ValueError(f"chunkcache: chunk reuse cannot be served with {refused}; serve without it or without "
                          f"--radix-cache-backend chunkcache")

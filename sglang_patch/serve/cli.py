@@ -93,8 +93,8 @@ def installed_commands() -> dict[str, Callable[[list[str]], int] | str]:
 
 
 def serve(args: argparse.Namespace, extra: list[str]) -> int:
-    from .launcher import (AUTO_CHUNKS_ENV, CONFIG_ENV, REMOTE_URL_ENV, load_config, parallel_problems,
-                           prepare_environment, server_settings, speculative_problems, to_argv)
+    from .launcher import (AUTO_CHUNKS_ENV, CONFIG_ENV, REMOTE_URL_ENV, load_config, prepare_environment,
+                           server_settings, serving_problems, to_argv)
     from .server_process import ServerProcess, wait_healthy
 
     config_path = args.config or os.environ.get(CONFIG_ENV)  # the scheduler reads the same file
@@ -117,7 +117,7 @@ def serve(args: argparse.Namespace, extra: list[str]) -> int:
                   file=sys.stderr)
             return 2
         sglang_args = _sglang_args(model_dir, [*config.serve.sglang_args, *extra])
-        refused = parallel_problems(sglang_args, hf_config) or speculative_problems(sglang_args)
+        refused = serving_problems(sglang_args, hf_config, config)
         if refused:
             print(f"chunkcache: error: chunk reuse cannot be served with {refused}. Serve without it, or without "
                   f"chunk reuse (--no-chunk-reuse); README 'Parallelism' says what is served.", file=sys.stderr)

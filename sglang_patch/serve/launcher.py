@@ -198,3 +198,40 @@ def speculative_problems(server_args) -> str | None:
             f"extend path the blend replaces for a prompt's prefill, a draft model (EAGLE, MTP, STANDALONE) extends over "
             f"the hidden states of every prompt token where a blend computes its recomputed tokens' only, and it has "
             f"never run with chunk reuse (SGLang's CPU engine does not start it without sgl_kernel's CPU build)")
+
+
+def deployment_problems(server_args) -> str | None:
+    """Why chunk reuse cannot be served in this deployment of SGLang's processes, or None (one server, one host, no
+    PD multiplexing). The fields are read directly, not with a default: one SGLang renamed stops every server instead
+    of letting the mode through unchecked."""
+    if server_args.disaggregation_mode != "null":
+        return (f"prefill/decode disaggregation (--disaggregation-mode {server_args.disaggregation_mode}): a prefill "
+                f"server hands each prompt's KV to a decode server over a transfer backend, through event loops of "
+                f"their own on each side, which chunk reuse has never run through (the blend's approximate KV, its "
+                f"report and its fallbacks would cross servers)")
+    if server_args.nnodes > 1:
+        return (f"multi-node serving (--nnodes {server_args.nnodes}): the agreements between tensor-parallel ranks "
+                f"(chunkcache.ranks) have only been tested over one host's gloo group")
+    if server_args.enable_pdmux:
+        return ("PD multiplexing (--enable-pdmux): it runs prefills layer by layer (ForwardMode.SPLIT_PREFILL), "
+                "outside the forward the blend hooks")
+    return None
+
+
+def audit_problems(server_args, config: Config) -> str | None:
+    """Why chunk reuse cannot be served with this config's online audit on these settings, or None."""
+    if config.audit.rate > 0 and server_args.tp_size > 1:
+        return (f"the online audit (audit.rate {config.audit.rate}) under tensor parallelism (--tp-size "
+                f"{server_args.tp_size}): its full recompute would be a collective forward every rank must enter with "
+                f"the same prompt, and nothing agrees the sample, the queue or the outcome over the ranks; set "
+                f"audit.rate: 0 to serve with tensor parallelism")
+    return None
+
+
+def serving_problems(server_args, hf_config, config: Config) -> str | None:
+    """Why chunk reuse cannot be served with these SGLang settings, this model and this chunkcache config, or None:
+    the first problem found. The one check of both places that refuse a server: `chunkcache serve` before it
+    launches SGLang, and the scheduler's radix-cache factory, which a server started by SGLang's own command reaches
+    at start-up."""
+    return (parallel_problems(server_args, hf_config) or speculative_problems(server_args)
+            or deployment_problems(server_args) or audit_problems(server_args, config))
