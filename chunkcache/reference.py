@@ -434,8 +434,12 @@ class _Engine:
         dev = (fresh.float() - reused.float()).flatten(1).norm(dim=1).cpu()
         return [dev * self.plan.layout().context_mask() for _ in requests]
 
-    def exact_kv(self, request: int, layer: int, which: str) -> torch.Tensor:
-        return self._fresh_kv(layer + 1)[0 if which == "k" else 1][layer, 0]
+    def aside(self):
+        """This engine's one prompt computed exactly (its deferred measurement runs right after the blend)."""
+        def exact_kv(token_ids: torch.Tensor, layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+            k, v = self._fresh_kv(layers)
+            return k[:layers, 0].cpu(), v[:layers, 0].cpu()
+        return exact_kv
 
     def true_deviation(self, requests: Sequence[int], attended: bool = False) -> list[torch.Tensor]:
         """The oracle's feature (Features.true_deviation): one full prefill of the prompt, compared with the reused KV

@@ -142,6 +142,14 @@ def test_the_audit_is_off_by_default():
     assert Config().audit.rate == 0.0
 
 
+def server(reuse):
+    """A ChunkServer's part the audit uses: its reuse and idle queue."""
+    from chunkcache.blend.idle import IdleWork
+    from chunkcache.ranks import Ranks
+
+    return types.SimpleNamespace(reuse=reuse, idle=IdleWork(Ranks(), {"audit": 8}))
+
+
 class FakeRunner:
     """Runner's part the scheduler's audit uses: a pass over one kept-aside segment, logits out (`full`)."""
 
@@ -165,17 +173,16 @@ def test_the_scheduler_audit_measures_the_kept_logits_and_widens_what_the_blends
 
     from chunkcache.blend.fidelity import Estimate
     from chunkcache.config import AuditConfig
-    from chunkcache.ranks import Ranks
+    from sglang_patch.forward import forward_pass
     from sglang_patch.scheduler import audit as glue, metrics
 
     registry = CollectorRegistry()
     metrics.start(True, model_name="m", registry=registry)
-    monkeypatch.setattr(glue, "Runner", FakeRunner)
+    monkeypatch.setattr(forward_pass, "Runner", FakeRunner)
     FakeRunner.passes = []
     config = AuditConfig(rate=1.0, window=2, margin=0.5, cases=str(tmp_path / "cases.jsonl"))
-    reuse = types.SimpleNamespace(fidelity=model(), config=types.SimpleNamespace(audit=config), ranks=Ranks())
-    a = glue.Audit(reuse, config)
-    assert reuse.fidelity.margin == pytest.approx(model().margin + math.log(0.5))
+    a = glue.Audit(server(types.SimpleNamespace(fidelity=model(), config=types.SimpleNamespace(audit=config))), config)
+    assert a.served.margin == pytest.approx(model().margin + math.log(0.5))
     assert registry.get_sample_value("chunkcache_audit_margin", {"model_name": "m"}) == 0.5
     served = torch.tensor([[0.0, 0.0, 0.0], [0.0, 2.0, 0.0]])  # the batch's rows; the request is row 1
     full = torch.tensor([0.0, 0.0, 2.0])
@@ -185,7 +192,7 @@ def test_the_scheduler_audit_measures_the_kept_logits_and_widens_what_the_blends
     batch = types.SimpleNamespace(seq_lens=torch.tensor([5, 7]), input_ids=torch.zeros(12, dtype=torch.long))
     a.offer(FakeRunner(None, batch), 1, "r1", b, types.SimpleNamespace(next_token_logits=served))
     with caplog.at_level("WARNING", logger=glue.__name__):
-        a.run_one()
+        a.server.idle.run_one()
     (p, fb), = FakeRunner.passes
     (segment,) = p.segments
     assert not segment.to_pool and len(segment.ctx_slots) == 0 and segment.q_pos.tolist() == list(range(7))
@@ -197,7 +204,7 @@ def test_the_scheduler_audit_measures_the_kept_logits_and_widens_what_the_blends
     assert registry.get_sample_value("chunkcache_audit_disagreements_total", {"model_name": "m"}) == 1
     # one of at most 2 over is past 10 %: the factor grew to what that request needed
     assert a.margin.factor == pytest.approx(0.5 * kl / 0.1)
-    assert reuse.fidelity.margin == pytest.approx(model().margin + math.log(a.margin.factor))
+    assert a.served.margin == pytest.approx(model().margin + math.log(a.margin.factor))
     assert registry.get_sample_value("chunkcache_audit_margin", {"model_name": "m"}) == pytest.approx(a.margin.factor)
     assert "1 of the last 1 audited requests exceeded" in caplog.text
     assert f"the fidelity margin widens from 0.5 to {a.margin.factor:g}" in caplog.text
@@ -209,16 +216,15 @@ def test_kept_prompts_are_tagged_with_their_tenant_never_the_salt(monkeypatch, t
     namespace (its hint's: the payload's, else the server's store.namespace) and whether it had a cache_salt."""
     from chunkcache.blend.fidelity import Estimate
     from chunkcache.blend.request import ChunkRequest, RequestHint
-    from chunkcache.ranks import Ranks
+    from sglang_patch.forward import forward_pass
     from sglang_patch.scheduler import audit as glue, report
 
-    monkeypatch.setattr(glue, "Runner", FakeRunner)
+    monkeypatch.setattr(forward_pass, "Runner", FakeRunner)
     FakeRunner.passes, FakeRunner.full = [], torch.tensor([0.0, 1.0, 0.0])
     config = Config()
     config.store.namespace = "server-ns"
     config.audit.rate, config.audit.cases, config.audit.keep_prompts = 1.0, str(tmp_path / "cases.jsonl"), True
-    reuse = types.SimpleNamespace(fidelity=model(), config=config, ranks=Ranks())
-    a = glue.Audit(reuse, config.audit)
+    a = glue.Audit(server(types.SimpleNamespace(fidelity=model(), config=config)), config.audit)
 
     def req(namespace: str, salt: str | None, auto: bool = False):
         hint = RequestHint(torch.arange(7), ((1, 4),), ("k",), "mix", 0.15, namespace, auto=auto)
@@ -236,7 +242,7 @@ def test_kept_prompts_are_tagged_with_their_tenant_never_the_salt(monkeypatch, t
     served = torch.tensor([[0.0, 1.0, 0.0], [0.0, 1.0, 0.0]])
     for row in (0, 1):
         a.offer(FakeRunner(None, batch), row, f"r{row}", b, types.SimpleNamespace(next_token_logits=served))
-        a.run_one()
+        a.server.idle.run_one()
     text = (tmp_path / "cases.jsonl").read_text()
     cases = [json.loads(line) for line in text.splitlines()]
     assert [c["tenant"] for c in cases] == [{"namespace": "kb1", "salted": True},
@@ -248,5 +254,5 @@ def test_kept_prompts_are_tagged_with_their_tenant_never_the_salt(monkeypatch, t
     (tmp_path / "cases.jsonl").unlink()
     a.offer(FakeRunner(None, types.SimpleNamespace(seq_lens=torch.tensor([7]), input_ids=torch.zeros(7))), 0, "r",
             b, types.SimpleNamespace(next_token_logits=served))
-    a.run_one()
+    a.server.idle.run_one()
     assert not {"tenant", "prompt_ids"} & json.loads((tmp_path / "cases.jsonl").read_text()).keys()

@@ -416,15 +416,13 @@ def test_metrics_off_is_a_no_op():
 def _learning_forward(monkeypatch, starved_s: float = 5.0):
     """One finished 25-token prompt prefill (no radix match) in slots 20..44 of a 2-layer pool whose two paragraphs
     are new to the store; the engine's one-row forward replaced by one that records what it computes and returns
-    KV that is a function of those tokens alone: (reuse, scheduler whose tree cache holds it, request, forwards)."""
-    from collections import deque
-
+    KV that is a function of those tokens alone: (server, scheduler whose tree cache holds it, request, forwards)."""
     from chunkcache.blend.auto import AutoChunks
     from chunkcache.blend.reuse import ChunkReuse
     from chunkcache.config import AutoConfig, Config
     from chunkcache.ranks import Ranks
     from sglang_patch.scheduler import auto_chunks
-    from sglang_patch.scheduler.cache import ChunkRadixCache
+    from sglang_patch.scheduler.server import ChunkServer
 
     keys, values = [torch.randn(50, 1, 4) for _ in range(2)], [torch.randn(50, 1, 4) for _ in range(2)]
     pool = SimpleNamespace(layer_num=2, get_key_buffer=keys.__getitem__, get_value_buffer=values.__getitem__)
@@ -442,37 +440,41 @@ def _learning_forward(monkeypatch, starved_s: float = 5.0):
     reuse.config, reuse.ranks, reuse.fingerprint = config, Ranks(), fingerprint
     reuse.store = ChunkStore(model_fingerprint=fingerprint)
     reuse.auto = AutoChunks(config.auto, frozenset({0}), fingerprint, head=[1, 2])
-    reuse.encodes = deque(maxlen=config.auto.encode_queue)
     request = ChunkRequest("r", segments=reuse.auto.segments(ids, "default", None))
     assert request.segments.spans == ((4, 14), (15, 23))
     forwards = []
 
-    def alone_kv(model_runner, forward_batch, token_ids):
-        forwards.append(token_ids.tolist())
-        kv = token_ids.float()[None, :, None, None].expand(2, -1, 1, 4).clone()
-        return kv, -kv
+    class Aside:
+        def __init__(self, model_runner, forward_batch):
+            pass
 
-    monkeypatch.setattr(auto_chunks, "_alone_kv", alone_kv)
-    tree_cache = ChunkRadixCache.__new__(ChunkRadixCache)  # only its `reuse`: the hook finds the scheduler's by it
-    tree_cache.reuse = reuse
-    auto_chunks.learn(reuse, runner, batch, [req], lambda r: request)
-    return reuse, SimpleNamespace(tree_cache=tree_cache), request, forwards
+        def kv(self, token_ids, layers=None):
+            forwards.append(token_ids.tolist())
+            kv = token_ids.float()[None, :, None, None].expand(2, -1, 1, 4).clone()
+            return kv, -kv
+
+    monkeypatch.setattr(auto_chunks, "Aside", Aside)
+    server = ChunkServer(reuse)
+    auto_chunks.learn(reuse, server.teach, runner, batch, [req], lambda r: request)
+    return server, SimpleNamespace(tree_cache=SimpleNamespace(chunk_server=server)), request, forwards
 
 
 def test_a_prompt_teaches_its_paragraphs_encoded_alone_never_its_own_kv(monkeypatch):
     """Invariant (chunkcache/store/entry.py): the forward only names the paragraphs to learn, each queued; nothing
     of the request's pool is stored. A starved server (the oldest waiting past auto.encode_starved_s) encodes one
     after a batch's outputs: the head, then that paragraph, alone; its entry holds what that forward computed."""
-    from sglang_patch.scheduler import auto_chunks
+    from sglang_patch.scheduler.server import after_batch
 
     registry = CollectorRegistry()
     metrics.start(True, model_name=MODEL, registry=registry)
-    reuse, scheduler, request, forwards = _learning_forward(monkeypatch, starved_s=1e-9)
+    server, scheduler, request, forwards = _learning_forward(monkeypatch, starved_s=1e-9)
+    reuse = server.reuse
     token_bytes = 2 * 2 * 1 * 4 * 4  # K and V, 2 layers, 1 head of 4 float32
     assert request.rounds[-1]["learned"] == {"segments": 2, "tokens": 18, "bytes": 18 * token_bytes}
-    assert len(reuse.encodes) == 2 and forwards == [] and not any(k in reuse.store for k in request_keys(reuse))
-    auto_chunks.encode_when_starved(None, scheduler)
-    assert forwards == [[1, 2, *range(10, 20)]] and len(reuse.encodes) == 1
+    assert server.idle.waiting("encode") == 2 and forwards == []
+    assert not any(k in reuse.store for k in request_keys(reuse))
+    after_batch(None, scheduler)
+    assert forwards == [[1, 2, *range(10, 20)]] and server.idle.waiting("encode") == 1
     assert samples(registry)[("chunkcache_auto_learned_segments_total", ())] == 1
     metrics.start(False)
     first = reuse.store.get(reuse.auto.segments(list(range(10, 20)) + [0], "default", None).keys[0])
@@ -486,20 +488,22 @@ def request_keys(reuse):
 
 
 def test_a_server_that_is_not_starved_leaves_encodes_to_its_idle_turns(monkeypatch):
-    from sglang_patch.scheduler import auto_chunks
+    from sglang_patch.scheduler.server import after_batch
 
-    reuse, scheduler, _, forwards = _learning_forward(monkeypatch, starved_s=3600.0)
-    auto_chunks.encode_when_starved(None, scheduler)
-    assert forwards == [] and len(reuse.encodes) == 2
-    assert reuse.encode_next()["segments"] == 1 and reuse.encode_next()["segments"] == 1
-    assert all(k in reuse.store for k in request_keys(reuse)) and reuse.encode_next() is None
+    server, scheduler, _, forwards = _learning_forward(monkeypatch, starved_s=3600.0)
+    reuse = server.reuse
+    after_batch(None, scheduler)
+    assert forwards == [] and server.idle.waiting("encode") == 2
+    assert server.idle.run_one() == ("encode", None) and server.idle.run_one() == ("encode", None)
+    assert len(forwards) == 2 and all(k in reuse.store for k in request_keys(reuse))
+    assert server.idle.run_one() is None
 
 
 @pytest.mark.parametrize("return_logprob, start, expected", [
     (False, 0, False), (True, -1, False), (True, 10, False), (True, 0, True), (True, 9, True)])
 def test_only_logprobs_over_the_prompt_keep_a_request_from_automatic_detection(return_logprob, start, expected):
     """-1 (SGLang's default) and a start at the prompt's end score output tokens only, which a blend serves."""
-    from sglang_patch import plugin
+    from sglang_patch.scheduler import request_hint
 
     recv = SimpleNamespace(return_logprob=return_logprob, logprob_start_len=start, input_ids=list(range(10)))
-    assert plugin._input_logprobs(recv) is expected
+    assert request_hint.input_logprobs(recv) is expected

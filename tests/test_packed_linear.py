@@ -7,8 +7,8 @@ from sglang.srt.layers.linear import ReplicatedLinear
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 from sglang.srt.model_executor.model_runner_components.weight_updater import _unsupported_derived_weight_cache_error
 
-from sglang_patch import plugin
 from sglang_patch.forward import packed_linear
+from sglang_patch.scheduler import model_load
 
 bf16_kernels = pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
                                   reason="oneDNN has no bfloat16 kernel on this CPU")
@@ -61,8 +61,8 @@ def test_float32_layers_are_left_to_sglang():
 
 
 @pytest.mark.parametrize("backend,linear,reason", [
-    ("chunkcache", "sglang", plugin.STORE_OUTLIVES_UPDATES),
-    ("chunkcache", "packed", plugin.STORE_OUTLIVES_UPDATES),  # the model's own reason comes first
+    ("chunkcache", "sglang", model_load.STORE_OUTLIVES_UPDATES),
+    ("chunkcache", "packed", model_load.STORE_OUTLIVES_UPDATES),  # the model's own reason comes first
     (None, "packed", packed_linear.UPDATES_REFUSED),
     (None, "sglang", None),
 ])
@@ -72,7 +72,7 @@ def test_a_loaded_model_refuses_weight_updates_where_they_would_serve_stale_kv_o
 
     if linear == "packed" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("oneDNN has no bfloat16 kernel on this CPU")
-    monkeypatch.setenv(plugin.CPU_LINEAR_ENV, linear)
+    monkeypatch.setenv(model_load.CPU_LINEAR_ENV, linear)
     runner = SimpleNamespace(model=model(), device="cpu", server_args=SimpleNamespace(radix_cache_backend=backend))
-    plugin._loaded_model(None, runner)
+    model_load.loaded_model(None, runner)
     assert _unsupported_derived_weight_cache_error(runner.model) == reason

@@ -10,7 +10,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry
 from chunkcache.blend.request import ChunkRequest
 from sglang_patch import lang, plugin
 from sglang_patch.decode import specache
-from sglang_patch.scheduler import metrics, request_hint
+from sglang_patch.scheduler import extend, metrics, request_hint
 
 
 def resolve(target: str):
@@ -49,5 +49,5 @@ def test_a_batch_with_chunks_never_replays_the_prefill_cuda_graph(hinted, graph_
     req = types.SimpleNamespace(to_finish=None)
     req.__dict__[request_hint.ATTR] = ChunkRequest(rid="r", hint=object() if hinted else None)
     batch = types.SimpleNamespace(chunkcache_reqs=[types.SimpleNamespace(to_finish=None), req])
-    assert plugin._eager_for_blends(graph_ok, None, batch) is expected
-    assert plugin._eager_for_blends(graph_ok, None, types.SimpleNamespace()) is graph_ok  # a stock server's batch
+    assert extend.eager_for_blends(graph_ok, None, batch) is expected
+    assert extend.eager_for_blends(graph_ok, None, types.SimpleNamespace()) is graph_ok  # a stock server's batch

@@ -202,19 +202,22 @@ class Stats:
 
 
 def test_server_info_drops_the_store_counters_when_private():
-    from sglang_patch.scheduler.cache import ChunkRadixCache
+    from chunkcache.ranks import Ranks
+    from sglang_patch.scheduler.server import ChunkServer
 
     config = Config()
     reuse = types.SimpleNamespace(
-        config=config, store=types.SimpleNamespace(stats=Stats), deferred=[1], head_forms=[2, 3], encodes=[2, 3],
+        config=config, store=types.SimpleNamespace(stats=Stats), ranks=Ranks(),
         calibration=types.SimpleNamespace(state=lambda: {"observed": 7}),
         compute=types.SimpleNamespace(per_token_s=1e-3))
+    server = ChunkServer(reuse)
+    server.idle.put("encode", lambda: None)
     pool = types.SimpleNamespace(available_size=lambda: 100)
-    cache = types.SimpleNamespace(reuse=reuse, token_to_kv_pool_allocator=pool, evictable_size=lambda: 40,
-                                  protected_size=lambda: 2)
-    full = ChunkRadixCache.chunkcache_state(cache)
+    cache = types.SimpleNamespace(token_to_kv_pool_allocator=pool, evictable_size=lambda: 40, protected_size=lambda: 2)
+    full = server.state(cache)
     assert full["store"] == {"hits": 5, "memory_entries": 3} and full["kv_pool"]["evictable"] == 40
+    assert full["encodes_waiting"] == 1
     config.report.to_clients = "private"
-    state = ChunkRadixCache.chunkcache_state(cache)
+    state = server.state(cache)
     assert state.keys() == {"backend", "tree_cache", "scheduler_pid", "private"}
     assert state["backend"] == full["backend"] and state["private"] is True

@@ -38,11 +38,11 @@ def test_server_uses_chunkcache_backend_in_scheduler(server):
 
 def test_online_weight_updates_are_refused_and_the_server_keeps_serving(server, default_model):
     """Stored chunks hold KV of the loaded weights: an update would serve the old model's KV (sglang_patch.plugin)."""
-    from sglang_patch import plugin
+    from sglang_patch.scheduler import model_load
 
     r = requests.post(server.url + "/update_weights_from_disk", json={"model_path": str(default_model)}, timeout=300)
     body = r.json()
-    assert body["success"] is False and body["message"] == plugin.STORE_OUTLIVES_UPDATES, body
+    assert body["success"] is False and body["message"] == model_load.STORE_OUTLIVES_UPDATES, body
     test_server_health_and_generate(server)
 
 

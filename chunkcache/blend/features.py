@@ -33,10 +33,14 @@ class FeaturePasses(Protocol):
 
     def kv_deviation(self, requests: Sequence[int], layer: int, which: str) -> list[torch.Tensor]: ...
 
-    def exact_kv(self, request: int, layer: int, which: str) -> torch.Tensor:
-        """[N, Hk, D]: K ("k") or V ("v") at `layer` of every token of the request's prompt computed exactly (the
-        prompt alone, from its first token; nothing of the request's KV read or written, so it can run after it)."""
+    def aside(self) -> "ExactKV":
+        """The forward a measurement after the batch runs (DeviationJob), keeping nothing of the batch's engine."""
         ...
+
+
+# K and V [layers, tokens, KV heads, dim] of token ids computed exactly through their first `layers` layers (the
+# prompt alone, from its first token; nothing of any request's KV read or written, so it can run after the request)
+ExactKV = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
 
 class Models:
@@ -254,16 +258,18 @@ class DeviationJob:
     reference blender once the blend is done): the prompt computed exactly through the check layer, compared with
     each chunk's stored KV moved to where the chunk sat, and folded into the entries (`remember`)."""
 
-    def __init__(self, passes: FeaturePasses, features: RequestFeatures, rope, ranks: Ranks = Ranks()):
-        """`ranks`: the tensor-parallel ranks whose KV heads `passes` holds a slice of (the norm is over all)."""
-        self.passes, self.index, self.rope, self.ranks = passes, features.index, rope, ranks
+    def __init__(self, exact_kv: ExactKV, token_ids: torch.Tensor, features: RequestFeatures, rope,
+                 ranks: Ranks = Ranks()):
+        """`exact_kv`: the engine's forward of the prompt `token_ids` (FeaturePasses.aside); `ranks`: the
+        tensor-parallel ranks whose KV heads it computes a slice of (the norm is over all)."""
+        self.exact_kv, self.token_ids, self.rope, self.ranks = exact_kv, token_ids, rope, ranks
         self.layout, self.entries = features.layout, features.entries
         self.layer, self.which = features.unmeasured
 
     def run(self) -> dict[str, dict[str, torch.Tensor]]:
         """Measures and remembers; returns the features each entry gained (for the store's write-through)."""
         had = {e.key: dict(e.features) for e in self.entries}
-        fresh = self.passes.exact_kv(self.index, self.layer, self.which).float().cpu()
+        fresh = self.exact_kv(self.token_ids, self.layer + 1)[0 if self.which == "k" else 1][self.layer].float()
         squares = torch.zeros(self.layout.n)
         for (s, e), entry in zip(self.layout.chunk_spans, self.entries):
             if not _depth(e, entry) or e - s != entry.num_tokens:

@@ -75,7 +75,7 @@ def detect(store: ChunkStore, auto: AutoChunks, token_ids: Sequence[int] | torch
     costs = None if compute is None else {k: (n, compute.chunk_s(n)) for n, k in wanted}
     looked, held = ranks.decide(
         lambda: store.lookup([k for _, k in wanted], costs) if wanted else Lookup({}, frozenset(), frozenset()),
-        lambda here: [k in here.entries for _, k in wanted], all_hold)
+        lambda here: [_position(here.entries.get(k)) for _, k in wanted], _held_alike)
     found = auto.detect(segments, len(token_ids), matched, {k for (_, k), have in zip(wanted, held) if have})
     hint = None if found is None else RequestHint(
         token_ids=torch.as_tensor(list(token_ids), dtype=torch.long), spans=found.spans, keys=found.keys,
@@ -187,8 +187,8 @@ def run(engine: Engine, store: ChunkStore, plans: Sequence[RequestPlan], selecto
         _keep_features(store, features)
     with step("recompute"):
         output = engine.recompute([b.recomputed for b in blended])
-    return BatchBlend(output, blended, seconds, [DeviationJob(engine, f, engine.rope, ranks) for f in features
-                                                 if f.unmeasured is not None])
+    return BatchBlend(output, blended, seconds, [DeviationJob(engine.aside(), plans[f.index].token_ids, f, engine.rope,
+                                                              ranks) for f in features if f.unmeasured is not None])
 
 
 def _select(plan: RequestPlan, f: RequestFeatures, sel: Selector, floor_cap: float, looked: Lookup,
@@ -263,15 +263,30 @@ def lookup(store: ChunkStore, plans: Sequence[RequestPlan], engine: Engine, comp
         return looked, [_holding(held.get(key), plan.chunk_ids(c), key, engine) for key, (plan, c) in chunks.items()]
 
     (looked, found), common = ranks.decide(
-        held, lambda here: [None if e is None else frozenset(e.features) for e in here[1]], _common_features)
+        held, lambda here: [None if e is None else (e.start_pos, frozenset(e.features)) for e in here[1]],
+        _common_features)
     entries = {key: _with_features(entry, names) for key, entry, names in zip(chunks, found, common)
                if names is not None}
     return Lookup(entries, frozenset(k for k in fetched | looked.fetched if k in entries), looked.computed_instead)
 
 
-def _common_features(parts: list[list[frozenset[str] | None]]) -> list[frozenset[str] | None]:
-    """Per chunk, the feature names every rank's entry has; None where some rank has no entry."""
-    return [None if any(p is None for p in per_rank) else frozenset.intersection(*per_rank)
+def _common_features(parts: list[list[tuple[int, frozenset[str]] | None]]) -> list[frozenset[str] | None]:
+    """Per chunk, the feature names every rank's entry has; None (a miss on every rank) where some rank has no entry
+    or the ranks' entries were computed at other positions (a chunk's K is re-rotated from where it was computed, so
+    the ranks' copies would move differently: a store drifted by a bug or a hand-copied directory)."""
+    return [None if any(p is None for p in per_rank) or len({pos for pos, _ in per_rank}) > 1
+            else frozenset.intersection(*(names for _, names in per_rank))
+            for per_rank in zip(*parts, strict=True)]
+
+
+def _position(entry: ChunkEntry | None) -> int | None:
+    """Where a found entry's KV was computed (its start_pos); None: not found."""
+    return None if entry is None else entry.start_pos
+
+
+def _held_alike(parts: list[list[int | None]]) -> list[bool]:
+    """Per segment, whether every rank holds it, computed at the same position."""
+    return [all(p is not None for p in per_rank) and len(set(per_rank)) == 1
             for per_rank in zip(*parts, strict=True)]
 
 
@@ -327,10 +342,16 @@ def prefetch(passes: FeaturePasses, features: list[RequestFeatures], selectors: 
 
 def store_entries(store: ChunkStore, entries: Iterable[ChunkEntry]) -> dict[str, float]:
     """Put `entries` into the store: what it kept (segments, tokens, bytes). One it kept no copy of is said in the
-    log: every request that uses it computes it again."""
+    log: every request that uses it computes it again. A write that fails with an OSError (a disk error) is that: the
+    write involves no other rank and no forward reads it, so under tensor parallelism it stays this rank's alone."""
     kept = {"segments": 0, "tokens": 0, "bytes": 0}
     for entry in entries:
-        if store.put(entry):
+        try:
+            stored = store.put(entry)
+        except OSError:
+            log.exception("chunkcache: storing chunk %s failed", entry.key)
+            stored = False
+        if stored:
             kept["segments"] += 1
             kept["tokens"] += entry.num_tokens
             kept["bytes"] += entry.nbytes
@@ -342,17 +363,41 @@ def store_entries(store: ChunkStore, entries: Iterable[ChunkEntry]) -> dict[str,
 
 def to_encode(store: ChunkStore, auto: AutoChunks, request: ChunkRequest, token_ids: torch.Tensor,
               token_bytes: int | None = None, ranks: Ranks = Ranks()) -> list[Encode]:
-    """After the request's prompt prefill: the paragraphs it teaches (AutoChunks.to_encode), none when it may not
-    teach (`request.learn`). Asked once per prompt: the request's segments are dropped. A segment counts as stored
-    only where every rank's store holds it; with `token_bytes` (KV bytes per token), a store some rank has no room
-    for the prompt's KV in is crowded. Every rank queues the same encodes (their forwards run together)."""
-    segments, request.segments = request.segments, None
-    if segments is None or not request.learn or not segments.keys:
-        return []
-    need = sum(e - s for s, e in segments.spans) * (token_bytes or 0)
-    held = ranks.agree(lambda: [k in store for k in segments.keys], all_hold)
-    crowded = token_bytes is not None and ranks.agree(lambda: store.room() < need, any)
-    return auto.to_encode(segments, token_ids, held, crowded)
+    """One request's paragraphs to encode (`to_encode_many`)."""
+    return to_encode_many(store, auto, [(request, token_ids)], token_bytes, ranks)[0]
+
+
+def to_encode_many(store: ChunkStore, auto: AutoChunks, taught: Sequence[tuple[ChunkRequest, torch.Tensor]],
+                   token_bytes: int | None = None, ranks: Ranks = Ranks()) -> list[list[Encode]]:
+    """After a batch's prompt prefills: per (request, its prompt's token ids), the paragraphs it teaches
+    (AutoChunks.to_encode), none when it may not teach (`request.learn`). Asked once per prompt: each request's
+    segments are dropped. A segment counts as stored only where every rank's store holds it; with `token_bytes` (KV
+    bytes per token), a store some rank has no room for a prompt's KV in is crowded. Both are agreed in one exchange
+    for the batch, so every rank queues the same encodes (their forwards run together); a store that fails on any
+    rank makes every rank raise RanksFailed there, before anything is queued."""
+    segments = []
+    for request, _ in taught:
+        kept, request.segments = request.segments, None
+        segments.append(kept if kept is not None and request.learn and kept.keys else None)
+    keys = [k for kept in segments if kept is not None for k in kept.keys]
+    if not keys:
+        return [[] for _ in taught]
+    held, room = ranks.agree(lambda: ([k in store for k in keys], store.room()), _held_and_room)
+    out, at = [], 0
+    for kept, (_, token_ids) in zip(segments, taught):
+        if kept is None:
+            out.append([])
+            continue
+        need = sum(e - s for s, e in kept.spans) * (token_bytes or 0)
+        crowded = token_bytes is not None and room < need
+        out.append(auto.to_encode(kept, token_ids, held[at: at + len(kept.keys)], crowded))
+        at += len(kept.keys)
+    return out
+
+
+def _held_and_room(parts: list[tuple[list[bool], int]]) -> tuple[list[bool], int]:
+    """What every rank's store holds, and the least room any has."""
+    return all_hold([held for held, _ in parts]), min(room for _, room in parts)
 
 
 def store_encode(store: ChunkStore, encode: Encode, kv_of: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],

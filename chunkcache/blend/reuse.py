@@ -8,56 +8,40 @@ RoPE, the selectors and the models selectors load. `hint()` turns a validated ch
 from __future__ import annotations
 
 import logging
-import time
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from ..config import Config
 from ..hashing import entry_key, prefix_key, tenant_key
 from ..hints import parse
-from ..ranks import Ranks, all_hold, first
+from ..ranks import Ranks, all_hold
 from ..rope import RopeSpec
 from ..segment import break_ids
 from ..select import REGISTRY, Selector
 from ..store import ChunkStore, EntryLayout
 from . import fidelity
-from .auto import AutoChunks, Encode, Segments, canonical_head
+from .auto import AutoChunks, Segments, canonical_head
 from .cost import Calibration, ComputeCost, Rates
-from .features import DeviationJob, Models
-from .pipeline import Defaults, store_encode
+from .features import Models
+from .pipeline import Defaults
 from .request import RequestHint
 
 log = logging.getLogger(__name__)
-# an engine's forward of token ids from position 0, attending nothing else: K and V [layers, tokens, heads, dim]
-KVOf = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-# deferred deviation measurements kept at most (each holds its request's plan and chunk entries until measured)
-DEFERRED_JOBS = 32
 
 
 class ChunkReuse:
     def __init__(self, config: Config, store: ChunkStore, layout: EntryLayout, rope: RopeSpec, model_path: str,
-                 device: torch.device | str, ranks: Ranks = Ranks()):
-        """`ranks`: the tensor-parallel ranks that run this model's forwards together (their decisions agree)."""
+                 device: torch.device | str, ranks: Ranks = Ranks(), rates: Rates | None = None):
+        """`ranks`: the tensor-parallel ranks that run this model's forwards together (their decisions agree);
+        `rates`: this host's compute rates when a request is blended only if predicted faster (None: always)."""
         self.config, self.store, self.layout, self.rope = config, store, layout, rope
         self.ranks = ranks
         self.fingerprint = layout.model_fingerprint
         self.model_path, self.device = model_path, device
         self.models = Models(model_path, self._load_draft, (config.draft.model, config.draft.layers))
-        # tokens one fill forward may compute (the server's chunked-prefill size, once the scheduler has resolved
-        # it); None: unbounded
-        self.prefill_budget: int | None = None
         self._selectors: dict[str, Selector] = {}
-        # deviations estimated on requests' paths, measured when the server is idle (`measure_deferred`); the
-        # oldest are dropped past DEFERRED_JOBS (their chunks are estimated again, and queued again, next use)
-        self.deferred: deque[DeviationJob] = deque(maxlen=DEFERRED_JOBS)
-        # paragraphs prompts taught, computed when the server is idle (`encode_next`, after the deferred deviations)
-        # or starved (auto.encode_starved_s), each with the engine's forward that computes its KV and when it was
-        # queued; the oldest dropped past auto.encode_queue
-        self.encodes: deque[tuple[Encode, KVOf, float]] = deque(maxlen=config.auto.encode_queue)
-        self.last_forward = 0.0  # time.monotonic() of the server's last extend forward (the glue sets it)
-        self.rates: Rates | None = None  # this host's rates when requests are blended only if predicted faster
+        self.rates = rates
         self.calibration = Calibration()  # this server's forwards against the rates' predictions
         self.compute = ComputeCost(lambda: self.rates, self.calibration)  # a chunk's cost here, against fetching it
         self.auto = AutoChunks(config.auto, self._break_ids(), self.fingerprint,
@@ -70,60 +54,6 @@ class ChunkReuse:
                         "(fidelity.fitted_for: null) and requests with max_kl are computed in full (fallback "
                         "'uncalibrated'); fit one with `chunkcache calibrate --model %s` (docs/calibration.md)",
                         model_path, model_path)
-
-    def measure_deferred(self) -> None:
-        """Measure the oldest deferred deviation, if any, and write what its chunks remember through every tier. A
-        failure is logged and the job dropped: its chunks are estimated again next use. Under tensor parallelism the
-        measurement is a forward of every rank: a failure there cannot be dropped by one rank alone (the others
-        would wait in its all-reduce), so it is raised."""
-        if not self.deferred:
-            return
-        job = self.deferred.popleft()
-        try:
-            gained = job.run()
-        except Exception:  # noqa: BLE001 - an optimisation of later selections: never the server's failure
-            if self.ranks.many:
-                raise
-            log.exception("chunkcache: measuring a deferred chunk deviation failed; its chunks stay estimated")
-            return
-        for key, feats in gained.items():
-            try:
-                self.store.add_features(key, feats)
-            except Exception:  # noqa: BLE001 - as above; a store write involves no other rank
-                log.exception("chunkcache: storing chunk %s's measured deviation failed", key)
-
-    def queue_encodes(self, encodes: Sequence[Encode], kv_of: KVOf) -> None:
-        """Keep `encodes` for idle (or starved) turns, each computed by `kv_of` (the engine's forward of its tokens
-        from position 0, one row, attending nothing else: K and V [layers, tokens, heads, dim] on the host); a
-        paragraph already waiting is not queued twice."""
-        waiting = {e.keys for e, _, _ in self.encodes}
-        now = time.monotonic()
-        self.encodes.extend((e, kv_of, now) for e in encodes if e.keys not in waiting)
-
-    def starved(self) -> bool:
-        """Whether the oldest waiting paragraph has waited auto.encode_starved_s (0: never), by rank 0's clock."""
-        limit = self.config.auto.encode_starved_s
-        return bool(limit and self.encodes) and self.ranks.agree(
-            lambda: time.monotonic() - self.encodes[0][2] >= limit, first)
-
-    def encode_next(self) -> dict[str, float] | None:
-        """Compute and store the oldest waiting paragraph that still holds a segment no rank's store holds (one
-        another prompt's encode stored meanwhile is dropped on the way, taking no turn of its own). Returns what the
-        store kept (store_encode), None when nothing was computed. A failure is logged and the paragraph dropped,
-        as a deferred deviation's; under tensor parallelism raised (a forward of every rank)."""
-        while self.encodes:
-            encode, kv_of, _ = self.encodes.popleft()
-            if not all(self.held(list(encode.keys))):
-                break
-        else:
-            return None
-        try:
-            return store_encode(self.store, encode, kv_of, self.fingerprint)
-        except Exception:  # noqa: BLE001 - an optimisation of later requests: never the server's failure
-            if self.ranks.many:
-                raise
-            log.exception("chunkcache: encoding a paragraph a prompt taught failed; it is not stored")
-            return None
 
     def held(self, keys: Sequence[str]) -> list[bool]:
         """Per key, whether every rank's store holds it (a decision that fixes which rows a forward computes may

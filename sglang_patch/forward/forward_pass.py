@@ -201,3 +201,31 @@ def _first_layers(model, n: int):
         yield
     finally:
         setattr(inner, name, whole)
+
+
+class Aside:
+    """What an idle job keeps of the extend batch that queued it (chunkcache.blend.idle): the model runner and a
+    shallow copy of the batch as the template of one-row forwards (`one_row`), never the batch's engine. Its forwards
+    run a prompt from position 0, one row kept aside: nothing of the KV pool read or written (the batch, and its
+    requests' slots, are long gone when they run)."""
+
+    def __init__(self, model_runner, forward_batch):
+        self.model_runner, self.template = model_runner, copy.copy(forward_batch)
+
+    def kv(self, token_ids: torch.Tensor, layers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [layers, tokens, heads, dim] on the host of `token_ids` through the first `layers` layers (None:
+        every layer)."""
+        seg = self._run(token_ids, layers=layers)[0]
+        return torch.stack([k for k, _ in seg.kept_kv]).cpu(), torch.stack([v for _, v in seg.kept_kv]).cpu()
+
+    def logits(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """[V] float32 on the host: the last token's logits of `token_ids` computed exactly through every layer."""
+        return self._run(token_ids, logits=True)[1].next_token_logits[0].detach().float().cpu()
+
+    def _run(self, token_ids: torch.Tensor, **kwargs):
+        runner = Runner(self.model_runner, one_row(self.template, len(token_ids)))
+        p = Pass()
+        seg = p.add_aside(token_ids, torch.arange(len(token_ids)),
+                          torch.zeros(0, dtype=torch.long, device=runner.device))
+        with torch.no_grad():
+            return seg, runner.run(p, **kwargs)

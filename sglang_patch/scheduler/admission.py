@@ -24,7 +24,7 @@ from chunkcache.blend.cost import work
 from chunkcache.blend.reuse import ChunkReuse
 
 from . import request_hint
-from .cache import reuse_of
+from .server import reuse_of
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def compute_tokens(reuse: ChunkReuse, req, prefix_len: int) -> int | None:
 class ChunkAwarePrefillAdder(PrefillAdder):
     def _select_prefill_admission(self, req, **kwargs):
         prefix_len = req.prefix_len + kwargs["host_hit_length"]
-        compute = compute_tokens(self.tree_cache.reuse, req, prefix_len)
+        compute = compute_tokens(reuse_of(self.tree_cache), req, prefix_len)
         request = request_hint.record(req)
         if request is not None:
             request.charged = compute
@@ -78,13 +78,6 @@ class ChunkAwarePrefillAdder(PrefillAdder):
             chunk, tokens = saved
             self.rem_chunk_tokens = None if chunk is None else chunk - compute
             self.rem_input_tokens = tokens - compute
-
-
-def adopt_budget(result, scheduler, *args, **kwargs) -> None:
-    """AFTER hook on Scheduler.init_chunked_prefill: the blend splits its fill at the size the scheduler resolved."""
-    reuse = reuse_of(scheduler.tree_cache)
-    if reuse is not None:
-        reuse.prefill_budget = scheduler.chunked_prefill_size
 
 
 def adder_class(result, scheduler, *args, **kwargs):

@@ -6,24 +6,23 @@
     the auto radix partition (its KV will be approximate), taking the exact match along (`carry_exact_prefix`).
     Too few stored tokens: the request stays a plain one, served exactly as stock.
   * `learn`, after every extend forward: for each request whose prompt prefill finished in it and that may teach
-    (request_hint.teaches), the paragraphs holding segments no tier holds (chunkcache.blend.pipeline.to_encode) are
-    queued with the forward that computes them (`_alone_kv`: the canonical head and the paragraph, one row from
-    position 0, nothing of the pool read or written). Nothing of a request's own KV is ever stored: what it attended
-    to is not what a segment's key names (chunkcache.store.entry). The plugin's idle hook encodes them one at a time;
-    `encode_when_starved`, after a batch's outputs are sent, encodes one when the oldest has waited
-    auto.encode_starved_s (a server that is never idle still learns).
+    (request_hint.teaches), the paragraphs holding segments no tier holds (chunkcache.blend.pipeline.to_encode_many)
+    are queued as idle jobs (ChunkServer.teach) with the forward that computes them (an Aside: the canonical head and
+    the paragraph, one row from position 0, nothing of the pool read or written). Nothing of a request's own KV is
+    ever stored: what it attended to is not what a segment's key names (chunkcache.store.entry). The server's idle
+    turns encode them one at a time, and a server never idle one after a batch's outputs once the oldest has waited
+    auto.encode_starved_s (sglang_patch.scheduler.server).
 A request with input logprobs over its prompt is never detected (the blend does not compute those tokens' logits);
 one with output logprobs alone is.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import functools
 import logging
 import time
 from array import array
+from collections.abc import Callable
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
@@ -31,11 +30,11 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from chunkcache.blend import pipeline
 from chunkcache.blend.request import ChunkRequest
+from chunkcache.ranks import Ranks
 from chunkcache.blend.reuse import ChunkReuse
 
 from . import metrics, report
-from .cache import reuse_of
-from ..forward.forward_pass import Pass, Runner, batch_rows, one_row
+from ..forward.forward_pass import Aside, batch_rows
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +64,7 @@ def exact_prefix(tree_cache, req) -> int:
     return int(tree_cache.match_prefix(MatchPrefixParams(key=_key(req, req.extra_key))).device_prefix_len)
 
 
-def carry_exact_prefix(tree_cache, req, plain_extra_key: str | None) -> int:
+def carry_exact_prefix(tree_cache, req, plain_extra_key: str | None, ranks: Ranks = Ranks()) -> int:
     """Give the auto partition (the request's extra_key now) the exact prefix the plain partition holds beyond its
     own match: those tokens' KV copied into new slots and inserted under the auto key, so SGLang's own match finds
     them instead of the blend's fill computing them again. Exact KV is right in every partition. A pool without free
@@ -73,38 +72,59 @@ def carry_exact_prefix(tree_cache, req, plain_extra_key: str | None) -> int:
     server's steady state the pool is full of cached prefixes), both partitions' matched paths locked meanwhile. The
     inserted node is unlocked, SGLang's to evict like any other. Returns the tokens carried: 0 when the auto
     partition matches as far, the tree cannot free enough room, or it keeps more than full-attention KV
-    (sliding-window or state components, whose slots this copy does not carry)."""
+    (sliding-window or state components, whose slots this copy does not carry).
+    Under tensor parallelism every rank's tree must stay the same: the copy is inserted only where every rank made it
+    (`ranks` agree before the insert); otherwise each rank frees its copy and carries nothing, and a rank whose copy
+    raised raises it after the agreement."""
     if tree_cache.supports_swa() or tree_cache.supports_mamba():
         return 0
-    plain = tree_cache.match_prefix(MatchPrefixParams(key=_key(req, plain_extra_key)))
-    auto = tree_cache.match_prefix(MatchPrefixParams(key=_key(req, req.extra_key)))
-    held, have = int(plain.device_prefix_len), int(auto.device_prefix_len)
-    if held <= have:
-        return 0
-    allocator = tree_cache.token_to_kv_pool_allocator
-    locks = [tree_cache.lock(plain.last_device_node), tree_cache.lock(auto.last_device_node)]
-    try:
+    allocator, locks = tree_cache.token_to_kv_pool_allocator, []
+
+    def copy() -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+        """(new slots, the auto path's slots with them, tokens the auto partition had, tokens to hold)."""
+        plain = tree_cache.match_prefix(MatchPrefixParams(key=_key(req, plain_extra_key)))
+        auto = tree_cache.match_prefix(MatchPrefixParams(key=_key(req, req.extra_key)))
+        held, have = int(plain.device_prefix_len), int(auto.device_prefix_len)
+        if held <= have:
+            return None
+        locks.extend([tree_cache.lock(plain.last_device_node), tree_cache.lock(auto.last_device_node)])
         if allocator.available_size() < held - have:
             tree_cache.evict(EvictParams(num_tokens=held - have - allocator.available_size()))
         source = tree_cache.path_device_indices(plain.last_device_node)[have:held]
         own = tree_cache.path_device_indices(auto.last_device_node)[:have]
         if len(source) != held - have or len(own) != have:  # a match not all on its tree path (loaded, unpublished)
-            return 0
+            return None
         if allocator.available_size() < held - have:
-            return 0
+            return None
         slots = allocator.alloc(held - have)
         try:
             _copy_kv(allocator.get_kvcache(), slots, source)  # the plain partition keeps its own
-            value = torch.cat([own.to(torch.int64), slots.to(torch.int64)])
+            return slots, torch.cat([own.to(torch.int64), slots.to(torch.int64)]), have, held
         except BaseException:
             allocator.free(slots)
             raise
+
+    def attempt():
+        try:
+            return copy(), None
+        except Exception as exc:  # noqa: BLE001 - raised after every rank knows
+            return None, exc
+
+    try:
+        (made, error), everywhere = ranks.decide(attempt, lambda mine: mine[0] is not None, all)
+        if not everywhere:
+            if made is not None:
+                allocator.free(made[0])
+            if error is not None:
+                raise error
+            return 0
+        _, value, have, held = made
         # the tree's own slots below `have` are not duplicates (prev_prefix_len); from there on it owns the new ones
         tree_cache.insert(InsertParams(key=_key(req, req.extra_key, held), value=value, prev_prefix_len=have))
+        return held - have
     finally:
         for lock in locks:
             tree_cache.unlock(lock)
-    return held - have
 
 
 def _copy_kv(pool, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -119,25 +139,25 @@ def _key(req, extra_key: str | None, n: int | None = None) -> RadixKey:
     return RadixKey(token_ids=array("q", ids), extra_key=extra_key, cache_salt=getattr(req, "cache_salt", None))
 
 
-def learn(reuse: ChunkReuse, model_runner, forward_batch, reqs, record_of) -> None:
+def learn(reuse: ChunkReuse, teach: Callable, model_runner, forward_batch, reqs, record_of) -> None:
     """For every request whose prompt prefill finished in this forward (`record_of(req)`: its ChunkRequest), the
-    paragraphs it teaches, queued for the idle (or starved) turns that encode them, and said in its report."""
+    paragraphs it teaches (agreed over the ranks, for the whole batch at once), handed to `teach` (ChunkServer.teach:
+    queued as idle jobs) with the forward that encodes them (an Aside of this batch), and said in its report."""
     records = [record_of(r) for r in reqs]
     if not any(r is not None and r.segments is not None for r in records):
         return  # decode rows and prompts already learned: nothing to do
     pool = model_runner.token_to_kv_pool
     token_bytes = 2 * pool.layer_num * pool.get_key_buffer(0)[0].numel() * pool.get_key_buffer(0).element_size()
-    kv_of = None  # the forward that encodes a paragraph, made for the batch's first one
-    for row in batch_rows(model_runner, forward_batch, reqs):
+    rows = [row for row in batch_rows(model_runner, forward_batch, reqs)
+            if (request := records[row.index]) is not None and request.segments is not None
+            and row.seq_len == len(row.req.origin_input_ids) and not row.decode]
+    taught = pipeline.to_encode_many(reuse.store, reuse.auto, [(records[row.index], row.token_ids) for row in rows],
+                                     token_bytes, reuse.ranks)
+    if any(taught):
+        teach([encode for encodes in taught for encode in encodes], Aside(model_runner, forward_batch).kv)
+    for row, encodes in zip(rows, taught):
         request = records[row.index]
-        if request is None or request.segments is None or row.seq_len != len(row.req.origin_input_ids) or row.decode:
-            continue
         hinted = request.hint is not None and getattr(row.req, "to_finish", None) is None
-        encodes = pipeline.to_encode(reuse.store, reuse.auto, request, row.token_ids, token_bytes, reuse.ranks)
-        if encodes:
-            if kv_of is None:
-                kv_of = functools.partial(_alone_kv, model_runner, copy.copy(forward_batch))
-            reuse.queue_encodes(encodes, kv_of)
         tokens = sum(e - s for encode in encodes for (s, e), _, _ in encode.entries)
         learning = {"segments": sum(len(encode.entries) for encode in encodes), "tokens": tokens,
                     "bytes": tokens * token_bytes}
@@ -145,25 +165,3 @@ def learn(reuse: ChunkReuse, model_runner, forward_batch, reqs, record_of) -> No
             report.auto_stock(request, radix=row.matched, computed=row.seq_len - row.matched, learned=learning)
         else:
             request.add_learned(learning)
-
-
-def encode_when_starved(result, scheduler, *args, **kwargs) -> None:
-    """AFTER hook on Scheduler.process_batch_result: a server that is never idle encodes one waiting paragraph once
-    the oldest has waited auto.encode_starved_s (ChunkReuse.starved), now that the batch's outputs are sent: the
-    next batch waits one paragraph's forward."""
-    reuse = reuse_of(scheduler.tree_cache)
-    if reuse is not None and reuse.encodes and reuse.starved():
-        if learned := reuse.encode_next():
-            metrics.record_auto_learned(learned["segments"], learned["bytes"], learned["seconds"])
-
-
-def _alone_kv(model_runner, forward_batch, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V [layers, tokens, heads, dim] on the host of `token_ids` from position 0 through every layer, one row
-    kept aside: nothing of the pool read or written (`forward_batch`, a copy of the batch that taught the store the
-    paragraph, is only the template of a one-row batch: that batch is long gone when this runs)."""
-    runner = Runner(model_runner, one_row(forward_batch, len(token_ids)))
-    p = Pass()
-    seg = p.add_aside(token_ids, torch.arange(len(token_ids)), torch.zeros(0, dtype=torch.long, device=runner.device))
-    with torch.no_grad():
-        runner.run(p)
-    return torch.stack([k for k, _ in seg.kept_kv]).cpu(), torch.stack([v for _, v in seg.kept_kv]).cpu()

@@ -30,13 +30,15 @@ from chunkcache.blend.reuse import ChunkReuse
 from chunkcache.rope import Rotation
 from chunkcache.store import ChunkEntry
 
-from . import audit, report, request_hint
-from ..forward.forward_pass import Pass, Row, Runner, batch_rows, input_logprob_tokens
+from . import report, request_hint
+from .server import ChunkServer
+from ..forward.forward_pass import Aside, Pass, Row, Runner, batch_rows, input_logprob_tokens
 from ..forward.sparse_attention import pool_index
 
 
-def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
+def run(server: ChunkServer, model_runner, forward_batch, reqs):
     """The batch's logits output, or None when nothing blends (SGLang's own forward then computes the batch)."""
+    reuse = server.reuse
     t0 = time.perf_counter()
     rows = batch_rows(model_runner, forward_batch, reqs)
     hinted = [(row, request_hint.record(row.req)) for row in rows
@@ -54,7 +56,7 @@ def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
             report.fallback(request, "input_logprobs", f"input logprobs of the last {scored[row.index]} prompt tokens "
                             f"(logprob_start_len) need those tokens' logits, which a blend does not compute: this "
                             f"round is computed in full (output logprobs alone are served blended)")
-        elif request.hint.max_kl is not None and reuse.fidelity is None:
+        elif request.hint.max_kl is not None and server.estimator is None:
             report.fallback(request, "uncalibrated", pipeline.UNCALIBRATED)
         elif row.seq_len != prompt:
             report.fallback(request, "partial_prefill", f"tokens [{row.matched}, {row.seq_len}) of "
@@ -63,9 +65,7 @@ def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
             candidates.append((row, request, plan))
         else:  # the radix tree holds every chunk: computed exactly, and said so
             report.blended(request, pipeline.record_held(request, plan, row.seq_len - row.matched))
-    # blend or full, priced from rank 0's timings (each rank's own clock would split the ranks' forwards)
-    for (row, request, plan), (raw, predicted) in zip(candidates, reuse.ranks.agree(
-            lambda: [_predicted(reuse, plan) for _, _, plan in candidates])):
+    for (row, request, plan), (raw, predicted) in zip(candidates, priced(reuse, [c[2] for c in candidates])):
         if predicted is not None and not predicted.blend:
             report.fallback(request, "predicted_slower", f"blending ({predicted.tokens} tokens computed, "
                             f"{predicted.pairs} pairs attended, {predicted.reused} copied) predicted "
@@ -80,16 +80,16 @@ def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
         return None
     planned = time.perf_counter()
     plans = [plan for _, plan in blending.values()]
-    engine = BatchEngine(reuse, Runner(model_runner, forward_batch), rows, plans, list(blending))
+    engine = BatchEngine(reuse, Runner(model_runner, forward_batch), rows, plans, list(blending), server.prefill_budget)
     try:
         done = pipeline.run(engine, reuse.store, plans, reuse.selector, floor_cap=reuse.config.select.max_kl_cap,
                             compute=reuse.compute, prefetched=[p for request, _ in blending.values()
                                                                if (p := request.prefetched()) is not None],
-                            estimator=reuse.fidelity, ranks=reuse.ranks)
+                            estimator=server.estimator, ranks=reuse.ranks)
     finally:  # whatever runs next on these slots (the next batch, a fallback's prefill) follows the whole copy
         if engine.runner.copied is not None:
             engine.runner.copied.wait_all()
-    reuse.deferred.extend(done.deferred)  # measured when the scheduler is idle (plugin: Scheduler.on_idle)
+    server.defer(done.deferred)  # measured when the scheduler is idle
     stages = {**done.seconds, "plan": planned - t0}
     decodes = sum(row.decode for row in rows)
     batch = {"requests": len(blending), "plain": len(rows) - len(blending) - decodes, "decodes": decodes,
@@ -102,7 +102,8 @@ def run(reuse: ChunkReuse, model_runner, forward_batch, reqs):
         report.blended(request, pipeline.record(request, b, stages=stages, blend_s=blend_s,
                                                 select_s=feature_s + b.select_s, batch=batch,
                                                 prediction=predictions[index]))
-        audit.offer(reuse, engine.runner, index, request.rid, b, done.output)  # a sample, recomputed when idle
+        if server.audit is not None:  # a sample, recomputed when idle
+            server.audit.offer(engine.runner, index, request.rid, b, done.output)
     return done.output
 
 
@@ -115,6 +116,12 @@ def _observe(reuse: ChunkReuse, priced: list[Prediction | None], done: pipeline.
     if all(b.passes == ("query_attention",) for b in done.requests):
         reuse.calibration.observe("probe", sum(p.stages["query"] for p in priced), seconds["features"])
     reuse.calibration.observe("blend", sum(p.stages["recompute"] for p in priced), seconds["recompute"])
+
+
+def priced(reuse: ChunkReuse, plans: Sequence[RequestPlan]) -> list[tuple[Prediction | None, Prediction | None]]:
+    """Blend or full for each plan (`_predicted`), from rank 0's timings: each rank's calibration of its own
+    forwards would split the ranks' forwards."""
+    return reuse.ranks.agree(lambda: [_predicted(reuse, plan) for plan in plans])
 
 
 def _predicted(reuse: ChunkReuse, plan: RequestPlan) -> tuple[Prediction | None, Prediction | None]:
@@ -133,9 +140,9 @@ class BatchEngine:
     pipeline is the i-th), the other rows are computed exactly by `recompute`."""
 
     def __init__(self, reuse: ChunkReuse, runner: Runner, rows: list[Row], plans: list[RequestPlan],
-                 plan_rows: list[int]):
-        """`plan_rows`: the batch row of each plan."""
-        self.reuse, self.runner, self.rows = reuse, runner, rows
+                 plan_rows: list[int], prefill_budget: int | None = None):
+        """`plan_rows`: the batch row of each plan; `prefill_budget`: the tokens one fill forward may compute."""
+        self.reuse, self.runner, self.rows, self.prefill_budget = reuse, runner, rows, prefill_budget
         self.fingerprint, self.models, self.entry_shape = reuse.fingerprint, reuse.models, reuse.entry_shape
         self.rope = reuse.rope
         self.n_layers = reuse.layout.num_layers
@@ -153,7 +160,7 @@ class BatchEngine:
         forwards of at most the prefill budget. A request's prefix is added before its chunks, so it runs in the
         same or an earlier forward than the chunks that attend to it. A request with no missing chunk leaves its
         prefix to the next pass it takes part in (`leads`): one forward fewer, a fixed cost on a GPU."""
-        budget, passes = self.reuse.prefill_budget, [Pass()]
+        budget, passes = self.prefill_budget, [Pass()]
 
         def room(n: int) -> Pass:
             if passes[-1].n and budget and passes[-1].n + n > budget:
@@ -279,14 +286,10 @@ class BatchEngine:
             out.append(dev * plan.layout().context_mask())
         return out
 
-    def exact_kv(self, request: int, layer: int, which: str) -> torch.Tensor:
-        """The whole prompt kept aside through layers 0..`layer`, attending nothing of the pool: it runs when the
-        request may be gone (a deferred DeviationJob), its slots freed or reused."""
-        plan, row = self.plans[request], self.plan_rows[request]
-        p = Pass()
-        seg = p.add_aside(plan.token_ids, torch.arange(plan.n), row.slots[:0])
-        self.runner.run(p, layers=layer + 1)
-        return seg.kept_kv[layer][0 if which == "k" else 1]
+    def aside(self):
+        """The forward of a measurement after the batch (a deferred DeviationJob, when the request may be gone): a
+        prompt kept aside, attending nothing of the pool; it keeps the model runner and a one-row batch template."""
+        return Aside(self.runner.model_runner, self.runner.forward_batch).kv
 
     def recompute(self, tokens: list[torch.Tensor]):
         """The selected tokens of every blending request and every extend token of the other rows, in batch order;

@@ -26,12 +26,25 @@ from chunkcache.blend.reuse import ChunkReuse
 from chunkcache.hints import EXACT_SELECTOR, HintError, find_payload
 
 from . import auto_chunks, report
+from .server import reuse_of
 
 log = logging.getLogger(__name__)
 ATTR = report.ATTR
 # Every hinted request's extra_key starts with this, and the HTTP layer refuses it on any other request
 # (hint_validation.check_request), so a plain request can never name a hinted request's radix partition.
 RESERVED_EXTRA_KEY = "chunkcache\x1f"
+
+
+def on_created(req, scheduler, recv_req, *args, **kwargs) -> None:
+    """AFTER hook on Scheduler._create_generation_req: the request's record, once."""
+    attach(reuse_of(scheduler.tree_cache), scheduler.tree_cache, req, input_logprobs(recv_req))
+
+
+def input_logprobs(recv_req) -> bool:
+    """Whether the request asked for logprobs of its prompt's tokens (the scheduler resolves `logprob_start_len`
+    after creating the Req: -1, its default, scores output tokens only)."""
+    start = getattr(recv_req, "logprob_start_len", -1)
+    return bool(getattr(recv_req, "return_logprob", False)) and 0 <= start < len(recv_req.input_ids)
 
 
 def attach(reuse: ChunkReuse | None, tree_cache, req, input_logprobs: bool = False) -> None:
@@ -83,7 +96,7 @@ def _detect(reuse: ChunkReuse, tree_cache, req, request: ChunkRequest, payload: 
     if request.hint is not None:
         plain, req.extra_key = req.extra_key, auto_partition(req.extra_key)
         try:
-            carried = auto_chunks.carry_exact_prefix(tree_cache, req, plain)
+            carried = auto_chunks.carry_exact_prefix(tree_cache, req, plain, reuse.ranks)
         except Exception:  # noqa: BLE001 - the blend's fill computes the prefix instead
             log.exception("chunkcache: carrying request %s's exact prefix into the auto partition failed; "
                           "its fill computes it", request.rid)

@@ -1,0 +1,176 @@
+"""The scheduler side of chunk reuse: one `ChunkServer` per scheduler, the one owner of what changes while serving.
+
+Built once with the scheduler's tree cache (sglang_patch.scheduler.cache), it holds the `ChunkReuse`
+(chunkcache.blend.reuse: config, store, selectors, models, rates; fixed once built) and the runtime state:
+  * `prefill_budget`: the scheduler's chunked-prefill size, set once when the scheduler resolves it (`start`);
+  * `last_forward`: when the last extend forward ended (the idle gate's clock);
+  * `audit`: the online audit (sglang_patch.scheduler.audit), when audit.rate > 0; `estimator` is what the blends
+    read: the fitted fidelity estimator with the audit's margin applied;
+  * `idle`: the one queue of idle work (chunkcache.blend.idle): deviations blends estimated, paragraphs prompts
+    taught, blended requests sampled for the audit.
+Requests reach it through `server_of(tree_cache)`; the hooks that run idle work are here (`on_idle`, `after_batch`).
+
+Under tensor parallelism every rank holds its own replica, and every decision that fixes what a forward computes is
+agreed (chunkcache.ranks). `start` refuses ranks whose config, fidelity estimator or host rates differ: the blends
+read them on every rank and must read the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import time
+from collections.abc import Sequence
+
+from chunkcache.blend import fidelity
+from chunkcache.blend.auto import Encode
+from chunkcache.blend.cost import rates_fingerprint
+from chunkcache.blend.features import DeviationJob
+from chunkcache.blend.idle import IdleWork
+from chunkcache.blend.pipeline import store_encode
+from chunkcache.blend.reuse import ChunkReuse
+
+from . import metrics
+from ..serve.launcher import BACKEND_NAME
+
+log = logging.getLogger(__name__)
+# deferred deviation measurements kept at most (each holds its request's chunk entries until measured)
+DEFERRED_JOBS = 32
+# an idle scheduler starts a job only this long after its last forward: a job runs whole, so one started between the
+# requests of a client that sends them back to back would hold the next one up
+IDLE_AFTER_S = 0.5
+
+
+class ChunkServer:
+    def __init__(self, reuse: ChunkReuse):
+        self.reuse = reuse
+        self.prefill_budget: int | None = None  # tokens one fill forward may compute; None: unbounded
+        self.last_forward = 0.0  # time.monotonic() at the end of the last extend forward
+        self.audit = None  # sglang_patch.scheduler.audit.Audit, when audit.rate > 0 (`start`)
+        config = reuse.config
+        self.idle = IdleWork(reuse.ranks, {"deviation": DEFERRED_JOBS, "encode": config.auto.encode_queue,
+                                           "audit": config.audit.keep})
+
+    def start(self, chunked_prefill_size: int | None, audit=None) -> None:
+        """Once, when the scheduler has resolved its chunked-prefill size: the budget, the audit, and the ranks'
+        agreement on what every blend reads (a rank that differs stops every rank's start with the reason)."""
+        self.prefill_budget = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
+        self.audit = audit
+        self.reuse.ranks.check_alike(self.facts())
+
+    def facts(self) -> dict[str, str]:
+        """What every rank's blends read and must read alike, as fingerprints."""
+        return {"config": self.reuse.config.fingerprint(),
+                "fidelity estimator": fidelity.estimator_fingerprint(self.reuse.fidelity),
+                "host rates": rates_fingerprint(self.reuse.rates)}
+
+    @property
+    def estimator(self) -> fidelity.Model | None:
+        """The fidelity estimator the blends read: the fitted one, with the audit's margin when it audits."""
+        return self.reuse.fidelity if self.audit is None else self.audit.served
+
+    def defer(self, jobs: Sequence[DeviationJob]) -> None:
+        """Deviations a blend estimated, measured when idle (every rank's blend agreed them)."""
+        for job in jobs:
+            self.idle.put("deviation", functools.partial(self._measure, job))
+
+    def teach(self, encodes: Sequence[Encode], exact_kv) -> None:
+        """Paragraphs a batch's prompts taught (agreed over the ranks), each computed by `exact_kv` (an Aside's) when
+        idle or starved; a paragraph already waiting is not queued twice."""
+        for encode in encodes:
+            self.idle.put("encode", functools.partial(self._encode, encode, exact_kv), key=encode.keys)
+
+    def run_idle(self) -> None:
+        """One idle job (the caller's gate is agreed over the ranks)."""
+        self.idle.run_one()
+
+    def _measure(self, job: DeviationJob) -> None:
+        """A deferred deviation measured (a forward of every rank) and written through every tier; a store write
+        involves no other rank, so its failure is this rank's alone: logged, the chunk estimated again next use."""
+        for key, feats in job.run().items():
+            try:
+                self.reuse.store.add_features(key, feats)
+            except Exception:  # noqa: BLE001 - an optimisation of later selections
+                log.exception("chunkcache: storing chunk %s's measured deviation failed", key)
+
+    def _encode(self, encode: Encode, exact_kv) -> None:
+        """A taught paragraph encoded and stored, unless every rank's store holds all its segments by now (another
+        prompt's encode stored them)."""
+        if all(self.reuse.held(list(encode.keys))):
+            return
+        learned = store_encode(self.reuse.store, encode, exact_kv, self.reuse.fingerprint)
+        metrics.record_auto_learned(learned["segments"], learned["bytes"], learned["seconds"])
+
+    def state(self, tree_cache) -> dict:
+        """What /server_info reports under internal_states[i]['chunkcache'] (under `report.to_clients: private`, the
+        backend alone: `private_state`)."""
+        reuse = self.reuse
+        if reuse.config.report.to_clients == "private":
+            return private_state(type(tree_cache).__name__)
+        return {"backend": BACKEND_NAME, "tree_cache": type(tree_cache).__name__, "scheduler_pid": os.getpid(),
+                "store": dataclasses.asdict(reuse.store.stats()),
+                "deferred_deviations": self.idle.waiting("deviation"),  # estimated, to be measured when idle
+                "encodes_waiting": self.idle.waiting("encode"),  # paragraphs prompts taught, encoded when idle
+                "audits_waiting": self.idle.waiting("audit"),  # blended requests sampled, recomputed when idle
+                # the blend-or-full choice's fit to this server's forwards: a fixed time per forward, a scale per side
+                "calibration": reuse.calibration.state(),
+                # a chunk's measured compute cost, priced against a remote fetch (store.remote_fetch)
+                "compute_s_per_token": reuse.compute.per_token_s,
+                "kv_pool": {"available": int(tree_cache.token_to_kv_pool_allocator.available_size()),
+                            "evictable": int(tree_cache.evictable_size()),
+                            "protected": int(tree_cache.protected_size())}}
+
+
+def private_state(tree_cache: str) -> dict:
+    """/server_info's chunkcache state for clients that must not learn each other's traffic: which backend
+    serves, nothing that moves with what requests sent. Dropped: the store's counters (entries, bytes, hits,
+    misses, remote fetches and writes), the idle work waiting (queued by blends and by the prompts that teach), the
+    blend-or-full calibration and the measured compute cost (refitted by each blend, each chunk computed) and the KV
+    pool's evictable and protected tokens (the radix tree's contents). /metrics keeps the store's and the blends'
+    counters (chunkcache_store_*, chunkcache_remote_*, chunkcache_chunk_*, ...); the rest is /server_info's alone, so
+    a private server does not show it."""
+    return {"backend": BACKEND_NAME, "tree_cache": tree_cache, "scheduler_pid": os.getpid(), "private": True}
+
+
+def server_of(tree_cache) -> ChunkServer | None:
+    """The scheduler's chunk server, None when its tree cache is not chunkcache's (a stock server)."""
+    return getattr(tree_cache, "chunk_server", None)
+
+
+def reuse_of(tree_cache) -> ChunkReuse | None:
+    """The scheduler's chunk reuse, None on a stock server."""
+    server = server_of(tree_cache)
+    return None if server is None else server.reuse
+
+
+def on_idle(scheduler, *args, **kwargs) -> None:
+    """BEFORE hook on Scheduler.on_idle: one idle job once the scheduler has been fully idle IDLE_AFTER_S since its
+    last forward. The queue and the scheduler's idleness are the same on every rank (replicas of one state machine,
+    chunkcache.ranks); the idle time is rank 0's, so that every rank enters the job's forward."""
+    server = server_of(scheduler.tree_cache)
+    if (server is not None and server.idle.waiting() and scheduler.is_fully_idle()
+            and server.reuse.ranks.agree(lambda: time.monotonic() - server.last_forward >= IDLE_AFTER_S)):
+        server.run_idle()
+
+
+def after_batch(result, scheduler, *args, **kwargs) -> None:
+    """AFTER hook on Scheduler.process_batch_result: a server that is never idle encodes one waiting paragraph once
+    the oldest has waited auto.encode_starved_s (by rank 0's clock), now that the batch's outputs are sent: the next
+    batch waits one paragraph's forward."""
+    server = server_of(scheduler.tree_cache)
+    if server is None or not server.idle.waiting("encode"):
+        return
+    limit = server.reuse.config.auto.encode_starved_s
+    if limit and server.reuse.ranks.agree(lambda: server.idle.waited("encode") >= limit):
+        server.idle.run_one(("encode",))
+
+
+def report_state(result, controller, *args, **kwargs):
+    """AFTER hook on /server_info's internal state: which backend really serves, and its state."""
+    tree_cache = controller.scheduler.tree_cache
+    server = server_of(tree_cache)
+    result.internal_state["chunkcache"] = server.state(tree_cache) if server is not None else {
+        "backend": None, "tree_cache": type(tree_cache).__name__}
+    return result
