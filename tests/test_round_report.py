@@ -7,7 +7,7 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import get_type_hints, is_typeddict
+from typing import get_args, get_type_hints, is_typeddict
 
 import pytest
 import torch
@@ -164,3 +164,16 @@ def test_the_documented_schema_is_the_checked_one():
     assert documented_keys() == schema_keys()
     text = DOC.read_text()
     assert all(f"`{stage}`" in text for stage in STAGES)
+
+
+def test_the_fallback_reasons_are_one_list_the_docs_and_rounds_read():
+    """round_report.Fallback is every reason: docs/report-schema.md's `fallback` row names exactly those, a blended
+    round's are among them, and a round with any other reason is refused."""
+    (row,) = re.findall(r"^\| `fallback` \| str \|.*$", DOC.read_text(), re.MULTILINE)  # the key table's row
+    named = set(re.findall(r"`(\w+)`", row.split("|")[5])) - {"chunkcache_fallbacks_total", "reason"}
+    assert named == set(round_report.FALLBACKS)
+    assert set(get_args(round_report.BlendedFallback)) < set(round_report.FALLBACKS)
+    for reason in round_report.FALLBACKS:
+        assert round_report.to_json("fallback", {"fallback": reason, "detail": "d"})["fallback"] == reason
+    with pytest.raises(round_report.ReportError):
+        round_report.to_json("fallback", {"fallback": "because", "detail": "d"})

@@ -98,6 +98,15 @@ class _Blend(_Counted):
     computed_instead: int
 
 
+# Why a round was computed in full, one short fixed token each: the report's `fallback`, the `reason` label of
+# chunkcache_fallbacks_total (every one registered at start, at 0) and docs/report-schema.md's list read this alone.
+# A blended round carries the first two (its every context token recomputed after all); a fallback round the rest.
+Fallback = Literal["quality_floor", "uncalibrated", "input_logprobs", "partial_prefill", "predicted_slower",
+                   "bad_hint", "no_tenant", "auto_error", "error"]
+FALLBACKS: tuple[str, ...] = get_args(Fallback)
+BlendedFallback = Literal["quality_floor", "uncalibrated"]
+
+
 class HeldRound(_Blend):
     """A round whose chunks the radix tree held entirely: computed exactly, nothing blended, no chunk looked up."""
 
@@ -107,7 +116,7 @@ class BlendedRound(_Blend, _Priced):
 
     fidelity: NotRequired[Fidelity]
     max_kl: NotRequired[float]
-    fallback: NotRequired[Literal["quality_floor", "uncalibrated"]]  # every context token recomputed after all
+    fallback: NotRequired[BlendedFallback]  # every context token recomputed after all
     detail: NotRequired[str]
 
 
@@ -134,7 +143,7 @@ class AutoStockRound(_Counted, _Detected):
 class FallbackRound(_Priced):
     """A round computed in full instead of blended, and why."""
 
-    fallback: str  # the reason, a short fixed token (the chunkcache_fallbacks_total `reason` label)
+    fallback: Fallback
     detail: str
     learned: NotRequired[Learned]
 

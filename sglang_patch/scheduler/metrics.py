@@ -16,6 +16,8 @@ import threading
 from sglang.srt.plugins.hook_registry import HookType
 from sglang.srt.runtime_context import get_serving
 
+from chunkcache.blend.round_report import FALLBACKS
+
 TIERS = ("host", "disk")  # the chunk store's tiers, as `tier` label values
 # RemoteStats counters as chunkcache_remote_* series: field -> (series, help); the skip reasons share one series
 REMOTE_COUNTERS = {
@@ -87,6 +89,8 @@ class _Metrics:
                                 "full")
         self.fallbacks = series(Counter, "chunkcache_fallbacks", "Hinted requests computed in full, by reason",
                                 ("reason",))
+        for reason in FALLBACKS:  # every reason at 0 from the start: a rate over it is defined before the first
+            self.fallbacks.labels(reason)
         self.exact = series(Counter, "chunkcache_exact_requests", "Requests with a chunkcache payload computed by the "
                             "model's own prefill at their asking, by reason (exact: `exact: true`; selector_full: "
                             "`selector: full`)", ("reason",))

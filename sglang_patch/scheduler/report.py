@@ -74,7 +74,7 @@ def exact(request: ChunkRequest, *, radix: int, computed: int) -> None:
         "recomputed_tokens": computed, "radix_tokens": radix}))
 
 
-def fallback(request: ChunkRequest, reason: str, detail: str, extra: dict | None = None) -> None:
+def fallback(request: ChunkRequest, reason: round_report.Fallback, detail: str, extra: dict | None = None) -> None:
     """A round computed in full instead of blended: logged, counted and reported, with why."""
     _warn_full(request, reason, detail)
     request.add_round(round_report.to_json("fallback", {"fallback": reason, "detail": detail, **(extra or {})}))
