@@ -372,6 +372,27 @@ class SpeCacheConfig:
 
 
 @dataclass
+class IdleConfig:
+    """The server's idle work (chunkcache/blend/idle.py): deviations blends estimated, paragraphs prompts taught and
+    audits, run one job at a time while no request waits."""
+
+    after_s: float = knob(
+        0.5, "seconds the scheduler must have been idle since its last forward before an idle job starts (a client "
+        "that sends its requests back to back is not held up by one)")
+    slice_tokens: int = knob(
+        512, "tokens one forward of an idle job computes at most: a job over a longer prompt runs a slice per idle "
+        "turn, each attending to the earlier slices' K/V, so a request that arrives waits for one slice at most")
+    deviations: int = knob(
+        32, "deferred deviation measurements kept at most (each holds its request's chunk entries until measured); "
+        "past it the oldest is dropped (its chunks are estimated again, and queued again, next use)")
+
+    def check(self) -> None:
+        _at_least(self, "after_s", 0)
+        _at_least(self, "slice_tokens", 1)
+        _at_least(self, "deviations", 0)
+
+
+@dataclass
 class AuditConfig:
     """The online audit (docs/request-contract.md "Quality floor"): a sample of blended requests recomputed in full
     while the server is idle, each one's measured first-token KL judged against the bound it was served under; when
@@ -453,6 +474,7 @@ class Config:
     store: StoreConfig = field(default_factory=StoreConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     auto: AutoConfig = field(default_factory=AutoConfig)
+    idle: IdleConfig = field(default_factory=IdleConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)

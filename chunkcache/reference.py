@@ -28,6 +28,7 @@ from .blend import fidelity, pipeline
 from .blend.auto import AutoChunks
 from .blend.attention import attend_blocks, plan_blocks
 from .blend.features import Models
+from .blend.idle import run_through
 from .blend.plan import Placement, RequestPlan
 from .blend.request import ChunkRequest, Detection, RequestHint
 from .draft import Draft
@@ -169,7 +170,7 @@ class ReferenceBlender:
         total = time.perf_counter() - t_start
         report = pipeline.record(request, done, stages=run.seconds, blend_s=total, select_s=done.select_s)
         for job in run.deferred:  # what a server measures when idle, measured here once the blend is done
-            for key, feats in job.run().items():
+            for key, feats in run_through(job.run()).items():
                 self.store.add_features(key, feats)
         return BlendResult(
             logits=run.output,
@@ -192,7 +193,7 @@ class ReferenceBlender:
         segments stored."""
         ids = _as_ids(token_ids, "prompt")
         request = ChunkRequest(rid="reference", segments=auto.segments(ids, self.namespace, None, readings=False))
-        return sum(int(pipeline.store_encode(self.store, encode, self.kv_alone, self.fingerprint)["segments"])
+        return sum(int(pipeline.store_encode(self.store, encode, self.kv_alone(encode.token_ids), self.fingerprint)["segments"])
                    for encode in pipeline.to_encode(self.store, auto, request, ids))
 
     @torch.inference_mode()
@@ -435,10 +436,13 @@ class _Engine:
         return [dev * self.plan.layout().context_mask() for _ in requests]
 
     def aside(self):
-        """This engine's one prompt computed exactly (its deferred measurement runs right after the blend)."""
-        def exact_kv(token_ids: torch.Tensor, layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This engine's one prompt computed exactly, in one step (its deferred measurement runs right after the
+        blend)."""
+        def exact_kv(token_ids: torch.Tensor, layers: int):
             k, v = self._fresh_kv(layers)
             return k[:layers, 0].cpu(), v[:layers, 0].cpu()
+            yield  # a generator of no step
+
         return exact_kv
 
     def true_deviation(self, requests: Sequence[int], attended: bool = False) -> list[torch.Tensor]:

@@ -147,7 +147,9 @@ def server(reuse):
     from chunkcache.blend.idle import IdleWork
     from chunkcache.ranks import Ranks
 
-    return types.SimpleNamespace(reuse=reuse, idle=IdleWork(Ranks(), {"audit": 8}))
+    from sglang_patch.forward.forward_pass import Aside
+
+    return types.SimpleNamespace(reuse=reuse, idle=IdleWork(Ranks(), {"audit": 8}), aside=Aside)
 
 
 class FakeRunner:

@@ -236,7 +236,7 @@ def test_a_prompt_teaches_by_naming_paragraphs_each_stored_from_its_own_forward(
                          context=segments.contexts[0]))
     encodes = pipeline.to_encode(store, auto, request, ids)
     assert request.segments is None and pipeline.to_encode(store, auto, request, ids) == []  # once per prompt
-    assert [pipeline.store_encode(store, e, kv_of, FP)["segments"] for e in encodes] == [1]
+    assert [pipeline.store_encode(store, e, kv_of(e.token_ids), FP)["segments"] for e in encodes] == [1]
     assert forwards == [[1] + list(range(30, 40))]  # the head, then the second paragraph alone
     b = store.get(segments.keys[1])
     assert b.start_pos == 1 and b.token_ids.tolist() == list(range(30, 40))

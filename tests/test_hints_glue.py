@@ -421,7 +421,7 @@ def _learning_forward(monkeypatch, starved_s: float = 5.0):
     from chunkcache.blend.reuse import ChunkReuse
     from chunkcache.config import AutoConfig, Config
     from chunkcache.ranks import Ranks
-    from sglang_patch.scheduler import auto_chunks
+    from sglang_patch.scheduler import auto_chunks, server as server_module
     from sglang_patch.scheduler.server import ChunkServer
 
     keys, values = [torch.randn(50, 1, 4) for _ in range(2)], [torch.randn(50, 1, 4) for _ in range(2)]
@@ -445,15 +445,16 @@ def _learning_forward(monkeypatch, starved_s: float = 5.0):
     forwards = []
 
     class Aside:
-        def __init__(self, model_runner, forward_batch):
+        def __init__(self, model_runner, forward_batch, slice_tokens):
             pass
 
         def kv(self, token_ids, layers=None):
             forwards.append(token_ids.tolist())
             kv = token_ids.float()[None, :, None, None].expand(2, -1, 1, 4).clone()
             return kv, -kv
+            yield  # one step
 
-    monkeypatch.setattr(auto_chunks, "Aside", Aside)
+    monkeypatch.setattr(server_module, "Aside", Aside)
     server = ChunkServer(reuse)
     auto_chunks.learn(reuse, server.teach, runner, batch, [req], lambda r: request)
     return server, SimpleNamespace(tree_cache=SimpleNamespace(chunk_server=server)), request, forwards
@@ -494,7 +495,7 @@ def test_a_server_that_is_not_starved_leaves_encodes_to_its_idle_turns(monkeypat
     reuse = server.reuse
     after_batch(None, scheduler)
     assert forwards == [] and server.idle.waiting("encode") == 2
-    assert server.idle.run_one() == ("encode", None) and server.idle.run_one() == ("encode", None)
+    assert server.idle.run_one() == ("encode", True) and server.idle.run_one() == ("encode", True)
     assert len(forwards) == 2 and all(k in reuse.store for k in request_keys(reuse))
     assert server.idle.run_one() is None
 

@@ -107,8 +107,8 @@ def idle_choice(rank, ranks):
     work = IdleWork(ranks, {"deviation": 4, "encode": 4, "audit": 4})
     work.put("encode", lambda: ran.append("encode"))
     work.put("deviation", lambda: ran.append("deviation"))
-    assert work.run_one() == ("deviation", None) and work.run_one() == ("encode", None) and ran == ["deviation",
-                                                                                                  "encode"]
+    assert work.run_one() == ("deviation", True) and work.run_one() == ("encode", True)
+    assert ran == ["deviation", "encode"]
 
     def fails_here():
         if rank == 1:
@@ -118,7 +118,7 @@ def idle_choice(rank, ranks):
     work.put("encode", fails_here)
     work.put("audit", lambda: ran.append("audit"))
     assert work.run_one() is None  # dropped on both
-    assert work.run_one() == ("audit", None) and ran[-1] == "audit"
+    assert work.run_one() == ("audit", True) and ran[-1] == "audit"
 
     work.put("encode", lambda: ran.append("same"))
     if rank == 1:

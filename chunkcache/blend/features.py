@@ -9,7 +9,7 @@ model (ProphetKV's query attention, CacheBlend's KV deviation) come from the eng
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -39,8 +39,9 @@ class FeaturePasses(Protocol):
 
 
 # K and V [layers, tokens, KV heads, dim] of token ids computed exactly through their first `layers` layers (the
-# prompt alone, from its first token; nothing of any request's KV read or written, so it can run after the request)
-ExactKV = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+# prompt alone, from its first token; nothing of any request's KV read or written, so it can run after the request):
+# a generator whose steps are the forwards (chunkcache.blend.idle runs one step per idle turn), returning them
+ExactKV = Callable[[torch.Tensor, int], Generator[None, None, tuple[torch.Tensor, torch.Tensor]]]
 
 
 class Models:
@@ -266,10 +267,12 @@ class DeviationJob:
         self.layout, self.entries = features.layout, features.entries
         self.layer, self.which = features.unmeasured
 
-    def run(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Measures and remembers; returns the features each entry gained (for the store's write-through)."""
+    def run(self) -> Generator[None, None, dict[str, dict[str, torch.Tensor]]]:
+        """Measures and remembers, a forward per step; returns the features each entry gained (for the store's
+        write-through)."""
         had = {e.key: dict(e.features) for e in self.entries}
-        fresh = self.exact_kv(self.token_ids, self.layer + 1)[0 if self.which == "k" else 1][self.layer].float()
+        k, v = yield from self.exact_kv(self.token_ids, self.layer + 1)
+        fresh = (k if self.which == "k" else v)[self.layer].float()
         squares = torch.zeros(self.layout.n)
         for (s, e), entry in zip(self.layout.chunk_spans, self.entries):
             if not _depth(e, entry) or e - s != entry.num_tokens:

@@ -12,28 +12,34 @@ batch's engine.
 One failure rule: a job that raises is logged and dropped (its work is redone by the next request that needs it);
 nothing of it reaches a request.
 
+A job runs a step at a time: `run` may return a generator, each step of which is one forward of at most
+idle.slice_tokens tokens (sglang_patch.forward.forward_pass.Aside), and it stays at the head of its queue until its
+last step; a started job goes on before any other starts. `run_one` runs one step, so a request that arrives while a
+job is under way waits for one slice of it at most, then is served before the next step.
+
 Under tensor parallelism a job's forward is a collective every rank must enter with the same inputs. The queues are
 equal by construction: only decisions every rank took alike enqueue (a blend's agreed selections, a prompt's agreed
 paragraphs, never a rank's own exception), so `run_one` takes rank 0's choice and checks that every rank's queue
 offers the same job; one that does not (a bug) empties every rank's queue, so no rank waits in a forward another never
-enters. A job's failure is agreed too (chunkcache.ranks: RanksFailed on every rank), so all drop it together. A job
-runs whole: a request that arrives meanwhile waits for the rest of it (at most one paragraph's encode, one chunk
-deviation's forward through its check layer, or one audited prompt's full forward), which is why the scheduler starts
-one only after it has been idle a moment.
+enters. A step's failure is agreed too (chunkcache.ranks: RanksFailed on every rank), so all drop the job together;
+the slicing is a function of the job's prompt alone, so every rank's steps are the same forwards.
 """
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Generator, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from ..ranks import Ranks, RanksFailed
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 KINDS = ("deviation", "encode", "audit")  # the order in which waiting kinds run
 
 
@@ -44,10 +50,24 @@ class QueuesDiffer(RuntimeError):
 @dataclass
 class Job:
     kind: str
-    run: Callable[[], object]  # the work; what it returns is the caller's (run_one hands it back)
+    run: Callable[[], object]  # the work: done when it returns, or a generator of its steps
     key: Hashable  # what it works on: a job whose key already waits is not queued twice
     queued: float  # when it was queued (the queue's clock)
     seq: int  # its place in the order of everything this queue took (the same on every rank)
+    steps: Iterator | None = None  # once started: its remaining steps
+
+    def step(self) -> bool:
+        """One step; whether the job is done."""
+        if self.steps is None:
+            made = self.run()
+            if not inspect.isgenerator(made):
+                return True
+            self.steps = made
+        try:
+            next(self.steps)
+        except StopIteration:
+            return True
+        return False
 
 
 @dataclass
@@ -81,11 +101,13 @@ class IdleWork:
         queue = self._queues[kind]
         return self.clock() - queue[0].queued if queue else 0.0
 
-    def run_one(self, kinds: tuple[str, ...] = KINDS) -> tuple[str, object] | None:
-        """Run the first waiting job of the first of `kinds` that has one: (its kind, what it returned), or None
-        when none waits or it failed. Under tensor parallelism every rank must call it at the same point (the
-        caller's gate is agreed) and runs the same job."""
-        head = next((self._queues[k][0] for k in kinds if self._queues[k]), None)
+    def run_one(self, kinds: tuple[str, ...] = KINDS) -> tuple[str, bool] | None:
+        """One step of the first waiting job of the first of `kinds` that has one: (its kind, whether it is done),
+        or None when none waits or it failed. Under tensor parallelism every rank must call it at the same point (the
+        caller's gate is agreed) and runs the same step."""
+        heads = [self._queues[k][0] for k in kinds if self._queues[k]]
+        # a started job first (it holds what its earlier steps computed), else the first kind's oldest
+        head = next((j for j in heads if j.steps is not None), heads[0] if heads else None)
         try:
             chosen = self.ranks.agree(lambda: None if head is None else (head.kind, head.seq), _same)
         except (QueuesDiffer, RanksFailed) as exc:
@@ -97,17 +119,44 @@ class IdleWork:
             return None
         if chosen is None:
             return None
-        job = self._queues[head.kind].popleft()
+        queue = self._queues[head.kind]
         try:
-            return job.kind, self.ranks.decide(job.run, lambda _: None)[0]  # only the failure is shared
+            done = self.ranks.decide(head.step, lambda _: None)[0]  # only a failure is shared
         except Exception:  # noqa: BLE001 - idle work only ever improves later requests: never the server's failure
-            log.exception("chunkcache: an idle %s job failed on %s; it is dropped", job.kind,
+            queue.popleft()
+            log.exception("chunkcache: an idle %s job failed on %s; it is dropped", head.kind,
                           f"rank {self.ranks.rank}" if self.ranks.many else "this server")
             return None
+        if done:
+            queue.popleft()
+        return head.kind, done
 
     def state(self) -> dict[str, int]:
         """Jobs waiting per kind (/server_info)."""
         return {kind: len(queue) for kind, queue in self._queues.items()}
+
+
+def run_through(steps: Generator[None, None, T]) -> T:
+    """Every step of `steps` at once: its value (a job's work where nothing waits to be served between steps)."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def timed(steps: Generator[None, None, T]) -> Generator[None, None, tuple[T, float]]:
+    """`steps`, passed on step by step; returns (its value, the seconds its steps took, not counting the time
+    between them)."""
+    seconds = 0.0
+    while True:
+        t0 = time.perf_counter()
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value, seconds + time.perf_counter() - t0
+        seconds += time.perf_counter() - t0
+        yield
 
 
 def _same(parts: list) -> object:

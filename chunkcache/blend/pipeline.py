@@ -400,17 +400,16 @@ def _held_and_room(parts: list[tuple[list[bool], int]]) -> tuple[list[bool], int
     return all_hold([held for held, _ in parts]), min(room for _, room in parts)
 
 
-def store_encode(store: ChunkStore, encode: Encode, kv_of: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-                 fingerprint: str) -> dict[str, float]:
-    """One paragraph learned: `kv_of(token_ids)` (K and V [layers, tokens, heads, dim] on the host of a forward of
-    exactly those tokens from position 0, one row, attending nothing else) and its segments' entries stored. What the
-    store kept, and the seconds it took."""
-    t0 = time.perf_counter()
-    k, v = kv_of(encode.token_ids)
+def store_encode(store: ChunkStore, encode: Encode, kv: tuple[torch.Tensor, torch.Tensor], fingerprint: str,
+                 seconds: float = 0.0) -> dict[str, float]:
+    """One paragraph learned: its segments' entries stored from `kv`, K and V [layers, tokens, heads, dim] on the
+    host of a forward of exactly `encode.token_ids` from position 0, one row, attending nothing else (`seconds`: what
+    that forward took). What the store kept, and the seconds."""
+    k, v = kv
     entries = [ChunkEntry(key=key, token_ids=encode.token_ids[s:e].clone(), k=k[:, s:e].clone(), v=v[:, s:e].clone(),
                           start_pos=s, model_fingerprint=fingerprint, tenant=encode.tenant, context=context)
                for (s, e), key, context in encode.entries]
-    return {**store_entries(store, entries), "seconds": round(time.perf_counter() - t0, 6)}
+    return {**store_entries(store, entries), "seconds": round(seconds, 6)}
 
 
 def record(request: ChunkRequest, b: Blended, *, stages: dict[str, float] | None = None, blend_s: float = 0.0,

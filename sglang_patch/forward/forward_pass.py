@@ -9,6 +9,7 @@ for the attention backend.
 from __future__ import annotations
 
 import copy
+from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 
@@ -97,10 +98,15 @@ class Pass:
         seg = Segment(slice(self.n, self.n + len(sel)), sel.to(row.slots.device), slots, ctx_pos=visible)
         return self._append(seg, row.token_ids[sel], sel, row.slots[sel])
 
-    def add_aside(self, ids: torch.Tensor, q_pos: torch.Tensor, ctx_slots: torch.Tensor) -> Segment:
-        """Tokens at positions `q_pos` attending to `ctx_slots` and to each other; their K/V are kept in the
-        segment's kept_kv, never written to the pool."""
-        seg = Segment(slice(self.n, self.n + len(ids)), q_pos.to(ctx_slots.device), ctx_slots, to_pool=False)
+    def add_aside(self, ids: torch.Tensor, q_pos: torch.Tensor, ctx_slots: torch.Tensor,
+                  ctx_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Segment:
+        """Tokens at positions `q_pos` attending to `ctx_slots` (or to `ctx_kv`, the K/V of positions 0..c-1 per
+        layer, given outright) and to each other; their K/V are kept in the segment's kept_kv, never written to the
+        pool."""
+        if ctx_kv is not None:  # the key axis' length; nothing of the pool is read
+            ctx_slots = torch.zeros(len(ctx_kv[0][0]), dtype=torch.long, device=ctx_slots.device)
+        seg = Segment(slice(self.n, self.n + len(ids)), q_pos.to(ctx_slots.device), ctx_slots, to_pool=False,
+                      ctx_kv=ctx_kv)
         return self._append(seg, ids, q_pos, torch.zeros(len(ids), dtype=torch.long))
 
     def _append(self, seg: Segment, ids, pos, loc) -> Segment:
@@ -207,25 +213,47 @@ class Aside:
     """What an idle job keeps of the extend batch that queued it (chunkcache.blend.idle): the model runner and a
     shallow copy of the batch as the template of one-row forwards (`one_row`), never the batch's engine. Its forwards
     run a prompt from position 0, one row kept aside: nothing of the KV pool read or written (the batch, and its
-    requests' slots, are long gone when they run)."""
+    requests' slots, are long gone when they run). They run a slice at a time: each step (`next()`) is one forward of
+    at most `slice_tokens` tokens attending to the K/V the earlier slices kept, so that a request arriving meanwhile
+    waits for one slice, not the whole prompt (None: one forward). The slicing is a function of the prompt's length
+    alone, so the same prompt always gets the same bits."""
 
-    def __init__(self, model_runner, forward_batch):
-        self.model_runner, self.template = model_runner, copy.copy(forward_batch)
+    def __init__(self, model_runner, forward_batch, slice_tokens: int | None = None):
+        self.model_runner, self.template, self.slice_tokens = model_runner, copy.copy(forward_batch), slice_tokens
 
-    def kv(self, token_ids: torch.Tensor, layers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V [layers, tokens, heads, dim] on the host of `token_ids` through the first `layers` layers (None:
-        every layer)."""
-        seg = self._run(token_ids, layers=layers)[0]
-        return torch.stack([k for k, _ in seg.kept_kv]).cpu(), torch.stack([v for _, v in seg.kept_kv]).cpu()
+    def kv(self, token_ids: torch.Tensor, layers: int | None = None) -> Generator[None, None, tuple[torch.Tensor,
+                                                                                                      torch.Tensor]]:
+        """Steps; returns K and V [layers, tokens, heads, dim] on the host of `token_ids` through the first `layers`
+        layers (None: every layer)."""
+        kept = yield from self._slices(token_ids, layers=layers)
+        return torch.stack([k for k, _ in kept]).cpu(), torch.stack([v for _, v in kept]).cpu()
 
-    def logits(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """[V] float32 on the host: the last token's logits of `token_ids` computed exactly through every layer."""
-        return self._run(token_ids, logits=True)[1].next_token_logits[0].detach().float().cpu()
+    def logits(self, token_ids: torch.Tensor) -> Generator[None, None, torch.Tensor]:
+        """Steps; returns [V] float32 on the host: the last token's logits of `token_ids` computed exactly through
+        every layer."""
+        out = []
+        yield from self._slices(token_ids, logits=out)
+        return out[0].next_token_logits[0].detach().float().cpu()
 
-    def _run(self, token_ids: torch.Tensor, **kwargs):
-        runner = Runner(self.model_runner, one_row(self.template, len(token_ids)))
-        p = Pass()
-        seg = p.add_aside(token_ids, torch.arange(len(token_ids)),
-                          torch.zeros(0, dtype=torch.long, device=runner.device))
-        with torch.no_grad():
-            return seg, runner.run(p, **kwargs)
+    def _slices(self, token_ids: torch.Tensor, layers: int | None = None, logits: list | None = None):
+        """Per layer, the (K, V) of every token, computed slice by slice (one forward each, a step between them); with
+        `logits`, the last slice's output is appended to it."""
+        n = len(token_ids)
+        size = self.slice_tokens or n
+        kept: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        for start in range(0, n, size):
+            end = min(start + size, n)
+            runner = Runner(self.model_runner, one_row(self.template, end))
+            p = Pass()
+            seg = p.add_aside(token_ids[start:end], torch.arange(start, end),
+                              torch.zeros(0, dtype=torch.long, device=runner.device), ctx_kv=kept)
+            last = logits is not None and end == n
+            with torch.no_grad():
+                out = runner.run(p, logits=True) if last else runner.run(p, layers=layers)
+            if last:
+                logits.append(out)
+            kept = seg.kept_kv if kept is None else [(torch.cat([k0, k1]), torch.cat([v0, v1]))
+                                                     for (k0, v0), (k1, v1) in zip(kept, seg.kept_kv)]
+            if end < n:
+                yield
+        return kept

@@ -32,6 +32,9 @@ class Segment:
     # [c] the positions of ctx_slots when they are not 0..c-1: a pass that must not read positions whose slots hold
     # no KV of this prompt yet leaves them out of its context (sorted; the segment's own positions included)
     ctx_pos: torch.Tensor | None = None
+    # per layer, the context's K/V given outright instead of read from the pool at ctx_slots (positions 0..c-1): what
+    # an earlier slice of the same prompt kept aside, so a prompt kept aside can be computed a slice at a time
+    ctx_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 def pool_index(slots: torch.Tensor) -> slice | torch.Tensor:
@@ -132,7 +135,10 @@ class SparseAttention:
                 out[self.paged.rows] = self.paged.run(q, k_buf, v_buf).to(q.dtype)
         for p in plans:
             s = p.segment
-            keys, values = k_buf[p.context], v_buf[p.context]
+            if s.ctx_kv is None:
+                keys, values = k_buf[p.context], v_buf[p.context]
+            else:
+                keys, values = (t.to(q.device) for t in s.ctx_kv[layer.layer_id])
             if not s.to_pool:
                 fresh_k, fresh_v = k[s.rows], v[s.rows]
                 s.kept_kv.append((fresh_k.clone(), fresh_v.clone()))

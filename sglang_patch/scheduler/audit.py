@@ -20,13 +20,13 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
 
 from chunkcache.blend import audit, fidelity
 from chunkcache.blend.pipeline import Blended
+from chunkcache.blend.idle import timed
 from chunkcache.blend.reuse import ChunkReuse
 from chunkcache.config import AuditConfig
 
@@ -72,14 +72,13 @@ class Audit:
             rid, b.plan.token_ids.detach().cpu().clone(), spans,
             output.next_token_logits[row].detach().float().cpu().clone(),
             b.estimate, b.plan.max_kl, b.ratio, b.plan.selector,
-            Aside(runner.model_runner, runner.forward_batch), tenant)
+            self.server.aside(runner.model_runner, runner.forward_batch), tenant)
         self.server.idle.put("audit", functools.partial(self.judge, sampled))
 
-    def judge(self, s: Sampled) -> None:
-        """Audit a kept request: its prompt recomputed in full (an idle job; a failure drops it uncounted)."""
-        t0 = time.perf_counter()
-        full = s.aside.logits(s.prompt)
-        seconds = time.perf_counter() - t0
+    def judge(self, s: Sampled):
+        """Audit a kept request: its prompt recomputed in full, a slice per step (an idle job; a failure drops it
+        uncounted)."""
+        full, seconds = yield from timed(s.aside.logits(s.prompt))
         kl, agree = audit.first_token(full, s.served)
         outcome = audit.Outcome(s.estimate.kl, s.max_kl, kl, agree)
         was = self.margin.factor

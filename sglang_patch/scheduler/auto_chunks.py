@@ -34,7 +34,7 @@ from chunkcache.ranks import Ranks
 from chunkcache.blend.reuse import ChunkReuse
 
 from . import metrics, report
-from ..forward.forward_pass import Aside, batch_rows
+from ..forward.forward_pass import batch_rows
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def _key(req, extra_key: str | None, n: int | None = None) -> RadixKey:
 def learn(reuse: ChunkReuse, teach: Callable, model_runner, forward_batch, reqs, record_of) -> None:
     """For every request whose prompt prefill finished in this forward (`record_of(req)`: its ChunkRequest), the
     paragraphs it teaches (agreed over the ranks, for the whole batch at once), handed to `teach` (ChunkServer.teach:
-    queued as idle jobs) with the forward that encodes them (an Aside of this batch), and said in its report."""
+    queued as idle jobs) with this batch's model runner and forward batch, and said in its report."""
     records = [record_of(r) for r in reqs]
     if not any(r is not None and r.segments is not None for r in records):
         return  # decode rows and prompts already learned: nothing to do
@@ -154,7 +154,7 @@ def learn(reuse: ChunkReuse, teach: Callable, model_runner, forward_batch, reqs,
     taught = pipeline.to_encode_many(reuse.store, reuse.auto, [(records[row.index], row.token_ids) for row in rows],
                                      token_bytes, reuse.ranks)
     if any(taught):
-        teach([encode for encodes in taught for encode in encodes], Aside(model_runner, forward_batch).kv)
+        teach([encode for encodes in taught for encode in encodes], model_runner, forward_batch)
     for row, encodes in zip(rows, taught):
         request = records[row.index]
         hinted = request.hint is not None and getattr(row.req, "to_finish", None) is None

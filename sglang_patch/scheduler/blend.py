@@ -289,7 +289,7 @@ class BatchEngine:
     def aside(self):
         """The forward of a measurement after the batch (a deferred DeviationJob, when the request may be gone): a
         prompt kept aside, attending nothing of the pool; it keeps the model runner and a one-row batch template."""
-        return Aside(self.runner.model_runner, self.runner.forward_batch).kv
+        return Aside(self.runner.model_runner, self.runner.forward_batch, self.reuse.config.idle.slice_tokens).kv
 
     def recompute(self, tokens: list[torch.Tensor]):
         """The selected tokens of every blending request and every extend token of the other rows, in batch order;

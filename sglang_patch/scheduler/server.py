@@ -28,19 +28,15 @@ from chunkcache.blend import fidelity
 from chunkcache.blend.auto import Encode
 from chunkcache.blend.cost import rates_fingerprint
 from chunkcache.blend.features import DeviationJob
-from chunkcache.blend.idle import IdleWork
+from chunkcache.blend.idle import IdleWork, timed
 from chunkcache.blend.pipeline import store_encode
 from chunkcache.blend.reuse import ChunkReuse
 
 from . import metrics
+from ..forward.forward_pass import Aside
 from ..serve.launcher import BACKEND_NAME
 
 log = logging.getLogger(__name__)
-# deferred deviation measurements kept at most (each holds its request's chunk entries until measured)
-DEFERRED_JOBS = 32
-# an idle scheduler starts a job only this long after its last forward: a job runs whole, so one started between the
-# requests of a client that sends them back to back would hold the next one up
-IDLE_AFTER_S = 0.5
 
 
 class ChunkServer:
@@ -50,7 +46,7 @@ class ChunkServer:
         self.last_forward = 0.0  # time.monotonic() at the end of the last extend forward
         self.audit = None  # sglang_patch.scheduler.audit.Audit, when audit.rate > 0 (`start`)
         config = reuse.config
-        self.idle = IdleWork(reuse.ranks, {"deviation": DEFERRED_JOBS, "encode": config.auto.encode_queue,
+        self.idle = IdleWork(reuse.ranks, {"deviation": config.idle.deviations, "encode": config.auto.encode_queue,
                                            "audit": config.audit.keep})
 
     def start(self, chunked_prefill_size: int | None, audit=None) -> None:
@@ -76,31 +72,39 @@ class ChunkServer:
         for job in jobs:
             self.idle.put("deviation", functools.partial(self._measure, job))
 
-    def teach(self, encodes: Sequence[Encode], exact_kv) -> None:
-        """Paragraphs a batch's prompts taught (agreed over the ranks), each computed by `exact_kv` (an Aside's) when
-        idle or starved; a paragraph already waiting is not queued twice."""
+    def teach(self, encodes: Sequence[Encode], model_runner, forward_batch) -> None:
+        """Paragraphs a batch's prompts taught (agreed over the ranks), each computed when idle or starved by an
+        Aside of that batch; a paragraph already waiting is not queued twice."""
+        exact_kv = self.aside(model_runner, forward_batch).kv
         for encode in encodes:
             self.idle.put("encode", functools.partial(self._encode, encode, exact_kv), key=encode.keys)
 
     def run_idle(self) -> None:
-        """One idle job (the caller's gate is agreed over the ranks)."""
+        """One step of an idle job (the caller's gate is agreed over the ranks)."""
         self.idle.run_one()
 
-    def _measure(self, job: DeviationJob) -> None:
-        """A deferred deviation measured (a forward of every rank) and written through every tier; a store write
-        involves no other rank, so its failure is this rank's alone: logged, the chunk estimated again next use."""
-        for key, feats in job.run().items():
+    def aside(self, model_runner, forward_batch) -> Aside:
+        """What an idle job keeps of the batch that queued it: its forwards, a slice of idle.slice_tokens at most."""
+        return Aside(model_runner, forward_batch, self.reuse.config.idle.slice_tokens)
+
+    def _measure(self, job: DeviationJob):
+        """A deferred deviation measured (a forward of every rank per step) and written through every tier; a store
+        write involves no other rank, so its failure is this rank's alone: logged, the chunk estimated again next
+        use."""
+        gained = yield from job.run()
+        for key, feats in gained.items():
             try:
                 self.reuse.store.add_features(key, feats)
             except Exception:  # noqa: BLE001 - an optimisation of later selections
                 log.exception("chunkcache: storing chunk %s's measured deviation failed", key)
 
-    def _encode(self, encode: Encode, exact_kv) -> None:
-        """A taught paragraph encoded and stored, unless every rank's store holds all its segments by now (another
-        prompt's encode stored them)."""
+    def _encode(self, encode: Encode, exact_kv):
+        """A taught paragraph encoded (a slice per step) and stored, unless every rank's store holds all its segments
+        by now (another prompt's encode stored them)."""
         if all(self.reuse.held(list(encode.keys))):
             return
-        learned = store_encode(self.reuse.store, encode, exact_kv, self.reuse.fingerprint)
+        kv, seconds = yield from timed(exact_kv(encode.token_ids))
+        learned = store_encode(self.reuse.store, encode, kv, self.reuse.fingerprint, seconds)
         metrics.record_auto_learned(learned["segments"], learned["bytes"], learned["seconds"])
 
     def state(self, tree_cache) -> dict:
@@ -146,19 +150,21 @@ def reuse_of(tree_cache) -> ChunkReuse | None:
 
 
 def on_idle(scheduler, *args, **kwargs) -> None:
-    """BEFORE hook on Scheduler.on_idle: one idle job once the scheduler has been fully idle IDLE_AFTER_S since its
-    last forward. The queue and the scheduler's idleness are the same on every rank (replicas of one state machine,
-    chunkcache.ranks); the idle time is rank 0's, so that every rank enters the job's forward."""
+    """BEFORE hook on Scheduler.on_idle: one step of an idle job once the scheduler has been fully idle idle.after_s
+    since its last forward. The queue and the scheduler's idleness are the same on every rank (replicas of one state
+    machine, chunkcache.ranks); the idle time is rank 0's, so that every rank enters the step's forward."""
     server = server_of(scheduler.tree_cache)
-    if (server is not None and server.idle.waiting() and scheduler.is_fully_idle()
-            and server.reuse.ranks.agree(lambda: time.monotonic() - server.last_forward >= IDLE_AFTER_S)):
+    if server is None or not server.idle.waiting() or not scheduler.is_fully_idle():
+        return
+    after = server.reuse.config.idle.after_s
+    if server.reuse.ranks.agree(lambda: time.monotonic() - server.last_forward >= after):
         server.run_idle()
 
 
 def after_batch(result, scheduler, *args, **kwargs) -> None:
-    """AFTER hook on Scheduler.process_batch_result: a server that is never idle encodes one waiting paragraph once
-    the oldest has waited auto.encode_starved_s (by rank 0's clock), now that the batch's outputs are sent: the next
-    batch waits one paragraph's forward."""
+    """AFTER hook on Scheduler.process_batch_result: a server that is never idle takes one step of encoding a waiting
+    paragraph once the oldest has waited auto.encode_starved_s (by rank 0's clock), now that the batch's outputs are
+    sent: the next batch waits one slice's forward."""
     server = server_of(scheduler.tree_cache)
     if server is None or not server.idle.waiting("encode"):
         return
