@@ -73,22 +73,58 @@ def streamed(server, body) -> list[dict]:
 
 
 @slow
-def test_a_streamed_chat_ends_with_the_report_in_usage(server):
-    """Documents stored by a first request, streamed in another order: the last chunk (no choices, after the one
-    that finishes the answer) carries the report in `usage`, beside SGLang's counts, though the request did not ask for
-    usage; no chunk before it has usage."""
+def test_a_streamed_chat_carries_the_report_on_its_finishing_chunk(server):
+    """Documents stored by a first request, streamed in another order without asking for usage: every chunk has a
+    choice (clients read `choices[0]` of each) and none has usage; the last, the one that finishes the answer, carries
+    the report as `chunkcache`. Asked for usage, the stream ends with the usage chunk (no choices), whose `usage`
+    carries the report too."""
     documents = docs("Wren")
     assert chat(server, documents).status_code == 200
     body = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4, "temperature": 0,
             "chunkcache": {"documents": documents[::-1], "selector": "epic"}}
-    chunks = streamed(server, body)
-    *answer, last = chunks
-    assert last["choices"] == [] and answer[-1]["choices"][0]["finish_reason"] is not None
-    assert not any(c.get("usage") for c in answer)
-    report = last["usage"]["chunkcache"]
+    *answer, finishing = streamed(server, body)
+    assert finishing["choices"][0]["finish_reason"] is not None
+    assert all(c["choices"] and not c.get("usage") and "chunkcache" not in c for c in answer), answer
+    report = finishing["chunkcache"]
     assert (report["chunk_hits"], report["chunk_misses"]) == (3, 0) and report["selector"] == "epic", report
-    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in answer)
-    assert text and 0 < last["usage"]["completion_tokens"] <= 4
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in answer)
+    *answer, finishing, closing = streamed(server, {**body, "stream_options": {"include_usage": True}})
+    assert closing["choices"] == [] and finishing["choices"][0]["finish_reason"] is not None
+    assert closing["usage"]["chunkcache"] == finishing["chunkcache"] and 0 < closing["usage"]["completion_tokens"] <= 4
+
+
+def flushed(server):
+    """The server with an empty radix tree (the chunk store is kept): a request with stored documents then blends
+    them as the same request did before the flush."""
+    requests.post(server.url + "/flush_cache", params={"timeout": 60}, timeout=120).raise_for_status()
+    return server
+
+
+@slow
+def test_the_openai_package_streams_a_chat_and_finds_its_report(server):
+    """The `openai` package's everyday loop over a stream that did not ask for usage,
+    `"".join(c.choices[0].delta.content or "" for c in stream)`, gets the answer the same request gets not streamed
+    (greedy, each blended from the store after a flush), and the report is the last chunk's `chunkcache`, an extra
+    field the package keeps; asked for usage, the usage chunk's `usage.chunkcache` has it."""
+    from openai import OpenAI
+
+    documents = docs("Heron")
+    assert chat(server, documents).status_code == 200
+    completions = OpenAI(base_url=server.url + "/v1", api_key="none").chat.completions
+    request = {"model": "default", "temperature": 0, "max_tokens": 4,
+               "messages": [{"role": "user", "content": QUESTION}],
+               "extra_body": {"chunkcache": {"documents": documents[::-1], "selector": "epic"}}}
+    flushed(server)
+    answer = completions.create(**request)
+    flushed(server)
+    chunks = list(completions.create(**request, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == answer.choices[0].message.content
+    report = chunks[-1].chunkcache
+    assert chunks[-1].choices[0].finish_reason is not None and chunks[-1].model_extra["chunkcache"] == report
+    assert (report["chunk_hits"], report["chunk_misses"]) == (3, 0), report
+    assert report["reused_tokens"] == answer.usage.chunkcache["reused_tokens"] > 0, (report, answer.usage)
+    *answer_chunks, closing = completions.create(**request, stream=True, stream_options={"include_usage": True})
+    assert closing.choices == [] and closing.usage.chunkcache == answer_chunks[-1].chunkcache, closing
 
 
 @slow

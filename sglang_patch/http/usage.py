@@ -1,9 +1,20 @@
 """The chunk report in the `usage` of OpenAI-compatible answers (HTTP server process): /v1/chat/completions and
-/v1/completions, streamed and not, carry the request's report (what /generate returns in `meta_info["chunkcache"]`)
-as `usage.chunkcache`, beside SGLang's own counts. `usage.prompt_tokens_details.cached_tokens` (with
+/v1/completions carry the request's report (what /generate returns in `meta_info["chunkcache"]`) as
+`usage.chunkcache`, beside SGLang's own counts. `usage.prompt_tokens_details.cached_tokens` (with
 `--enable-cache-report`) stays SGLang's: the radix tree's exact prefix, never the reused chunk tokens. `usage` is where
 every framework hands a response's extras on (LangChain's `response_metadata["token_usage"]`, LlamaIndex's
-`raw.usage`, the `openai` package's `usage`); LangChain drops SGLang's `sglext` and `metadata`.
+`raw.usage`, the `openai` package's `usage`); LangChain drops SGLang's `sglext` and `metadata`. LangChain's
+`generate()` over several prompts sums their `usage` dicts (`_combine_llm_outputs`): the report's floats and strings
+make it warn, reports of different shapes make it raise. Only `usage` survives into its non-streamed result, so the
+report stays there.
+
+A stream is stock's in shape: it ends with a usage chunk (`choices: []`) only when the client asked for usage
+(`stream_options.include_usage`, or the server's `--stream-response-default-include-usage`), since a client that did
+not ask reads `choices[0]` of every chunk. Its report is in two places:
+  * a top-level `chunkcache` on the last chunk that finishes a choice (the last with a `finish_reason`), always: the
+    `openai` package keeps a chunk's undeclared fields (`chunk.chunkcache`, `chunk.model_extra["chunkcache"]`);
+  * `usage.chunkcache` of the usage chunk, when there is one, as in a non-streamed answer.
+A stream without a report (a request without chunks) is sent unchanged.
 
 SGLang's response models drop fields they do not declare, so the report is added where each answer is built or
 serialized (plugin.hooks):
@@ -12,12 +23,8 @@ serialized (plugin.hooks):
     answer as a ChatCompletionResponse). A request of several prompts carries the first one's report, as
     `metadata.chunkcache` does (sglang_patch.http.chat).
   * around `TokenizerManager.generate_request` (`keep_report`): a streamed HTTP request's report, which arrives with
-    its first output (sglang_patch.scheduler.report), kept on the request's state for its last chunk;
-  * around `_generate_chat_stream` / `_generate_completion_stream` (`in_stream`): the stream ends with SGLang's usage
-    chunk (`choices: []`, after every choice finished), which gets the report. A client that did not ask for usage
-    (`stream_options.include_usage`, or the server's `--stream-response-default-include-usage`) is sent that chunk
-    only when there is a report: SGLang is asked for it always, and it is dropped otherwise, so a stream without a
-    report is stock's.
+    its first output (sglang_patch.scheduler.report), kept on the request's state for the stream's end;
+  * around `_generate_chat_stream` / `_generate_completion_stream` (`in_stream`): the chunks above get it.
 """
 
 from __future__ import annotations
@@ -25,12 +32,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sglang.srt.entrypoints.openai.protocol import (ChatCompletionResponse, CompletionResponse, StreamOptions,
-                                                    UsageInfo)
-from sglang.srt.entrypoints.openai.utils import should_include_usage
-from sglang.srt.runtime_context import get_serving
+from sglang.srt.entrypoints.openai.protocol import ChatCompletionResponse, CompletionResponse, UsageInfo
 
-KEY = "chunkcache"  # usage's key, and meta_info's
+KEY = "chunkcache"  # usage's key, meta_info's and a streamed answer's finishing chunk's
 STATE = "chunkcache_report"  # the HTTP request's state attribute holding a streamed request's report
 
 
@@ -72,24 +76,46 @@ async def _keeping_report(outputs, request):
 
 
 async def in_stream(original, serving, adapted_request, request, raw_request=None):
-    asked, _ = should_include_usage(request.stream_options, get_serving().stream_response_default_include_usage)
-    if not asked:
-        request.stream_options = (request.stream_options or StreamOptions()).model_copy(update={"include_usage": True})
+    # a chunk that finishes a choice is held until the next chunk says whether it was the last: a chat stream sends
+    # every choice's finishing chunk after generation ended, so holding delays nothing; a text completion of several
+    # choices sends one as its choice ends, held until another choice's next chunk
+    held_finish = None
     async for chunk in original(serving, adapted_request, request, raw_request):
-        closing = _usage_chunk(chunk)
-        report = getattr(raw_request.state, STATE, None) if closing is not None and raw_request is not None else None
-        if closing is None or (report is None and asked):
-            yield chunk
-        elif report is not None:
-            closing["usage"][KEY] = report
-            yield f"data: {json.dumps(closing, separators=(',', ':'))}\n\n"
+        finishes = _finishes_a_choice(chunk)
+        if held_finish is not None:
+            yield held_finish if finishes else _reported(held_finish, raw_request, in_usage=False)
+            held_finish = None
+        if finishes:
+            held_finish = chunk
+        else:
+            yield _reported(chunk, raw_request, in_usage=True) if _is_usage_chunk(chunk) else chunk
+    if held_finish is not None:  # the stream's end also says it was the last
+        yield _reported(held_finish, raw_request, in_usage=False)
 
 
-def _usage_chunk(chunk: str) -> dict | None:
-    """The JSON of SGLang's closing usage chunk (no choices, the answer's usage); None for every other chunk. SGLang
-    writes each chunk with pydantic's compact JSON, so a chunk without `"usage":{` has no usage and is not parsed (a
-    stream is mostly token chunks)."""
+def _finishes_a_choice(chunk: str) -> bool:
+    """Whether a chunk has a choice with a `finish_reason`. SGLang writes each chunk as compact JSON, where a set
+    `finish_reason` reads `"finish_reason":"` (text inside a JSON string cannot: its quotes are escaped), so the other
+    chunks, most of a stream, are not parsed."""
+    if not chunk.startswith("data: {") or '"finish_reason":"' not in chunk:
+        return False
+    return any(choice.get("finish_reason") for choice in json.loads(chunk.removeprefix("data: ")).get("choices", []))
+
+
+def _is_usage_chunk(chunk: str) -> bool:
+    """Whether a chunk is SGLang's closing usage chunk (no choices, the answer's usage), which it sends only to a
+    client that asked for usage; `"usage":{` is in no other chunk but with `continuous_usage_stats`."""
     if not chunk.startswith("data: {") or '"usage":{' not in chunk:
-        return None
+        return False
+    return json.loads(chunk.removeprefix("data: ")).get("choices") == []
+
+
+def _reported(chunk: str, raw_request, in_usage: bool) -> str:
+    """The chunk with the request's report as `usage.chunkcache` or as its own top-level `chunkcache`; the chunk
+    unchanged when the request has no report."""
+    report = getattr(raw_request.state, STATE, None) if raw_request is not None else None
+    if report is None:
+        return chunk
     payload = json.loads(chunk.removeprefix("data: "))
-    return payload if payload.get("choices") == [] else None
+    (payload["usage"] if in_usage else payload)[KEY] = report
+    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
