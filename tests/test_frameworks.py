@@ -126,22 +126,27 @@ def test_the_example_prints_each_answer_with_its_report(auto_server, name, capsy
 
 
 def complete(url: str, endpoint: str, docs: list[str], stream: bool) -> dict:
-    """The usage of a chat or text completion through the openai package; streamed, the stream's last chunk's, which
-    must be the only one with usage and have no choices (the stream does not ask for usage: the report brings it)."""
+    """The usage of a chat or text completion through the openai package; streamed (asking for usage), the stream's
+    last chunk's, which must be the only one with usage and have no choices, and whose report the chunk that finishes
+    the answer carries too (where a stream that does not ask for usage has it)."""
     from openai import OpenAI
 
     client, question = OpenAI(base_url=url + "/v1", api_key="none"), "Which year is mentioned?"
+    asked = {"stream_options": {"include_usage": True}} if stream else {}
     if endpoint == "chat":
         answer = client.chat.completions.create(model="default", temperature=0, max_tokens=4, stream=stream,
-                                                messages=[{"role": "user", "content": prompt(docs, question)}])
+                                                messages=[{"role": "user", "content": prompt(docs, question)}],
+                                                **asked)
     else:
         answer = client.completions.create(model="default", temperature=0, max_tokens=4, stream=stream,
-                                           prompt=prompt(docs, question))
+                                           prompt=prompt(docs, question), **asked)
     if not stream:
         return answer.usage.model_dump()
     chunks = list(answer)
     assert chunks[-1].choices == [] and all(c.usage is None for c in chunks[:-1]), chunks
-    return chunks[-1].usage.model_dump()
+    usage = chunks[-1].usage.model_dump()
+    assert chunks[-2].model_extra["chunkcache"] == usage["chunkcache"]
+    return usage
 
 
 @pytest.mark.parametrize("endpoint, record", [("chat", 54), ("completions", 55)])

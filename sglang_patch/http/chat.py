@@ -16,8 +16,9 @@ OpenAIServingChat (plugin.hooks):
   * after `_convert_to_internal_request` (run in a worker thread, so the hint travels on the request's state):
     put the chunk hint on the GenerateReqInput;
   * after `_build_chat_response`: the response's `metadata["chunkcache"]` is the request's chunk report (what
-    /generate returns in `meta_info["chunkcache"]`). Every answer, streamed or not, also carries it in
-    `usage.chunkcache` (sglang_patch.http.usage), where the frameworks pass it on.
+    /generate returns in `meta_info["chunkcache"]`). Every answer also carries it in `usage.chunkcache`
+    (sglang_patch.http.usage), where the frameworks pass it on: a stream in its usage chunk when the client asked for
+    usage, and always as `chunkcache` on the chunk that finishes the answer.
 """
 
 from __future__ import annotations
