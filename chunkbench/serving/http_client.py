@@ -128,11 +128,11 @@ def drain(url: str, timeout_s: float = 600.0) -> None:
 
 
 def wait_measured(server_info: Callable[[], dict], timeout_s: float = 600.0) -> None:
-    """Wait until `server_info()` (SGLang's /server_info) shows no deferred deviation left to measure and no
-    paragraph left to encode, so that no timed request shares the cores with a server's idle work."""
+    """Wait until `server_info()` (SGLang's /server_info) shows no idle work left (deviations to measure, paragraphs
+    to encode, audits to run), so that no timed request shares the cores with it."""
     deadline = time.monotonic() + timeout_s
     while any((state := server_info()["internal_states"][0]["chunkcache"]).get(k)
-              for k in ("deferred_deviations", "encodes_waiting")):
+              for k in ("deferred_deviations", "encodes_waiting", "audits_waiting")):
         if time.monotonic() > deadline:
             raise TimeoutError(f"idle work still waiting after {timeout_s} s: {state}")
         time.sleep(0.2)
