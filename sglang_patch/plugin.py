@@ -35,10 +35,34 @@ def register() -> None:
     # no named semaphore for SGLang's SIGKILL to leak (sglang_patch.serve.shutdown)
     shutdown.thread_lock_for_progress_bars()
     if BACKEND_NAME not in registered_radix_cache_backends():
-        register_radix_cache_backend(BACKEND_NAME, factory)
+        register_radix_cache_backend(BACKEND_NAME, whole(factory))
     decode_attention.register()
     for target, hook, kind in hooks():
         HookRegistry.register(target, hook, kind)
+
+
+def whole(build):
+    """The radix-cache factory `build`, refusing to serve when this process applied fewer hooks than the table names:
+    SGLang's hook loader only logs a target it cannot resolve and starts anyway, and a server without, say, its
+    admission or its report would serve silently half-patched."""
+
+    def checked(ctx):
+        missing = unapplied()
+        if missing:
+            from sglang import __version__
+
+            raise RuntimeError(f"chunkcache: SGLang {__version__} did not apply {len(missing)} of chunkcache's hooks "
+                               f"({', '.join(missing)}): chunk reuse is not served half-patched; install the SGLang "
+                               f"chunkcache pins, or serve without --radix-cache-backend chunkcache")
+        return build(ctx)
+
+    return checked
+
+
+def unapplied() -> list[str]:
+    """The table's targets SGLang's HookRegistry has not patched in this process (it keeps those it did in
+    `_patched`, SGLang 0.5.23; tests/test_plugin_hooks.py checks that it still does)."""
+    return sorted({target for target, _, _ in hooks()} - HookRegistry._patched)
 
 
 def hooks() -> list[tuple[str, object, HookType]]:

@@ -51,3 +51,28 @@ def test_a_batch_with_chunks_never_replays_the_prefill_cuda_graph(hinted, graph_
     batch = types.SimpleNamespace(chunkcache_reqs=[types.SimpleNamespace(to_finish=None), req])
     assert extend.eager_for_blends(graph_ok, None, batch) is expected
     assert extend.eager_for_blends(graph_ok, None, types.SimpleNamespace()) is graph_ok  # a stock server's batch
+
+
+def test_a_process_that_missed_a_hook_refuses_to_build_the_backend(monkeypatch):
+    """SGLang's hook loader only logs a target it cannot resolve: the backend's factory refuses to serve then, naming
+    the targets, and builds once every target of the table was applied in its process."""
+    targets = {target for target, _, _ in plugin.hooks()}
+    assert isinstance(HookRegistry._patched, set)  # where SGLang keeps what it patched (plugin.unapplied reads it)
+    built = plugin.whole(lambda ctx: ("built", ctx))
+    missed = sorted(targets)[:2]
+    monkeypatch.setattr(HookRegistry, "_patched", targets - set(missed))
+    with pytest.raises(RuntimeError, match="did not apply 2 of chunkcache's hooks") as refused:
+        built("ctx")
+    assert all(target in str(refused.value) for target in missed)
+    monkeypatch.setattr(HookRegistry, "_patched", targets)
+    assert built("ctx") == ("built", "ctx")
+
+
+def test_an_sglang_other_than_the_tested_one_is_refused_with_the_version_to_install():
+    from importlib.metadata import version
+
+    from sglang_patch.serve.launcher import sglang_problems
+
+    assert sglang_problems() is None  # the installed one is the pinned one
+    refused = sglang_problems("0.5.22")
+    assert refused.startswith("SGLang 0.5.22") and f"install sglang=={version('sglang')}" in refused

@@ -233,5 +233,26 @@ def serving_problems(server_args, hf_config, config: Config) -> str | None:
     the first problem found. The one check of both places that refuse a server: `chunkcache serve` before it
     launches SGLang, and the scheduler's radix-cache factory, which a server started by SGLang's own command reaches
     at start-up."""
-    return (parallel_problems(server_args, hf_config) or speculative_problems(server_args)
+    return (sglang_problems() or parallel_problems(server_args, hf_config) or speculative_problems(server_args)
             or deployment_problems(server_args) or audit_problems(server_args, config))
+
+
+def sglang_problems(installed: str | None = None) -> str | None:
+    """Why the installed SGLang (`installed`: its version, read when None) is not the one chunkcache was tested with,
+    or None. chunkcache's hooks and backends target that version's internals (sglang_patch.plugin), so another
+    version is refused rather than served half-patched. The tested version is the package's own pin (pyproject.toml),
+    read from its installed metadata; a source tree that was never installed has none and is not checked."""
+    from importlib.metadata import PackageNotFoundError, requires, version
+
+    from packaging.requirements import Requirement
+
+    try:
+        pins = [Requirement(r) for r in requires("chunkcache") or ()]
+    except PackageNotFoundError:
+        return None
+    tested = next((r.specifier for r in pins if r.name == "sglang" and r.marker is None), None)
+    installed = installed or version("sglang")
+    if tested is None or tested.contains(installed, prereleases=True):
+        return None
+    return (f"SGLang {installed} (chunkcache was tested with sglang{tested}, whose internals its hooks target); "
+            f"install sglang{tested}")
