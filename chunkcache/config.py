@@ -237,8 +237,9 @@ class ServeConfig:
     model: str = knob("smollm2-135m-instruct", "model name (see `chunkcache model`) or a local HF directory")
     host: str = knob("127.0.0.1", "address the HTTP server binds")
     port: int = knob(30000, "port the HTTP server binds")
-    mem_fraction_static: float = knob(
-        0.3, "share of memory SGLang reserves for weights + KV pool, in (0, 1] (explicit: CPU needs it)")
+    mem_fraction_static: float | None = knob(
+        None, "share of memory SGLang reserves for weights + KV pool, in (0, 1]; null: 0.3 on a host without a GPU "
+        "(SGLang's automatic fraction comes out negative on a CPU), SGLang's own on a GPU")
     max_total_tokens: int | None = knob(None, "KV pool size in tokens; null: SGLang sizes it from memory")
     dtype: str = knob(
         "auto", "SGLang --dtype of weights, activations and KV; \"auto\": on CPU the host's faster of bfloat16 and "
@@ -258,7 +259,7 @@ class ServeConfig:
         _non_empty(self, "model", "host")
         if not 1 <= self.port <= 65535:
             raise ConfigError("port", f"must be in [1, 65535], got {self.port}")
-        if not 0.0 < self.mem_fraction_static <= 1.0:
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static <= 1.0:
             raise ConfigError("mem_fraction_static", f"must be in (0, 1], got {self.mem_fraction_static}")
         _at_least(self, "max_total_tokens", 1)
         _one_of(self, "dtype", ("auto", "bfloat16", "float16", "half", "float32", "float"))  # SGLang's --dtype

@@ -36,7 +36,7 @@ from chunkcache.select import REGISTRY
     ("store: {disk_dir: 5}", "store:disk_dir: must be str or null, got 5 (int)"),
     ("serve: {port: 70000}", "serve:port: must be in [1, 65535], got 70000"),
     ("serve: {port: true}", "serve:port: must be int, got True (bool)"),
-    ("serve: {mem_fraction_static: 0}", "serve:mem_fraction_static: must be in (0, 1], got 0.0"),
+    ("serve: {mem_fraction_static: 0}", "serve:mem_fraction_static: must be in (0, 1], got 0"),
     ("serve: {dtype: fp8}", "serve:dtype: 'fp8' is not one of"),
     ("serve: {sglang_args: [--foo, 1]}", "serve:sglang_args: must be a list of strings"),
     ("serve: {sleep_on_idle: 'yes'}", "serve:sleep_on_idle: must be bool"),

@@ -227,3 +227,17 @@ def test_cores_are_shared_evenly_between_cpu_ranks():
     assert launcher.cores_per_rank([0, 2, 4, 6], 2) == "0,2|4,6"
     with pytest.raises(ValueError, match="need at least as many cores"):
         launcher.cores_per_rank([0], 2)
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_the_memory_share_is_the_cpus_setting_only_without_a_gpu(monkeypatch, gpu):
+    """A GPU server keeps SGLang's own memory fraction (a CPU share would shrink its KV pool); a CPU server gets
+    CPU_MEM_FRACTION, SGLang's automatic one being negative there; a configured share is kept on both."""
+    monkeypatch.setattr(launcher, "has_gpu", lambda: gpu)
+    monkeypatch.setattr(launcher, "fastest_cpu_dtype", lambda: Choice("bfloat16", {}, "host"))
+    config = Config.load()
+    settings = launcher.server_settings("/models/m", config)
+    assert settings.get("mem_fraction_static") == (None if gpu else launcher.CPU_MEM_FRACTION)
+    assert ("device" in settings) is not gpu
+    config.serve.mem_fraction_static = 0.8
+    assert launcher.server_settings("/models/m", config)["mem_fraction_static"] == 0.8

@@ -21,6 +21,11 @@ AUTO_CHUNKS_ENV = "CHUNKCACHE_AUTO_CHUNKS"  # "1": automatic chunk detection on,
 CPU_LINEAR_ENV = "CHUNKCACHE_CPU_LINEAR"
 
 
+# the memory share a CPU server reserves unless its config sets one: SGLang's automatic one comes out negative on a
+# CPU (and refuses to start); on a GPU SGLang's own fraction stands
+CPU_MEM_FRACTION = 0.3
+
+
 def has_gpu() -> bool:
     import torch
 
@@ -31,8 +36,10 @@ def server_settings(model_path: str | Path, config: Config, *, chunk_reuse: bool
     """ServerArgs fields for this host. chunk_reuse=False gives stock SGLang (prefix caching) on the same settings,
     the B side of an A/B comparison."""
     s = config.serve
-    settings: dict = {"model_path": str(model_path), "host": s.host, "port": s.port,
-                      "mem_fraction_static": s.mem_fraction_static, "dtype": s.dtype, "sleep_on_idle": s.sleep_on_idle}
+    settings: dict = {"model_path": str(model_path), "host": s.host, "port": s.port, "dtype": s.dtype,
+                      "sleep_on_idle": s.sleep_on_idle}
+    if s.mem_fraction_static is not None:
+        settings["mem_fraction_static"] = s.mem_fraction_static
     if s.max_total_tokens:
         settings["max_total_tokens"] = s.max_total_tokens
     if chunk_reuse:
@@ -45,6 +52,7 @@ def server_settings(model_path: str | Path, config: Config, *, chunk_reuse: bool
         # explicit memory fraction (the automatic one comes out negative on CPU and SGLang refuses to start).
         settings.update(device="cpu", attention_backend=s.cpu_attention, disable_cuda_graph=True,
                         disable_overlap_schedule=True)
+        settings.setdefault("mem_fraction_static", CPU_MEM_FRACTION)
         if s.dtype == "auto":
             # SGLang's "auto" is the checkpoint's dtype, float16 for a float32 one (2 GFLOP/s on a CPU): the host's
             # fastest of bfloat16 and float32 instead, measured once per host (chunkcache.cpu_dtype)
