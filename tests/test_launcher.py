@@ -103,7 +103,7 @@ def test_stock_command_is_left_alone_on_gpu_or_without_chunk_reuse(monkeypatch, 
 def _args(**overrides):
     fields = dict(tp_size=1, pp_size=1, attn_dp_size=1, enable_dp_attention=False, attn_cp_size=1, dcp_size=1,
                   enable_attn_tp_input_scattered=False, enable_layernorm_sp=False, disaggregation_mode="null", nnodes=1,
-                  enable_pdmux=False)
+                  enable_pdmux=False, enable_hierarchical_cache=False, enable_lmcache=False)
     return argparse.Namespace(**{**fields, **overrides})
 
 
@@ -154,7 +154,9 @@ AUDITED = "audit:\n  rate: 0.1\n"  # a chunkcache config that audits a tenth of 
     ({"disaggregation_mode": "prefill"}, "prefill/decode disaggregation (--disaggregation-mode prefill): "),
     ({"disaggregation_mode": "decode"}, "prefill/decode disaggregation (--disaggregation-mode decode): "),
     ({"nnodes": 2}, "multi-node serving (--nnodes 2): "),
-    ({"enable_pdmux": True}, "PD multiplexing (--enable-pdmux): ")])
+    ({"enable_pdmux": True}, "PD multiplexing (--enable-pdmux): "),
+    ({"enable_hierarchical_cache": True}, "--enable-hierarchical-cache: it builds a tree cache of its own"),
+    ({"enable_lmcache": True}, "--enable-lmcache: it builds a tree cache of its own")])
 def test_a_deployment_chunk_reuse_has_not_run_in_is_named_with_its_reason(overrides, named):
     refused = launcher.serving_problems(_args(**overrides), HEADS, Config())
     assert refused.startswith(named) and len(refused) > len(named)

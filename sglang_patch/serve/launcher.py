@@ -223,6 +223,13 @@ def deployment_problems(server_args) -> str | None:
     if server_args.enable_pdmux:
         return ("PD multiplexing (--enable-pdmux): it runs prefills layer by layer (ForwardMode.SPLIT_PREFILL), "
                 "outside the forward the blend hooks")
+    for flag, field in (("--enable-hierarchical-cache", "enable_hierarchical_cache"), ("--enable-lmcache",
+                                                                                        "enable_lmcache")):
+        if getattr(server_args, field):  # read directly, as above: a renamed field stops the server
+            return (f"{flag}: it builds a tree cache of its own (host or storage tiers behind the radix tree) in place "
+                    f"of the chunkcache backend's, which chunk reuse has never run with (a blended request's "
+                    f"approximate KV would be offloaded and matched as an exact prefix); chunkcache keeps chunk KV in "
+                    f"its own tiers (store.host_bytes, store.disk_dir, store.remote_url)")
     return None
 
 
