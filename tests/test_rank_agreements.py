@@ -133,9 +133,10 @@ def idle_clock(rank, ranks):
     from sglang_patch.scheduler import server as glue
 
     from chunkcache.blend.idle import IdleWork
+    from chunkcache.config import Config
 
     ran = []
-    server = types.SimpleNamespace(reuse=types.SimpleNamespace(ranks=ranks),
+    server = types.SimpleNamespace(reuse=types.SimpleNamespace(ranks=ranks, config=Config()),
                                    idle=IdleWork(ranks, {"deviation": 1}),
                                    last_forward=0.0 if rank == 0 else float("inf"))
     server.run_idle = server.idle.run_one
