@@ -3,8 +3,9 @@
 It registers the `chunkcache` radix-cache backend (sglang_patch.scheduler.cache) and the `chunkcache_torch` attention
 backend (sglang_patch.decode.decode_attention), and hooks the SGLang functions listed in `hooks()`: that table is every
 place chunk reuse enters SGLang, the frontend interpreter's included (sglang_patch.lang, which also installs its entries
-itself in a frontend program: no plugin loader runs there), metrics' start-up and SpeCache's decode step. Nothing
-else lives here: the scheduler side is sglang_patch.scheduler.server's ChunkServer and the modules beside it.
+itself in a frontend program: no plugin loader runs there), metrics' start-up and SpeCache's decode step. Beside
+the table only its check (`whole`: a process that applied fewer hooks than it names builds no backend); the scheduler
+side is sglang_patch.scheduler.server's ChunkServer and the modules beside it.
 """
 
 from __future__ import annotations
