@@ -1,4 +1,5 @@
-"""The online audit's arithmetic (chunkcache/blend/audit.py): the first-token KL and agreement of two logit vectors,
+"""The online audit's arithmetic (chunkcache/blend/audit.py): the KL over an answer's tokens and the first token's
+agreement of two logit rows,
 the sample, each audited request's bound, and the margin a window that breaks the promise widens. The server's side
 (the full recompute when idle, /metrics, the widened estimates served) is tests/test_audit_serving.py."""
 
@@ -16,13 +17,22 @@ from chunkcache.config import Config
 
 
 def test_first_token_kl_and_agreement_by_hand():
-    full = torch.tensor([0.0, math.log(3.0), -1e9], dtype=torch.float64)  # p = (1/4, 3/4, 0)
-    served = torch.tensor([0.0, 0.0, -1e9])  # q = (1/2, 1/2, 0)
-    kl, agree = audit.first_token(full, served)
+    full = torch.tensor([[0.0, math.log(3.0), -1e9]], dtype=torch.float64)  # p = (1/4, 3/4, 0)
+    served = torch.tensor([[0.0, 0.0, -1e9]])  # q = (1/2, 1/2, 0)
+    kl, agree = audit.over_answer(full, served)
     assert kl == pytest.approx(0.25 * math.log(0.25 / 0.5) + 0.75 * math.log(0.75 / 0.5), rel=1e-12)
     assert agree is False  # full's argmax is token 1, served's token 0 (the first of a tie)
-    kl, agree = audit.first_token(full, full + 5.0)  # a shift of every logit is the same distribution
+    kl, agree = audit.over_answer(full, full + 5.0)  # a shift of every logit is the same distribution
     assert kl == pytest.approx(0.0, abs=1e-12) and agree is True
+
+
+def test_the_kl_over_an_answer_is_its_largest_step_and_agreement_its_first_token():
+    same = [0.0, 2.0, 0.0]
+    full = torch.tensor([same, [0.0, math.log(3.0), -1e9], same], dtype=torch.float64)
+    served = torch.tensor([same, [0.0, 0.0, -1e9], [1.0, 3.0, 1.0]], dtype=torch.float64)
+    kl, agree = audit.over_answer(full, served)
+    assert kl == pytest.approx(0.25 * math.log(0.25 / 0.5) + 0.75 * math.log(0.75 / 0.5), rel=1e-12)
+    assert agree is True  # the first tokens agree; the second step's divergence is the answer's KL
 
 
 def test_first_token_kl_matches_torch_on_a_vocabulary():
@@ -30,7 +40,7 @@ def test_first_token_kl_matches_torch_on_a_vocabulary():
     full, served = torch.randn(49152, generator=gen) * 3, torch.randn(49152, generator=gen) * 3
     expected = torch.nn.functional.kl_div(served.double().log_softmax(-1), full.double().log_softmax(-1),
                                           log_target=True, reduction="sum")
-    kl, agree = audit.first_token(full, served)
+    kl, agree = audit.over_answer(full[None], served[None])
     assert kl == pytest.approx(float(expected), rel=1e-9)
     assert agree == (int(full.argmax()) == int(served.argmax()))
 
@@ -153,9 +163,11 @@ def server(reuse):
 
 
 class FakeRunner:
-    """Runner's part the scheduler's audit uses: a pass over one kept-aside segment, logits out (`full`)."""
+    """Runner's part the scheduler's audit uses: a pass over one kept-aside segment, logits out (`full`, or the
+    next of `fulls` per pass)."""
 
     full: torch.Tensor
+    fulls: list = []
     passes: list = []
 
     def __init__(self, model_runner, forward_batch):
@@ -163,7 +175,10 @@ class FakeRunner:
 
     def run(self, p, logits=False):
         FakeRunner.passes.append((p, self.forward_batch))
-        return types.SimpleNamespace(next_token_logits=FakeRunner.full[None])
+        for segment in p.segments:  # one layer's K/V kept aside, for the next slice to attend to
+            segment.kept_kv = [(torch.zeros(len(segment.q_pos), 1, 1),) * 2]
+        return types.SimpleNamespace(next_token_logits=(FakeRunner.fulls.pop(0) if FakeRunner.fulls
+                                                        else FakeRunner.full)[None])
 
 
 def test_the_scheduler_audit_measures_the_kept_logits_and_widens_what_the_blends_read(monkeypatch, tmp_path,
@@ -199,7 +214,7 @@ def test_the_scheduler_audit_measures_the_kept_logits_and_widens_what_the_blends
     (segment,) = p.segments
     assert not segment.to_pool and len(segment.ctx_slots) == 0 and segment.q_pos.tolist() == list(range(7))
     assert torch.equal(torch.cat(p.ids), torch.arange(7)) and fb.seq_lens.tolist() == [7] and not fb.return_logprob
-    kl, agree = audit.first_token(full, served[1])
+    kl, agree = audit.over_answer(full[None], served[1][None])
     case = json.loads((tmp_path / "cases.jsonl").read_text())
     assert case["kl"] == pytest.approx(kl) and case["agree"] is agree is False and case["unsafe"]
     assert registry.get_sample_value("chunkcache_audit_unsafe_total", {"model_name": "m"}) == 1
@@ -258,3 +273,52 @@ def test_kept_prompts_are_tagged_with_their_tenant_never_the_salt(monkeypatch, t
             b, types.SimpleNamespace(next_token_logits=served))
     a.server.idle.run_one()
     assert not {"tenant", "prompt_ids"} & json.loads((tmp_path / "cases.jsonl").read_text()).keys()
+
+
+def test_the_audit_measures_the_served_answer_when_the_estimate_covers_it(monkeypatch, tmp_path):
+    """An estimate covering 3 answer tokens: the request's first token is served from full's own distribution, its
+    second from one that diverges, its third from full's again. The audit keeps what each decode step served, then
+    recomputes the prompt in full and teacher-forces the served answer a token at a time; the KL it records is the
+    second token's, not the first's (0)."""
+    from chunkcache.blend.fidelity import Estimate
+    from chunkcache.config import AuditConfig
+    from sglang_patch.forward import forward_pass
+    from sglang_patch.scheduler import audit as glue
+
+    monkeypatch.setattr(forward_pass, "Runner", FakeRunner)
+    config = AuditConfig(rate=1.0, window=100, cases=str(tmp_path / "cases.jsonl"))
+    a = glue.Audit(server(types.SimpleNamespace(fidelity=model(), config=types.SimpleNamespace(audit=config))), config)
+    fulls = [torch.tensor([0.0, 3.0, 0.0]), torch.tensor([3.0, 0.0, 0.0]), torch.tensor([0.0, 0.0, 3.0])]
+    served = [fulls[0], torch.tensor([0.0, 1.0, 0.0]), fulls[2]]
+    plan = types.SimpleNamespace(token_ids=torch.arange(5), n=5, max_kl=None, selector="mix")
+    b = types.SimpleNamespace(plan=plan, estimate=Estimate(kl=0.1, agree=0.9, fitted_for="m", covers=3), ratio=0.15)
+    batch = types.SimpleNamespace(seq_lens=torch.tensor([5]), input_ids=torch.zeros(5, dtype=torch.long))
+    a.offer(FakeRunner(None, batch), 0, "r1", b, types.SimpleNamespace(next_token_logits=served[0][None]))
+    req = types.SimpleNamespace(rid="r1", output_ids=[1], finished=lambda: False)
+    other = types.SimpleNamespace(rid="r2", output_ids=[0], finished=lambda: False)
+
+    def step(row_logits, token, mode="decode"):
+        req.output_ids.append(token)
+        rows = torch.stack([torch.zeros(3), row_logits])  # another request's row first
+        a.after_batch(types.SimpleNamespace(reqs=[other, req], forward_mode=types.SimpleNamespace(
+            is_decode=lambda: mode == "decode")), types.SimpleNamespace(
+                logits_output=types.SimpleNamespace(next_token_logits=rows)))
+
+    assert not a.server.idle.waiting("audit")  # decoding: not yet audited
+    step(served[1], 1)
+    assert not a.server.idle.waiting("audit")
+    step(served[2], 2)  # the third token: all it covers
+    assert a.server.idle.waiting("audit") == 1 and not a.pending
+    FakeRunner.passes, FakeRunner.fulls = [], list(fulls)
+    while a.server.idle.waiting("audit"):
+        a.server.idle.run_one()
+    # the prompt in one pass, then the answer's first two tokens teacher-forced, one each
+    assert [torch.cat(p.ids).tolist() for p, _ in FakeRunner.passes] == [list(range(5)), [1], [1]]
+    segments = [s for p, _ in FakeRunner.passes for s in p.segments]
+    assert [s.q_pos.tolist() for s in segments] == [list(range(5)), [5], [6]]
+    assert [len(s.ctx_slots) for s in segments] == [0, 5, 6]  # each attends to the prompt and the answer so far
+    kl, agree = audit.over_answer(fulls[1][None], served[1][None])
+    assert kl > 0.5
+    case = json.loads((tmp_path / "cases.jsonl").read_text())
+    assert case["kl"] == pytest.approx(kl) and case["answer_tokens"] == 3 and case["covers"] == 3
+    assert case["agree"] is True and case["unsafe"]  # first tokens agree; the answer is over its estimate

@@ -474,7 +474,7 @@ def test_a_prompt_teaches_its_paragraphs_encoded_alone_never_its_own_kv(monkeypa
     assert request.rounds[-1]["learned"] == {"segments": 2, "tokens": 18, "bytes": 18 * token_bytes}
     assert server.idle.waiting("encode") == 2 and forwards == []
     assert not any(k in reuse.store for k in request_keys(reuse))
-    after_batch(None, scheduler)
+    after_batch(None, scheduler, None, None)
     assert forwards == [[1, 2, *range(10, 20)]] and server.idle.waiting("encode") == 1
     assert samples(registry)[("chunkcache_auto_learned_segments_total", ())] == 1
     metrics.start(False)
@@ -493,7 +493,7 @@ def test_a_server_that_is_not_starved_leaves_encodes_to_its_idle_turns(monkeypat
 
     server, scheduler, _, forwards = _learning_forward(monkeypatch, starved_s=3600.0)
     reuse = server.reuse
-    after_batch(None, scheduler)
+    after_batch(None, scheduler, None, None)
     assert forwards == [] and server.idle.waiting("encode") == 2
     assert server.idle.run_one() == ("encode", True) and server.idle.run_one() == ("encode", True)
     assert len(forwards) == 2 and all(k in reuse.store for k in request_keys(reuse))

@@ -1,8 +1,8 @@
 """The online audit's arithmetic, no model and no server (the scheduler's side: sglang_patch/scheduler/audit.py).
 
 A server with `audit.rate` > 0 keeps a sample of its blended requests (`Sampler`) and, while it is idle, recomputes
-each one's prompt in full: `first_token` compares the full recompute's last-token logits with those the request was
-served from. The promise it checks is the fidelity estimate's (chunkcache/blend/fidelity.py): at most `promise`
+each one's prompt in full and teacher-forces the answer it served: `over_answer` compares full recompute's logits at
+each of the answer's first `covers` tokens (the estimator's) with those the request was served from. The promise it checks is the fidelity estimate's (chunkcache/blend/fidelity.py): at most `promise`
 (0.1) of the blends exceed their bound, the request's max_kl or, without one, its own estimate (an upper quantile of
 its KL, Model.quantile 0.9). `Margin` judges the promise over the last `window` audited requests; a window that
 breaks it widens the safety factor every later estimate is multiplied by (`with_margin`), so that a quality floor
@@ -37,11 +37,14 @@ class Sampler:
         return self._draws.random() < self.rate
 
 
-def first_token(full: torch.Tensor, served: torch.Tensor) -> tuple[float, bool]:
-    """(KL(full || served) in nats, whether the greedy first tokens agree) of two last-token logit vectors: the
-    divergence chunkbench measures blends by (quality.reference_path.kl_logits), in float64."""
+def over_answer(full: torch.Tensor, served: torch.Tensor) -> tuple[float, bool]:
+    """(the largest KL(full || served) in nats over the answer's steps, whether the greedy first tokens agree) of two
+    [steps, V] logit rows: row i the distribution of the answer's token i, both scored on the served answer's first i
+    tokens (teacher-forced). The divergence chunkbench measures blends by (quality.reference_path.kl_logits), in
+    float64; an estimator covering `covers` tokens bounds the largest over that many (fidelity.Model.covers)."""
     p, q = full.double().log_softmax(-1), served.double().log_softmax(-1)
-    return max(float((p.exp() * (p - q)).sum()), 0.0), int(full.argmax()) == int(served.argmax())
+    kls = (p.exp() * (p - q)).sum(-1)
+    return max(float(kls.max()), 0.0), int(full[0].argmax()) == int(served[0].argmax())
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class Outcome:
 
     estimated: float  # the fidelity estimate it was served with (margin applied), nats
     max_kl: float | None  # its quality floor, if it had one
-    kl: float  # measured first-token KL against full recompute, nats
+    kl: float  # measured KL against full recompute, the largest over the served answer's audited tokens, nats
     agree: bool  # its greedy first token is full recompute's
 
     @property

@@ -228,32 +228,40 @@ class Aside:
         kept = yield from self._slices(token_ids, layers=layers)
         return torch.stack([k for k, _ in kept]).cpu(), torch.stack([v for _, v in kept]).cpu()
 
-    def logits(self, token_ids: torch.Tensor) -> Generator[None, None, torch.Tensor]:
-        """Steps; returns [V] float32 on the host: the last token's logits of `token_ids` computed exactly through
-        every layer."""
-        out = []
-        yield from self._slices(token_ids, logits=out)
-        return out[0].next_token_logits[0].detach().float().cpu()
+    def logits(self, token_ids: torch.Tensor, answer: torch.Tensor | None = None) -> Generator[None, None,
+                                                                                                torch.Tensor]:
+        """Steps; returns [1 + len(answer), V] float32 on the host, computed exactly through every layer: the last
+        token's logits of `token_ids`, then, teacher-forced, those after each token of `answer` (the prompt followed
+        by the answer so far). The answer's tokens are forwards of one token each, after the prompt's slices: the
+        prompt is sliced as without them, so its bits do not depend on the answer."""
+        answer = token_ids.new_zeros(0) if answer is None else answer.to(token_ids)
+        out: list = []
+        yield from self._slices(torch.cat([token_ids, answer]), logits=out, tail=len(answer))
+        return torch.stack([o.next_token_logits[0].detach().float().cpu() for o in out])
 
-    def _slices(self, token_ids: torch.Tensor, layers: int | None = None, logits: list | None = None):
-        """Per layer, the (K, V) of every token, computed slice by slice (one forward each, a step between them); with
-        `logits`, the last slice's output is appended to it."""
+    def _slices(self, token_ids: torch.Tensor, layers: int | None = None, logits: list | None = None, tail: int = 0):
+        """Per layer, the (K, V) of every token, computed slice by slice (one forward each, a step between them): the
+        first `len - tail` tokens in slices of `slice_tokens`, the last `tail` one token each. With `logits`, the
+        output of the prompt's last slice and of every tail slice is appended to it."""
         n = len(token_ids)
-        size = self.slice_tokens or n
+        prompt = n - tail
+        size = self.slice_tokens or prompt
+        ends = [*range(size, prompt, size), prompt, *range(prompt + 1, n + 1)]
         kept: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        for start in range(0, n, size):
-            end = min(start + size, n)
+        start = 0
+        for end in ends:
             runner = Runner(self.model_runner, one_row(self.template, end))
             p = Pass()
             seg = p.add_aside(token_ids[start:end], torch.arange(start, end),
                               torch.zeros(0, dtype=torch.long, device=runner.device), ctx_kv=kept)
-            last = logits is not None and end == n
+            wanted = logits is not None and end >= prompt
             with torch.no_grad():
-                out = runner.run(p, logits=True) if last else runner.run(p, layers=layers)
-            if last:
+                out = runner.run(p, logits=True) if wanted else runner.run(p, layers=layers)
+            if wanted:
                 logits.append(out)
             kept = seg.kept_kv if kept is None else [(torch.cat([k0, k1]), torch.cat([v0, v1]))
                                                      for (k0, v0), (k1, v1) in zip(kept, seg.kept_kv)]
+            start = end
             if end < n:
                 yield
         return kept

@@ -1,12 +1,17 @@
 """The online audit in the scheduler (config `audit`; the arithmetic: chunkcache.blend.audit).
 
 `offer` runs in the blended forward (sglang_patch.scheduler.blend.run): a sampled request's prompt ids and the
-logits it was served from (its last prompt token's, copied to float32 on the host before SGLang samples from them)
-wait in the server's idle queue (chunkcache.blend.idle, at most `audit.keep` of them) with an Aside of their batch.
-`judge` runs as an idle job (the scheduler fully idle a moment after its last extend forward, one job per idle turn,
-so a request that arrives waits for one audit forward at most): the whole prompt through every layer of SGLang's
-model as a segment kept aside, attending nothing of the KV pool and writing none of it (the request's slots are freed
-or another request's by then), its last-token logits against the served ones. Its outcome goes to /metrics, to the
+logits its first token was served from (its last prompt token's, copied to float32 on the host before SGLang samples
+from them) are kept with an Aside of their batch. The audit measures what the estimate promised: the largest KL over
+the first `covers` tokens of the answer (fidelity.Model.covers), so with `covers` > 1 the request stays `pending`
+while it decodes: `after_batch` (every batch's result, sglang_patch.scheduler.server) keeps the logits each of its
+next tokens was sampled from, until it has `covers` of them or finishes. It then waits in the server's idle queue
+(chunkcache.blend.idle, at most `audit.keep` kept and pending together). `judge` runs as an idle job (the scheduler
+fully idle a moment after its last extend forward, one slice per idle turn, so a request that arrives waits for one
+slice at most): the whole prompt through every layer of SGLang's model as a segment kept aside, attending nothing of
+the KV pool and writing none of it (the request's slots are freed or another request's by then), then the served
+answer teacher-forced a token at a time; its logits at each answer token against the served ones (the largest KL:
+audit.over_answer). Its outcome goes to /metrics, to the
 margin (whose widening changes `served`, the estimator the blends read through ChunkServer.estimator, and is logged at
 WARNING) and, with `audit.cases`, to a JSONL file (with `audit.keep_prompts`, the prompt too, tagged with its tenant,
 `tenant_of`: `chunkcache calibrate --served` fits on it).
@@ -17,6 +22,7 @@ with the same prompt, and nothing here agrees the sample, the queue and the outc
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -43,7 +49,8 @@ class Sampled:
     rid: str
     prompt: torch.Tensor  # [N] int64 on the host: the whole prompt
     chunk_spans: tuple[tuple[int, int], ...]  # the reused chunks' token ranges in it (kept with audit.keep_prompts)
-    served: torch.Tensor  # [V] float32 on the host: the logits its first token was sampled from
+    served: torch.Tensor  # [k, V] float32 on the host: the logits its answer's first k tokens were sampled from
+    answer: torch.Tensor  # [k - 1] int64: the answer's first k - 1 tokens, teacher-forced in the full recompute
     estimate: fidelity.Estimate  # what its report promised (the margin of its time applied)
     max_kl: float | None
     ratio: float
@@ -59,27 +66,63 @@ class Audit:
         self.sampler = audit.Sampler(config.rate)
         self.margin = audit.Margin(config.margin, config.window, config.promise, config.max_margin)
         self.fitted = self.reuse.fidelity  # the estimator as fitted
+        # rid -> (the sampled request, the logits of its answer's tokens so far): blends whose estimate covers more
+        # than the first token, decoding
+        self.pending: dict[str, tuple[Sampled, list[torch.Tensor]]] = {}
         self.served = self._with_margin()  # what the blends read (ChunkServer.estimator)
 
     def offer(self, runner: Runner, row: int, rid: str, b: Blended, output) -> None:
-        """Keep batch row `row`'s blend for an audit when idle, if it is sampled and there is room. A blend without
+        """Keep batch row `row`'s blend for an audit, if it is sampled and there is room: at once when its estimate
+        covers the first token only, else once it has decoded the tokens it covers (`after_batch`). A blend without
         an estimate (a selector other than mix, a model without an estimator) has no bound to judge."""
-        if b.estimate is None or self.server.idle.waiting("audit") >= self.config.keep or not self.sampler.take():
+        if (b.estimate is None or self.server.idle.waiting("audit") + len(self.pending) >= self.config.keep
+                or not self.sampler.take()):
             return
         spans = tuple(b.plan.layout().chunk_spans) if self.config.keep_prompts else ()
         tenant = tenant_of(self.reuse, runner.forward_batch.chunkcache_reqs[row]) if self.config.keep_prompts else None
         sampled = Sampled(
             rid, b.plan.token_ids.detach().cpu().clone(), spans,
-            output.next_token_logits[row].detach().float().cpu().clone(),
+            output.next_token_logits[row].detach().float().cpu().clone()[None], torch.zeros(0, dtype=torch.long),
             b.estimate, b.plan.max_kl, b.ratio, b.plan.selector,
             self.server.aside(runner.model_runner, runner.forward_batch), tenant)
+        if b.estimate.covers == 1:
+            self._queue(sampled)
+        else:
+            self.pending[rid] = (sampled, [sampled.served[0]])
+
+    def after_batch(self, batch, result) -> None:
+        """After a batch's outputs (the scheduler's process_batch_result): a pending request's next served
+        distribution kept from a decode step, and the request queued for its audit once it has its estimate's
+        `covers` of them or has finished (an answer shorter than that is audited over the tokens it has)."""
+        if not self.pending:
+            return
+        logits = getattr(getattr(result, "logits_output", None), "next_token_logits", None)
+        decode = batch.forward_mode.is_decode()
+        for row, req in enumerate(batch.reqs):
+            kept = self.pending.get(req.rid)
+            if kept is None:
+                continue
+            sampled, rows = kept
+            if decode and len(rows) < sampled.estimate.covers:
+                if logits is None:  # SGLang dropped them (delayed sampling): nothing to audit the answer against
+                    log.info("chunkcache: audit: request %s's decode logits were not kept; not audited", req.rid)
+                    del self.pending[req.rid]
+                    continue
+                rows.append(logits[row].detach().float().cpu().clone())
+            if len(rows) >= sampled.estimate.covers or req.finished():
+                del self.pending[req.rid]
+                k = min(len(rows), len(req.output_ids))
+                answer = torch.tensor(req.output_ids[:k - 1], dtype=torch.long)
+                self._queue(dataclasses.replace(sampled, served=torch.stack(rows[:k]), answer=answer))
+
+    def _queue(self, sampled: Sampled) -> None:
         self.server.idle.put("audit", functools.partial(self.judge, sampled))
 
     def judge(self, s: Sampled):
-        """Audit a kept request: its prompt recomputed in full, a slice per step (an idle job; a failure drops it
-        uncounted)."""
-        full, seconds = yield from timed(s.aside.logits(s.prompt))
-        kl, agree = audit.first_token(full, s.served)
+        """Audit a kept request: its prompt recomputed in full and its served answer teacher-forced, a slice per
+        step (an idle job; a failure drops it uncounted)."""
+        full, seconds = yield from timed(s.aside.logits(s.prompt, s.answer))
+        kl, agree = audit.over_answer(full, s.served)
         outcome = audit.Outcome(s.estimate.kl, s.max_kl, kl, agree)
         was = self.margin.factor
         judged = self.margin.observe(outcome)
@@ -90,7 +133,7 @@ class Audit:
             self._write(s, outcome, was)
 
     def _widened(self, was: float, judged: audit.Judged) -> None:
-        window = (f"{judged.over} of the last {judged.audited} audited requests exceeded their first-token KL bound "
+        window = (f"{judged.over} of the last {judged.audited} audited requests exceeded their KL bound "
                   f"(promise: at most {self.config.promise:.0%} of {self.margin.size})")
         if self.margin.factor == was:
             log.warning("chunkcache: audit: %s, and the fidelity margin is already at audit.max_margin %g", window,
@@ -108,7 +151,8 @@ class Audit:
         case = {"rid": s.rid, "fitted_for": s.estimate.fitted_for, "prompt_tokens": len(s.prompt),
                 "selector": s.selector, "ratio": s.ratio, "max_kl": s.max_kl, "bound": outcome.bound,
                 "estimated_kl": outcome.estimated, "estimated_agree": s.estimate.agree, "margin": margin,
-                "kl": outcome.kl, "agree": outcome.agree, "unsafe": outcome.unsafe}
+                "kl": outcome.kl, "answer_tokens": len(s.served), "covers": s.estimate.covers,
+                "agree": outcome.agree, "unsafe": outcome.unsafe}
         if self.config.keep_prompts:  # what `chunkcache calibrate --served` measures again, and whose it is
             case |= {"tenant": s.tenant, "prompt_ids": s.prompt.tolist(),
                      "chunk_spans": [list(span) for span in s.chunk_spans]}

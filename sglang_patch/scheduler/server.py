@@ -161,11 +161,14 @@ def on_idle(scheduler, *args, **kwargs) -> None:
         server.run_idle()
 
 
-def after_batch(result, scheduler, *args, **kwargs) -> None:
-    """AFTER hook on Scheduler.process_batch_result: a server that is never idle takes one step of encoding a waiting
+def after_batch(_, scheduler, batch, result, *args, **kwargs) -> None:
+    """AFTER hook on Scheduler.process_batch_result(batch, result): the audit keeps what its sampled requests' answers
+    were served from (audit.Audit.after_batch); and a server that is never idle takes one step of encoding a waiting
     paragraph once the oldest has waited auto.encode_starved_s (by rank 0's clock), now that the batch's outputs are
     sent: the next batch waits one slice's forward."""
     server = server_of(scheduler.tree_cache)
+    if server is not None and server.audit is not None:
+        server.audit.after_batch(batch, result)
     if server is None or not server.idle.waiting("encode"):
         return
     limit = server.reuse.config.auto.encode_starved_s
