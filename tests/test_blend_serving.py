@@ -254,6 +254,8 @@ def test_a_quality_floor_picks_rho_by_the_estimate_and_every_blend_reports_one(e
     assert plain["ratio"] == 0.15 and "max_kl" not in plain and plain["fidelity"]["kl"] > 0, plain
     # the default model has an estimator of its own (a model without one reports fitted_for null: test_architectures)
     assert plain["fidelity"]["fitted_for"] == fidelity.load().default, plain
+    # the shipped estimator bounds the answer a client reads, not its first token alone
+    assert loose["fidelity"]["covers"] == plain["fidelity"]["covers"] == 16, loose
     assert loose["ratio"] == min(RATIOS) and loose["max_kl"] == 1e6 and "fallback" not in loose, loose
     assert tight["ratio"] == 1.0 and tight["fallback"] == "quality_floor" and tight["reused_tokens"] == 0, tight
     assert loose["recomputed_tokens"] < plain["recomputed_tokens"] < tight["recomputed_tokens"]

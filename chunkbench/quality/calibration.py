@@ -29,15 +29,11 @@ from chunkcache.blend import fidelity
 from chunkcache.config import home
 from chunkcache.hashing import model_fingerprint
 from ..workloads import Item, WorkloadConfig, items, musique_records
-from .fidelity_fit import (BOUNDS, FAMILIES, RATIOS, STORE_BYTES, DEFAULT, FitSettings, Family, case_items, cases_of,
-                           fit_model, fitted_on, judge_table, load_points, measure, measure_parts, measured_case, role,
-                           write_model)
+from .fidelity_fit import (ANSWER_BOUNDS, BOUNDS, COVERS, FAMILIES, RATIOS, STORE_BYTES, DEFAULT, FitSettings,
+                           Family, case_items, cases_of, fit_model, fitted_on, judge_table, load_points, measure,
+                           measure_parts, measured_case, role, write_model)
 from .rowlog import RowLog
 
-COVERS = 16  # answer tokens the fitted estimate bounds (fidelity.Model.covers): docs/calibration.md says why
-# the bounds an estimate over several answer tokens is calibrated at: the largest KL over 16 tokens runs about ten
-# times the first token's on SmolLM2's cases (docs/calibration.md)
-ANSWER_BOUNDS = (0.05, 0.1, 0.2, 0.3, 0.5, 1.0)
 MAX_NEW_TOKENS = 24  # full recompute's answer, which the blends are scored on (at least COVERS)
 DOCUMENTS = Family("documents", 5, 120)  # a user's documents: passages per case and words per passage
 

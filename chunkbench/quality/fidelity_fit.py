@@ -48,7 +48,11 @@ from .reference_path import blend_seconds, greedy_ids, kl_logits, remember_devia
 from .rowlog import RowLog
 
 RATIOS = fidelity.RATIOS
-BOUNDS = (0.01, 0.02, 0.03, 0.05, 0.1, 0.2)  # max_kl bounds the estimate is calibrated and judged at
+BOUNDS = (0.01, 0.02, 0.03, 0.05, 0.1, 0.2)  # max_kl bounds a first-token estimate is calibrated and judged at
+COVERS = 16  # answer tokens a fitted estimate bounds by default (fidelity.Model.covers): docs/calibration.md says why
+# the bounds an estimate over several answer tokens is calibrated at: the largest KL over 16 tokens runs about ten
+# times the first token's on SmolLM2's cases (docs/calibration.md)
+ANSWER_BOUNDS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0)
 TERMS = ("deviation_left", "deviation")  # the estimate's signals (docs/bench/fidelity.md: why these)
 STORE_BYTES = 512 << 20  # the chunk store of a collecting process (three run side by side in 24 GiB)
 # the server's default selector (chunkcache/configs/default.yaml)
@@ -413,7 +417,8 @@ def fit(args) -> None:
     cases = {k: v for k, v in cases_of(load_points(args.paths)).items() if role(k[1]) == "fit"}
     if not cases:
         raise SystemExit(f"no fit case (seed or record divisible by 3) measured at every rho in {args.paths}")
-    settings = FitSettings(tuple(args.terms.split(",")), args.quantile, args.target, args.folds, args.covers)
+    settings = FitSettings(tuple(args.terms.split(",")), args.quantile, args.target, args.folds, args.covers,
+                           ANSWER_BOUNDS if args.covers > 1 else BOUNDS)
     name = model_of(args.paths)
     entry = fit_model(cases, settings, fitted_on(cases, name, settings))
     write_model(Path(args.out), name, entry, settings)
@@ -512,8 +517,9 @@ def main() -> None:
     f.add_argument("--quantile", type=float, default=0.9)
     f.add_argument("--target", type=float, default=0.1, help="share of fit cases allowed over each bound")
     f.add_argument("--folds", type=int, default=5)
-    f.add_argument("--covers", type=int, default=1, help="answer tokens the KL estimate bounds (the largest KL over "
-                   "the first COVERS tokens of full recompute's answer); 1: the first token")
+    f.add_argument("--covers", type=int, default=COVERS, help="answer tokens the KL estimate bounds (the largest KL "
+                   "over the first COVERS tokens of full recompute's answer); 1: the first token (default: "
+                   "%(default)s)")
     f.add_argument("--out", default=str(fidelity.PACKAGED), help="the coefficients file: the rows' model's entry is "
                    "written, the others kept")
     j = sub.add_parser("judge", help="choose rho by the estimate for the held-out cases, per family and bound")
