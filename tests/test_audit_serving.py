@@ -208,3 +208,33 @@ def test_the_audited_prompts_feed_calibrate(server, tmp_path, capsys):
     rows = [json.loads(line) for line in (work / "served.jsonl").read_text().splitlines()[1:]]
     assert len(rows) == 5 * len(calibration.RATIOS) and all(r["contains"] is None and r["f1"] is None for r in rows)
     assert json.loads(out.read_text())["models"]
+
+
+def test_the_audit_measures_the_answer_the_client_read(server, tokenizer):
+    """The shipped estimator covers 16 answer tokens: a blended request answering 5 is audited over those 5 (the
+    logits of each decode step kept, the answer teacher-forced in the full recompute), its KL at least the first
+    token's against SGLang's own prefill."""
+    rag = Rag(tokenizer, n_docs=4, words=50, seed=5)
+    ids, spans = rag.build([2, 0, 3, 1], "What is the code of document 0?")
+    generate(server, ids, kv_hints=hints(spans))  # stores the chunks
+    flush(server)
+    ids, spans = rag.build([3, 1, 2, 0], "What is the code of document 0?")
+    exact = generate(server, ids, kv_hints=hints(spans, exact=True), return_logprob=True, top_logprobs_num=TOP)
+    top = exact["meta_info"]["output_top_logprobs"][0]
+    before = audited(server)
+    r = requests.post(server.url + "/generate", timeout=300, json={
+        "input_ids": ids, "kv_hints": hints(spans), "return_logprob": True,
+        "token_ids_logprob": [tid for _, tid, _ in top],
+        "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    blended = r.json()
+    report = blended["meta_info"]["chunkcache"]
+    assert "fallback" not in report and report["fidelity"]["covers"] == 16, report
+    rid, deadline = blended["meta_info"]["id"], time.monotonic() + 120
+    while rid not in cases(server):  # the storing request may be audited first
+        assert time.monotonic() < deadline, f"request {rid} not audited after 120 s ({audited(server) - before} were)"
+        time.sleep(0.1)
+    case = cases(server)[rid]
+    assert case["answer_tokens"] == len(blended["output_ids"]) == 5 and case["covers"] == 16, case
+    served = blended["meta_info"]["output_token_ids_logprobs"][0]
+    assert case["kl"] >= kl_lower_bound(top, served) - 0.02, (case, kl_lower_bound(top, served))
