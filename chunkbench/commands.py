@@ -46,7 +46,8 @@ def _workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--pool", type=int, help="shuffled: documents the requests draw from")
     ap.add_argument("--seed", type=int, default=0, help="synthetic: first seed; shuffled: the draws'; musique: 0 = each record's first documents, else drawn from its passages")
     ap.add_argument("--max-new-tokens", type=int)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="a name `chunkcache model` knows or an HF "
+                    "directory; its tokenizer builds the prompts (bench --base-url: the deployed servers' model)")
     ap.add_argument("--config", help="server YAML (chunkcache serve --chunkcache-config)")
 
 
@@ -57,12 +58,20 @@ def _sized(args: argparse.Namespace, preset: dict) -> dict:
 def bench(argv: list[str]) -> int:
     """A/B benchmark against stock prefix caching: TTFT, throughput, goodput, quality."""
     from .serving.ab import Arm, BenchConfig
+    from .serving.servers import endpoint_args, endpoints
     from .workloads import WorkloadConfig
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--workload")
-    workload = pre.parse_known_args(argv)[0].workload
+    pre.add_argument("--base-url")
+    known = pre.parse_known_args(argv)[0]
+    workload = known.workload
     if workload == "auto":  # its own phases and options: chunkbench/serving/auto_bench.py
+        if known.base_url:
+            print("chunkcache bench: error: --workload auto starts servers configured for its phases (--auto-chunks, "
+                  "the store's budget); deployed servers (--base-url) are measured by the other workloads and modes",
+                  file=sys.stderr)
+            return 2
         from .serving.auto_bench import main
 
         return main(argv)
@@ -97,7 +106,9 @@ def bench(argv: list[str]) -> int:
                     "(ab, closed or both, from their JSONL)")
     ap.add_argument("--resume", action="store_true", help="ab: continue a cut-short run in --out (same arguments): "
                     "the side / phase / configuration runs already in its requests.jsonl are kept")
+    endpoint_args(ap)
     args = ap.parse_args(argv)
+    deployed = endpoints(args, ap)
     if args.report:
         return _report(Path(args.report))
     size = _sized(args, SMOKE if args.smoke else FULL)
@@ -112,13 +123,14 @@ def bench(argv: list[str]) -> int:
         config = ClosedConfig(workload=workload, arm=arms[0], clients=tuple(int(n) for n in size["clients"].split(",")),
                               requests=size["closed_requests"], blocks=size["blocks"],
                               max_new_tokens=size["max_new_tokens"], model=args.model, server_config=args.config,
-                              out=out)
+                              out=out, endpoints=deployed)
     else:
         from .serving.ab import run
 
         config = BenchConfig(workload=workload, arms=arms, rates=_floats(size["rates"]),
                              load_requests=size["load_requests"], max_new_tokens=size["max_new_tokens"],
-                             model=args.model, server_config=args.config, out=out, resume=args.resume)
+                             model=args.model, server_config=args.config, out=out, resume=args.resume,
+                             endpoints=deployed)
     print(f"results in {run(config)}")
     return 0
 

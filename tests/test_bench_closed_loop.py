@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from chunkbench import commands
-from chunkbench.serving import closed_loop, closed_report, load
+from chunkbench.serving import closed_loop, closed_report, load, servers
 from chunkbench.serving.http_client import Outcome, fell_back
 from chunkbench.workloads import WorkloadConfig, chunk_warmup, fresh, items
 
@@ -138,7 +138,7 @@ def test_run_alternates_the_sides_on_two_live_servers_and_report_rerenders(tmp_p
                  "report": None}
                 for r in requests]
 
-    monkeypatch.setattr(closed_loop, "start_server", FakeServer)
+    monkeypatch.setattr(servers, "start_server", FakeServer)
     monkeypatch.setattr(closed_loop, "warm", lambda url, requests, hinted: warmed.append((url, hinted)))
     monkeypatch.setattr(closed_loop, "closed", fake_closed)
     monkeypatch.setattr(closed_loop, "drain", lambda url: drained.append((url, len(warmed))))

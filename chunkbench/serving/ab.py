@@ -1,6 +1,7 @@
 """`chunkcache bench`: stock SGLang (prefix caching) vs chunkcache on the same model, same workload, same machine.
 
-Per server, one after the other (stock first):
+Per server, one after the other (stock first); servers the bench starts, or deployed ones (`endpoints`: the bench
+then starts and stops none, and empties the chunkcache server's radix tree as it does its own's):
   1. warm-up, not measured: chunkcache stores the KV of every document (the "precomputed chunks" premise of the
      papers); stock gets `[system][document]` in its radix tree for every document that opens a measured prompt,
      which is what prefix caching can reuse in RAG (workloads.chunk_warmup, prefix_warmup).
@@ -29,7 +30,7 @@ from ..workloads import Request, WorkloadConfig, chunk_warmup, items, phase, pre
 from . import ab_report, plots
 from .http_client import flush_cache, generate
 from .load import replay
-from .servers import start_server
+from .servers import side_server, up_line
 
 NAMESPACE = "bench"  # chunk-store and radix namespace of every chunkcache request
 
@@ -61,6 +62,7 @@ class BenchConfig:
     server_config: str | None = None  # YAML for both servers (chunkcache serve --chunkcache-config)
     out: Path = Path("results/bench")
     resume: bool = False  # keep the (side, phase, configuration) runs already in out/requests.jsonl, run the rest
+    endpoints: dict[str, str] | None = None  # side -> URL of a deployed server; None: the bench starts both
 
 
 def run(config: BenchConfig) -> Path:
@@ -92,9 +94,9 @@ def run(config: BenchConfig) -> Path:
         if not todo:
             continue
         t = time.perf_counter()
-        with start_server(out / f"server_{side}.log", chunk_reuse=side == "chunkcache",
-                          config=config.server_config, model=config.model) as server:
-            print(f"{side}: server up in {time.perf_counter() - t:.0f} s; {len(warmups[side])} warm-up requests",
+        with side_server(out / f"server_{side}.log", url=(config.endpoints or {}).get(side),
+                         chunk_reuse=side == "chunkcache", config=config.server_config, model=config.model) as server:
+            print(f"{up_line(side, server, time.perf_counter() - t)}; {len(warmups[side])} warm-up requests",
                   flush=True)
             warm(server.url, warmups[side], side == "chunkcache")
             for name, rate, reqs, arm in todo:
@@ -104,8 +106,9 @@ def run(config: BenchConfig) -> Path:
                 rows = replay(server.url, reqs, arm.hints, config.max_new_tokens, rate=rate,
                               seed=config.workload.seed, desc=f"{side} {arm.label} {name}")
                 for r, req in zip(rows, reqs):
-                    r.update(workload=config.workload.spec, side=side, arm=arm.label, selector=arm.selector,
-                             ratio=arm.ratio, phase=name, rate=rate, **_scores(r["answer"], req.answers))
+                    r.update(workload=config.workload.spec, side=side, endpoint=server.url, arm=arm.label,
+                             selector=arm.selector, ratio=arm.ratio, phase=name, rate=rate,
+                             **_scores(r["answer"], req.answers))
                 records += rows
                 with jsonl.open("a") as f:
                     f.writelines(json.dumps(r) + "\n" for r in rows)
@@ -133,7 +136,7 @@ def load_run(out: Path) -> tuple[BenchConfig, list[dict]]:
     config = BenchConfig(workload=WorkloadConfig(**raw["workload"]), arms=tuple(Arm(**a) for a in raw["arms"]),
                          rates=tuple(raw["rates"]), load_requests=raw["load_requests"],
                          max_new_tokens=raw["max_new_tokens"], model=raw["model"],
-                         server_config=raw["server_config"], out=out)
+                         server_config=raw["server_config"], out=out, endpoints=raw.get("endpoints"))
     return config, [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
 
 

@@ -48,6 +48,19 @@ def goodput(rows: list[dict], threshold: float) -> tuple[float, float, float]:
     return len(rows) / duration, good / duration, sum(r["output_tokens"] for r in rows) / duration
 
 
+def endpoint_lines(records: list[dict], deployed: bool | None = None) -> list[str]:
+    """Which endpoint each arm's figures came from, as lines to append to a summary (none for records from before
+    they carried it). `deployed`: whether the bench started those servers, where the run says."""
+    arms: dict[str, dict[str, None]] = defaultdict(dict)
+    for r in records:
+        if r.get("endpoint"):
+            arms[r["endpoint"]][r["arm"]] = None
+    if not arms:
+        return []
+    how = {True: " (deployed: not started by the bench)", False: " (started by the bench)", None: ""}[deployed]
+    return ["", f"Endpoints{how}: " + "; ".join(f"{', '.join(names)} from `{url}`" for url, names in arms.items())]
+
+
 def markdown(records: list[dict], config, threshold: float) -> str:
     wl = config.workload
     g = groups(records)
@@ -60,6 +73,7 @@ def markdown(records: list[dict], config, threshold: float) -> str:
         f"(median {statistics.median(r['prompt_tokens'] for r in stock_seq):.0f} prompt tokens), "
         f"{config.max_new_tokens} new tokens, greedy. Ratios are chunkcache/stock per request pair (< 1: faster). "
         f"F1/EM against gold; agreement = F1 against stock's answer (exact prefill).",
+        *endpoint_lines(records, config.endpoints is not None),
         "",
         "### Sequential (TTFT)",
         "",

@@ -6,7 +6,8 @@ stock, chunkcache, ...; `blocks` pairs, pooled per side), so a drift of the host
 on both sides instead of on whichever ran second. Each pair of blocks sends both servers the same prompts, and no
 prompt is sent to a server twice (workloads.fresh): stock's radix tree gets the prefix hits a new request would
 get, no more. Warm-up as in ab.run, once before the first block: chunkcache stores every document's chunk, stock
-gets `[system][document]` for every document that opens a measured prompt.
+gets `[system][document]` for every document that opens a measured prompt. With deployed servers (`endpoints`) the
+bench starts none, and prints no floor: its rates would be timed on this host, not the servers'.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from . import closed_report, floor
 from .ab import Arm, warm
 from .http_client import drain
 from .load import closed
-from .servers import start_server
+from .servers import side_server, up_line
 
 SIDES = ("stock", "chunkcache")
 
@@ -39,6 +40,7 @@ class ClosedConfig:
     model: str = "smollm2-135m-instruct"
     server_config: str | None = None  # YAML for both servers (chunkcache serve --chunkcache-config)
     out: Path = Path("results/closed")
+    endpoints: dict[str, str] | None = None  # side -> URL of a deployed server; None: the bench starts both
 
 
 CONFIG, RECORDS, HOST = "closed_loop.json", "closed_loop.jsonl", "closed_loop_host.json"
@@ -57,8 +59,10 @@ def run(config: ClosedConfig) -> Path:
     n = config.requests
     measured = fresh(config.workload, pool, len(config.clients) * config.blocks * n)
     schedule = [to_request(tok, it) for it in measured]
-    host = host_rates(config, int(statistics.median(len(r.prompt.input_ids) for r in schedule)))
-    (out / HOST).write_text(json.dumps(host, indent=1))
+    host = None
+    if config.endpoints is None:
+        host = host_rates(config, int(statistics.median(len(r.prompt.input_ids) for r in schedule)))
+        (out / HOST).write_text(json.dumps(host, indent=1))
     warmups = {"stock": prefix_warmup(measured), "chunkcache": chunk_warmup(pool, config.workload.docs)}
     arms = {"stock": Arm(), "chunkcache": config.arm}
 
@@ -69,10 +73,10 @@ def run(config: ClosedConfig) -> Path:
         servers = {}
         for side in SIDES:
             t = time.perf_counter()
-            servers[side] = stack.enter_context(start_server(
-                out / f"closed_loop_server_{side}.log", chunk_reuse=side == "chunkcache",
-                config=config.server_config, model=config.model))
-            print(f"{side}: server up in {time.perf_counter() - t:.0f} s; {len(warmups[side])} warm-up requests",
+            servers[side] = stack.enter_context(side_server(
+                out / f"closed_loop_server_{side}.log", url=(config.endpoints or {}).get(side),
+                chunk_reuse=side == "chunkcache", config=config.server_config, model=config.model))
+            print(f"{up_line(side, servers[side], time.perf_counter() - t)}; {len(warmups[side])} warm-up requests",
                   flush=True)
             warm(servers[side].url, [to_request(tok, it) for it in warmups[side]], side == "chunkcache")
             if side == "chunkcache":  # what the warm-up estimated, measured before any side is timed
@@ -85,7 +89,8 @@ def run(config: ClosedConfig) -> Path:
                     rows = closed(servers[side].url, schedule[start:start + n], arm.hints, config.max_new_tokens,
                                   clients, desc=f"{side} {clients} clients, block {b + 1}/{config.blocks}")
                     for r in rows:
-                        r.update(workload=config.workload.spec, side=side, arm=arm.label, clients=clients, block=b)
+                        r.update(workload=config.workload.spec, side=side, endpoint=servers[side].url, arm=arm.label,
+                                 clients=clients, block=b)
                     records += rows
                     with jsonl.open("a") as f:
                         f.writelines(json.dumps(r) + "\n" for r in rows)

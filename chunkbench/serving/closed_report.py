@@ -12,7 +12,7 @@ import torch
 from . import plots
 from .floor import Shape, StockRates, causal_pairs
 from .http_client import fell_back
-from .ab_report import mean, pct, span
+from .ab_report import endpoint_lines, mean, pct, span
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,7 @@ def markdown(config, records: list[dict]) -> str:
         f"{config.requests}-request blocks, stock and chunkcache alternating, both servers up throughout; each client "
         f"sends its next request when its previous one finished. Throughput: requests (output tokens) over the "
         f"blocks' summed wall time. Ratios: chunkcache/stock (throughput > 1, TTFT < 1: chunkcache better).",
+        *endpoint_lines(records, config.endpoints is not None),
         "",
         "| clients | side | requests | throughput req/s | output tok/s | TTFT p50 s | TTFT p90 s | fallbacks "
         "| chunk hits/req | chunk misses/req | throughput ratio | TTFT p50 ratio |",

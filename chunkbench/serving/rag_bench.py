@@ -19,6 +19,11 @@ that rotates, so machine noise hits every arm alike. Each arm is a client style,
                 the plain prefix cache shares them, exact KV) in front of the stock server; needs a venv of its own
                 (`--contextpilot-python`), else the arm is left out
 
+With `--base-url URL --stock-url URL` the arms go to deployed servers instead (the stock side's arms to --stock-url,
+the others to --base-url, which needs `--auto-chunks` for the auto arm) and the bench starts none; their answers
+then carry radix-cached tokens only where the servers run with `--enable-cache-report`, and no floor is printed
+(its rates would be timed on this host). The summary names each arm's endpoint.
+
 Before the measured requests every passage of the pool passes through every arm once (warm: the steady state of
 popular passages; ingest and alone warm their own way). TTFT is the first streamed token. Printed per size: each
 arm's median TTFT and its speed-up over its oracle (stock, or layout for hinted and documents), the share of the
@@ -42,11 +47,13 @@ import requests
 
 from .auto_bench import zipf_sample
 from .http_client import chat, drain, fell_back, generate
-from .servers import start_server
+from .ab_report import endpoint_lines
+from .servers import endpoint_args, endpoints, side_server
 
 ARMS = ("stock", "auto", "ingest", "alone", "layout", "hinted", "documents", "contextpilot")
 ORACLE = {"auto": "stock", "ingest": "stock", "alone": "stock", "contextpilot": "stock", "hinted": "layout",
           "documents": "layout"}
+STOCK_SIDE = ("stock", "layout", "contextpilot")  # the arms sent to the stock server; the others to chunkcache's
 SALTS = {"auto": "rag-auto", "ingest": "rag-ingest", "alone": "rag-alone", "contextpilot": "rag-contextpilot"}
 SYSTEM = "Answer the question using the documents."
 PROMPT_OVERHEAD = 70  # tokens of a prompt besides its passages: template, system line, tags, question
@@ -98,27 +105,29 @@ class Arms:
     def __init__(self, tok, stock_url: str, cc_url: str, max_new_tokens: int, pilot: ContextPilot | None):
         self.tok, self.stock, self.cc, self.n, self.pilot = tok, stock_url, cc_url, max_new_tokens, pilot
 
+    def url(self, arm: str) -> str:
+        return self.stock if arm in STOCK_SIDE else self.cc
+
     def send(self, arm: str, docs: list[str], question: str, n: int | None = None):
         """(Outcome, extra fields of the row)."""
         from chunkcache import prompt
 
-        n = n or self.n
+        n, url = n or self.n, self.url(arm)
         if arm in ("stock", "auto", "ingest", "alone"):
-            url = self.stock if arm == "stock" else self.cc
             body = {"messages": system_messages(docs, question), "max_tokens": n}
             return chat(url, {**body, **({"cache_salt": SALTS[arm]} if arm in SALTS else {})}), {}
         if arm == "contextpilot":
             messages, seconds = self.pilot.optimize(docs, question)
-            return chat(self.stock, {"messages": messages, "max_tokens": n, "cache_salt": SALTS[arm]}), \
+            return chat(url, {"messages": messages, "max_tokens": n, "cache_salt": SALTS[arm]}), \
                 {"optimize_s": seconds}
         if arm == "documents":
-            return chat(self.cc, {"messages": [{"role": "system", "content": prompt.DEFAULT_SYSTEM},
-                                               {"role": "user", "content": question}], "max_tokens": n,
-                                  "chunkcache": {"documents": docs, "namespace": "rag-documents"}}), {}
+            return chat(url, {"messages": [{"role": "system", "content": prompt.DEFAULT_SYSTEM},
+                                           {"role": "user", "content": question}], "max_tokens": n,
+                              "chunkcache": {"documents": docs, "namespace": "rag-documents"}}), {}
         built = prompt.build(self.tok, docs, question)
         if arm == "layout":
-            return generate(self.stock, built.input_ids, n), {}
-        return generate(self.cc, built.input_ids, n, built.kv_hints(namespace="rag-hinted")), {}
+            return generate(url, built.input_ids, n), {}
+        return generate(url, built.input_ids, n, built.kv_hints(namespace="rag-hinted")), {}
 
     def warm(self, arm: str, pool: list[tuple[str, str]], per_request: int) -> float:
         """Every passage of the pool through the arm once; returns the seconds it took."""
@@ -158,8 +167,8 @@ def run(args, tok, arms: Arms, chosen: list[str], out) -> None:
                 # either server is timed (two schedulers on the cores slow each other several times over)
                 drain(arms.cc)
                 o, extra = arms.send(arm, docs, question)
-                row = {"size": size, "i": i, "arm": arm, "prompt_tokens": o.prompt_tokens, "ttft_s": o.ttft_s,
-                       "text": o.text, "cached_tokens": o.cached_tokens, "report": o.report,
+                row = {"size": size, "i": i, "arm": arm, "endpoint": arms.url(arm), "prompt_tokens": o.prompt_tokens,
+                       "ttft_s": o.ttft_s, "text": o.text, "cached_tokens": o.cached_tokens, "report": o.report,
                        "fallback": fell_back(o.report), **extra}
                 out.write(json.dumps(row) + "\n")
                 out.flush()
@@ -203,7 +212,7 @@ def summarize(rows: list[dict], floors: dict | None = None) -> str:
                          f"{reused:>8.0%}{cached:>8.0%}" + "".join(f"{c:>7.3f}" if c is not None else f"{'':>7}" for c in cells[:3])
                          + (f"{cells[3]:>8.3f}{cells[4]:>9.3f}" if cells[3] is not None else f"{'':>17}")
                          + f"{fixed:>13}{(f'{fl / ttft:.2f}' if fl else ''):>11}{same:>7}{full:>6}")
-    return "\n".join(lines)
+    return "\n".join(lines + endpoint_lines(rows))
 
 
 def floors_of(rows: list[dict], model_dir: str, dtype: str) -> dict:
@@ -256,18 +265,22 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=16, help="greedy answer length, for the agreement with the "
                     "oracle (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="a name `chunkcache model` knows or an HF "
+                    "directory: the servers' model, whose tokenizer builds the prompts (default: %(default)s)")
     ap.add_argument("--config", help="the chunkcache server's YAML (chunkcache serve --chunkcache-config)")
     ap.add_argument("--contextpilot-python", metavar="PYTHON", help="the Python of a venv with `pip install "
                     "contextpilot==0.5.0` (its pins clash with ours); without it the contextpilot arm is left out")
     ap.add_argument("--out", help="results directory (default results/rag-TIME)")
     ap.add_argument("--report", metavar="DIR", help="only summarize an earlier run's rows.jsonl")
+    endpoint_args(ap)
     args = ap.parse_args(argv)
+    deployed = endpoints(args, ap) or {}
     from chunkcache.models import resolve_model
 
     from chunkcache.config import Config
     from sglang_patch.serve.launcher import server_settings
 
-    model_dir = str(resolve_model("smollm2-135m-instruct"))
+    model_dir = str(resolve_model(args.model))
     dtype = server_settings(model_dir, Config.load(args.config)).get("dtype", "bfloat16")
     if args.report:
         print(report(Path(args.report), model_dir, dtype))
@@ -290,14 +303,16 @@ def main(argv: list[str]) -> int:
     pilot = ContextPilot(args.contextpilot_python, out_dir / "contextpilot.log") if "contextpilot" in chosen else None
     try:
         # --enable-cache-report: chat answers carry the radix tree's cached tokens (ContextPilot's gain)
-        with start_server(out_dir / "stock.log", chunk_reuse=False, extra=("--enable-cache-report",)) as stock, \
-                start_server(out_dir / "chunkcache.log", chunk_reuse=True, config=args.config, auto_chunks=True,
-                             extra=("--enable-cache-report",)) as cc:
+        with side_server(out_dir / "stock.log", url=deployed.get("stock"), chunk_reuse=False, model=args.model,
+                         extra=("--enable-cache-report",)) as stock, \
+                side_server(out_dir / "chunkcache.log", url=deployed.get("chunkcache"), chunk_reuse=True,
+                            model=args.model, config=args.config, auto_chunks=True,
+                            extra=("--enable-cache-report",)) as cc:
             with (out_dir / "rows.jsonl").open("w") as out:
                 run(args, tok, Arms(tok, stock.url, cc.url, args.max_new_tokens, pilot), chosen, out)
     finally:
         if pilot:
             pilot.close()
-    print(report(out_dir, model_dir, dtype))
+    print(report(out_dir, None if deployed else model_dir, dtype))
     print(f"\nresults in {out_dir}")
     return 0
