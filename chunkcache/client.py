@@ -1,4 +1,8 @@
-"""Client of a chunkcache server's POST /chunkcache/ingest, as `chunkcache ingest FILE --url URL` runs it."""
+"""Client of a chunkcache server's admin routes, POST /chunkcache/ingest and POST /chunkcache/purge, as `chunkcache
+ingest FILE --url URL` and `chunkcache purge --namespace NS --url URL` run them. Both are SGLang admin routes
+(docs/security.md): `api_key` is the server's `--admin-api-key` (its `--api-key` when it has no admin key), sent as
+`Authorization: Bearer KEY`; the commands read it from $CHUNKCACHE_API_KEY when not given (SGLang itself names no
+variable for its keys)."""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ import requests
 from tqdm import tqdm
 
 INGEST_ROUTE = "/chunkcache/ingest"
+PURGE_ROUTE = "/chunkcache/purge"
+API_KEY_ENV = "CHUNKCACHE_API_KEY"
 
 
 @dataclass
@@ -42,10 +48,10 @@ def read_documents(path: str | Path) -> list[str]:
 
 def ingest(url: str, documents: Sequence[str], *, batch_size: int = 16, system: str | None = None,
            namespace: str | None = None, cache_salt: str | None = None, progress: bool = True,
-           timeout: float = 1800) -> IngestResult:
+           timeout: float = 1800, api_key: str | None = None) -> IngestResult:
     """Send `documents` in batches (one request each, so the bar moves and a failure loses one batch at most).
     `cache_salt`: the isolation salt of the requests that will use them (SGLang's; chunks of another salt are never
-    shared)."""
+    shared). `api_key`: see above."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     options = {k: v for k, v in {"system": system, "namespace": namespace, "cache_salt": cache_salt}.items()
@@ -54,16 +60,29 @@ def ingest(url: str, documents: Sequence[str], *, batch_size: int = 16, system: 
     with tqdm(total=len(documents), unit="doc", desc="ingest", disable=not progress) as bar:
         for i in range(0, len(documents), batch_size):
             batch = list(documents[i:i + batch_size])
-            r = requests.post(url.rstrip("/") + INGEST_ROUTE, json={"documents": batch, **options}, timeout=timeout)
-            if r.status_code != 200:
-                raise requests.HTTPError(f"{url}{INGEST_ROUTE}: HTTP {r.status_code}: {_message(r)}", response=r)
-            out = r.json()
+            out = _post(url, INGEST_ROUTE, {"documents": batch, **options}, api_key, timeout)
             total.documents += out["documents"]
             total.new += out["new"]
             total.existing += out["existing"]
             bar.update(len(batch))
             bar.set_postfix(new=total.new, existing=total.existing)
     return total
+
+
+def purge(url: str, *, namespace: str | None = None, cache_salt: str | None = None, api_key: str | None = None,
+          timeout: float = 600) -> dict[str, int]:
+    """Remove one tenant's chunks from the server's tiers and the shared one: the entries removed per tier."""
+    body = {k: v for k, v in {"namespace": namespace, "cache_salt": cache_salt}.items() if v is not None}
+    return _post(url, PURGE_ROUTE, body, api_key, timeout)["purged"]
+
+
+def _post(url: str, route: str, body: dict, api_key: str | None, timeout: float) -> dict:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = requests.post(url.rstrip("/") + route, json=body, headers=headers, timeout=timeout)
+    if r.status_code != 200:
+        hint = " (the server wants its admin key: --api-key or $CHUNKCACHE_API_KEY)" if r.status_code == 401 else ""
+        raise requests.HTTPError(f"{url}{route}: HTTP {r.status_code}: {_message(r)}{hint}", response=r)
+    return r.json()
 
 
 def _message(r: requests.Response) -> str:

@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import logging
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -24,11 +25,13 @@ from typing import Any, Protocol
 
 import yaml
 
+log = logging.getLogger(__name__)
 PACKAGED = Path(__file__).with_name("configs")  # package data: shipped in the wheel beside this module
 ENV_PREFIX = "CHUNKCACHE_"  # of every knob's variable; one without "__" names no knob ($CHUNKCACHE_CONFIG, _HOME)
 DOC = "doc"  # the field metadata key of a knob's doc line
 REMOTE_SECRET_ENV = "CHUNKCACHE_STORE_SECRET"  # store.remote_secret_env's default: the shared tier's HMAC secret
 REMOTE_SECRET_MIN_BYTES = 16  # shorter secrets are refused: a stored value's MAC lets anyone guess it offline
+MASK = "<redacted>"  # a secret's place in `Config.effective` (SGLang's own mark in /server_info)
 
 # a byte size: an int to everything that reads the config; a file or a variable may write it "2GiB" (parse_bytes)
 Bytes = int
@@ -62,6 +65,11 @@ class StoreConfig:
     disk_dir: str | None = knob(None, "directory of the disk tier; null disables it")
     disk_bytes: Bytes = knob(20 << 30, "byte budget of the disk tier (oldest entries removed first)")
     namespace: str = knob("default", "tenant namespace mixed into every chunk key unless a request names its own")
+    clear_on_flush: bool = knob(
+        False, "SGLang's /flush_cache also empties this server's memory and disk tiers and what it learned (queued "
+        "encodes and deviations, detection's sightings), never the shared tier. Off: /flush_cache drops SGLang's "
+        "radix tree and KV pool alone, the one way SGLang offers to, which `chunkcache bench` and the tests use to "
+        "make requests read their chunks from the store (docs/security.md \"Who may call what\")")
     remote_url: str | None = knob(
         None, "Redis/Valkey tier shared by servers: redis://[:pw@]host:port/db, rediss://; a Valkey/Redis Cluster "
         "instead: redis+cluster://[:pw@]host:port[,host:port...] (seeds; rediss+cluster:// TLS), entries spread over "
@@ -396,7 +404,8 @@ class IdleConfig:
 @dataclass
 class AuditConfig:
     """The online audit (docs/request-contract.md "Quality floor"): a sample of blended requests recomputed in full
-    while the server is idle, each one's measured first-token KL judged against the bound it was served under; when
+    while the server is idle, each one's measured KL over its served answer (the estimator's `covers` tokens) judged
+    against the bound it was served under; when
     more than `promise` of the last `window` exceeded theirs, every later fidelity estimate is widened by a margin."""
 
     rate: float = knob(
@@ -407,7 +416,7 @@ class AuditConfig:
         "logits (a float32 vocabulary); one sampled while this many wait is not audited")
     window: int = knob(20, "the last this many audited requests judge the promise")
     promise: float = knob(
-        0.1, "the share of a window whose measured first-token KL may exceed its bound (the request's max_kl, else "
+        0.1, "the share of a window whose measured KL (over the served answer) may exceed its bound (the request's max_kl, else "
         "its own estimate), in (0, 1); a window past it widens the margin, logged at WARNING")
     margin: float = knob(
         1.0, "the safety factor the server starts with: every fidelity estimate is multiplied by it, before a "
@@ -458,6 +467,24 @@ class ReportConfig:
         _one_of(self, "to_clients", REPORT_LEVELS)
 
 
+UNKNOWN_KEYS = ("error", "warn")  # config.unknown_keys
+
+
+@dataclass
+class LoadConfig:
+    """How the config itself is read: what a key of the file, or a CHUNKCACHE_<SECTION>__<KEY> variable, that names
+    no knob of this version does (docs/deployment.md "Rollback")."""
+
+    unknown_keys: str = knob(
+        "error", "error: the server refuses to start, naming each (a misspelt knob must not leave it on the default "
+        "unnoticed); warn: each is logged at WARNING and skipped, the known keys served, so that an older chunkcache "
+        "serves a config written for a newer one (a rollback). A value this version refuses (a selector or option it "
+        "lacks) still stops it")
+
+    def check(self) -> None:
+        _one_of(self, "unknown_keys", UNKNOWN_KEYS)
+
+
 @dataclass
 class DecodeConfig:
     """The server's decode step."""
@@ -479,6 +506,7 @@ class Config:
     audit: AuditConfig = field(default_factory=AuditConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+    config: LoadConfig = field(default_factory=LoadConfig)
 
     @classmethod
     def load(cls, path: str | Path | None = None, selectors: Selectors | None = None) -> "Config":
@@ -486,22 +514,29 @@ class Config:
         CHUNKCACHE_<SECTION>__<KEY> variables, each over its knob's value in the file: every process of a server
         (`chunkcache serve`, SGLang's scheduler, which inherits the variables) loads the same settings. `selectors`
         judges the select section's selector names and options; without it they are first tried when a selector is
-        built (a server loads with chunkcache.select.REGISTRY, so that a bad name stops it before it serves)."""
+        built (a server loads with chunkcache.select.REGISTRY, so that a bad name stops it before it serves). Keys and
+        variables that name no knob are errors too, or, under `config.unknown_keys: warn`, one WARNING naming them."""
         path = config_file(path)
         raw = yaml.safe_load(path.read_text()) or {}
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
         errors: list[ConfigError] = []
-        overrides = _environment(os.environ, errors)
+        unknown: list[ConfigError] = []  # keys and variables naming no knob
+        overrides = _environment(os.environ, errors, unknown)
         for knob_path, value in overrides.items():
             _overlay(raw, knob_path, value)
         where = _Where(str(path), (), set(overrides))
-        config = _build(cls, raw, where, errors)
+        config = _build(cls, raw, where, errors, unknown)
         if selectors is not None:
             try:
                 selectors.check(config.select)
             except ConfigError as exc:
                 errors.append(ConfigError(where.inside("select").key(exc.key), exc.reason))
+        if unknown and config.config.unknown_keys == "warn":
+            log.warning("chunkcache: config %s: skipped what names no knob of this version (config.unknown_keys: "
+                        "warn): %s", path, "; ".join(map(str, unknown)))
+        elif unknown:
+            errors[:0] = unknown
         if errors:  # every bad value at once, not one per start-up attempt
             raise ValueError("; ".join(map(str, errors))) if len(errors) > 1 else errors[0]
         return config
@@ -517,6 +552,40 @@ class Config:
         settings = self.to_dict()
         settings["store"]["disk_dir"] = self.store.disk_dir is not None
         return digest(settings)
+
+    def effective(self) -> dict[str, Any]:
+        """Every knob's value as this process runs on it (/server_info shows it), with the secrets a knob may hold
+        masked (`masked`). The shared tier's secret is no knob: only the variable holding it
+        (store.remote_secret_env) is shown."""
+        return masked(self.to_dict())
+
+
+# A URL's password (scheme://[user]:PASSWORD@host..., or a `password=` query parameter), and SGLang flags whose value
+# is a secret (--api-key, --admin-api-key, --ssl-keyfile-password, --watermark-key: by the ending of the name)
+_URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^/?#@\s:]*:)[^/?#\s]*(@)", re.IGNORECASE)  # to the last @
+_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&\s]*", re.IGNORECASE)
+_SECRET_FLAG = re.compile(r"--[\w-]*(?:key|password|secret|token)")
+
+
+def masked(value: Any) -> Any:
+    """`value` (JSON-like) with every secret replaced by MASK: URL passwords in any string, and in a list (such as
+    serve.sglang_args) the argument after a secret flag or a secret flag's `=value`."""
+    if isinstance(value, dict):
+        return {key: masked(item) for key, item in value.items()}
+    if isinstance(value, list):
+        shown = []
+        for i, item in enumerate(value):
+            flag = _SECRET_FLAG.match(item) if isinstance(item, str) else None
+            if i and isinstance(value[i - 1], str) and _SECRET_FLAG.fullmatch(value[i - 1]):
+                shown.append(MASK)
+            elif flag and item[flag.end():].startswith("="):
+                shown.append(f"{flag[0]}={MASK}")
+            else:
+                shown.append(masked(item))
+        return shown
+    if isinstance(value, str):
+        return _QUERY_PASSWORD.sub(rf"\g<1>{MASK}", _URL_PASSWORD.sub(rf"\g<1>{MASK}\g<2>", value))
+    return value
 
 
 def digest(content: Any) -> str:
@@ -603,10 +672,12 @@ def _section(f: Field) -> type | None:
     return f.default_factory if dataclasses.is_dataclass(f.default_factory) else None
 
 
-def _environment(environ: Mapping[str, str], errors: list[ConfigError]) -> dict[tuple[str, ...], Any]:
+def _environment(environ: Mapping[str, str], errors: list[ConfigError],
+                 unknown: list[ConfigError]) -> dict[tuple[str, ...], Any]:
     """The knobs CHUNKCACHE_<SECTION>__<KEY> variables set, by key path, each value read as YAML ("0.2", "true",
-    "null", "4GiB", "[a, b]"; an empty value is null). A variable of that form naming no knob is appended to
-    `errors`: a misspelt one must not leave the server on the file's value unnoticed."""
+    "null", "4GiB", "[a, b]"; an empty value is null); a value that is no YAML is appended to `errors`. A variable of
+    that form naming no knob is appended to `unknown` (an error unless config.unknown_keys is warn): a misspelt one
+    must not leave the server on the file's value unnoticed."""
     knobs = {env_name((*path, f.name)): (*path, f.name) for path, _, fields in sections() for f in fields}
     overrides = {}
     for var, text in environ.items():
@@ -615,7 +686,7 @@ def _environment(environ: Mapping[str, str], errors: list[ConfigError]) -> dict[
         if var not in knobs:  # the nearest knob by the part after the prefix, which every variable shares
             close = difflib.get_close_matches(var.removeprefix(ENV_PREFIX),
                                               [known.removeprefix(ENV_PREFIX) for known in knobs], n=1)
-            errors.append(ConfigError(f"${var}", "names no config knob " + (
+            unknown.append(ConfigError(f"${var}", "names no config knob " + (
                 f"(did you mean ${ENV_PREFIX}{close[0]}?)" if close else "(docs/configuration.md)")))
             continue
         try:
@@ -639,20 +710,23 @@ def _overlay(raw: dict[str, Any], knob_path: tuple[str, ...], value: Any) -> Non
     raw[name] = value
 
 
-def _build(cls: type, raw: dict[str, Any], where: _Where, errors: list[ConfigError]) -> Any:
+def _build(cls: type, raw: dict[str, Any], where: _Where, errors: list[ConfigError],
+           unknown: list[ConfigError]) -> Any:
     """`cls` from `raw`; a value of the wrong type is appended to `errors` (and its default kept, so that the rest
-    is still checked), as is the first value `check()` refuses."""
+    is still checked), as is the first value `check()` refuses; keys naming no field are appended to `unknown` and
+    left out."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = set(raw) - set(fields)
     here = ":".join((where.file, *where.section))
-    if unknown:
-        raise ValueError(f"{here}: unknown key(s) {sorted(unknown)}; expected some of {sorted(fields)}")
+    if strangers := sorted(set(raw) - set(fields)):
+        unknown.append(ConfigError(here, f"unknown key(s) {strangers}; expected some of {sorted(fields)}"))
     kwargs = {}
     for name, value in raw.items():
+        if name not in fields:
+            continue
         if (sub := _section(fields[name])) is not None:
             if not isinstance(value, dict):
                 raise ValueError(f"{here}: '{name}' must be a mapping")
-            kwargs[name] = _build(sub, value, where.inside(name), errors)
+            kwargs[name] = _build(sub, value, where.inside(name), errors, unknown)
             continue
         try:
             kwargs[name] = _typed(value, fields[name].type, where.key(name))

@@ -30,7 +30,8 @@ Each source overrides the ones before it:
 3. one environment variable per knob, `CHUNKCACHE_<SECTION>__<KEY>` (a double underscore before each key; the last
    column below), its value read as YAML: `CHUNKCACHE_SELECT__RATIO=0.2`, `CHUNKCACHE_STORE__HOST_BYTES=4GiB`,
    `CHUNKCACHE_AUTO__ENABLED=true`, `CHUNKCACHE_STORE__DISK_DIR=null` (an empty value is null too). A variable of
-   that form that names no knob is an error, never ignored; variables without a double underscore
+   that form that names no knob is an error, like an unknown file key (with `config.unknown_keys: warn`, set for a
+   rollback, both are logged at WARNING and skipped); variables without a double underscore
    (`$CHUNKCACHE_CONFIG`, `$CHUNKCACHE_HOME`) name no knob;
 4. `chunkcache serve`'s flags `--model`, `--host`, `--port`, `--remote-url` (or `$CHUNKCACHE_REMOTE_URL`) and
    `--auto-chunks` (or `$CHUNKCACHE_AUTO_CHUNKS=1`);

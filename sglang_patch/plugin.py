@@ -16,7 +16,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from . import lang
 from .decode import decode_attention, specache
-from .http import chat, hint_validation, ingest, usage
+from .http import admin, chat, hint_validation, ingest, usage
 from .scheduler import admission, extend, metrics, model_load, report, request_hint, server, startup
 from .scheduler.cache import factory
 from .serve import shutdown
@@ -81,7 +81,8 @@ def hooks() -> list[tuple[str, object, HookType]]:
         # the loaded model: online weight updates refused under chunk reuse, linear weights prepacked on a CPU
         ("sglang.srt.model_executor.model_runner.ModelRunner.load_model", model_load.loaded_model, AFTER),
         # HTTP server (main process only: resolving its module in a spawned child would import the whole server)
-        *([("sglang.srt.entrypoints.http_server.launch_server", ingest.add_route, BEFORE)] if main_process else []),
+        *([("sglang.srt.entrypoints.http_server.launch_server", ingest.add_route, BEFORE),
+           ("sglang.srt.entrypoints.http_server.launch_server", admin.add_route, BEFORE)] if main_process else []),
         # OpenAI chat with documents (main process)
         (f"{_CHAT}.handle_request", chat.handle_request, AROUND),
         (f"{_CHAT}._convert_to_internal_request", chat.attach_hint, AFTER),
@@ -113,6 +114,9 @@ def hooks() -> list[tuple[str, object, HookType]]:
         (f"{_COMPLETION}._build_completion_response", usage.in_answer, AFTER),
         (f"{_CHAT}._generate_chat_stream", usage.in_stream, AROUND),
         (f"{_COMPLETION}._generate_completion_stream", usage.in_stream, AROUND),
+        # admin: /flush_cache empties the local tiers (store.clear_on_flush); a purge reaches every rank
+        (f"{_SCHEDULER}.flush_cache", server.after_flush, AFTER),
+        (f"{_SCHEDULER}.handle_dumper_control", server.on_control, AROUND),
         # /server_info shows which backend really serves, and its state
         ("sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
          ".get_internal_state", server.report_state, AFTER),

@@ -104,7 +104,7 @@ class _StoreServer(BaseHTTPRequestHandler):
         docs = body["chunkcache"]["documents"]
         hits = sum(doc in self.seen for doc in docs)
         self.seen.update(docs)
-        answer = json.dumps({"usage": {"chunkcache": {"chunk_hits": hits, "chunk_misses": len(docs) - hits}}})
+        answer = json.dumps({"chunkcache": {"chunk_hits": hits, "chunk_misses": len(docs) - hits}})
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.end_headers()

@@ -1,8 +1,11 @@
 """Config values are checked when the config is loaded: `select: {selector: bogus, ratio: 7}` or `store: {host_bytes:
 "2 gigs", disk_bytes: -5}`, in the file or in a CHUNKCACHE_<SECTION>__<KEY> variable, stop `chunkcache serve` before
 SGLang starts, naming the key (and the variable) and the reason. Loaded, they would start a server that falls back on
-every hinted request. docs/configuration.md is generated from the config's dataclasses and checked here."""
+every hinted request. Keys and variables that name no knob stop it too, unless `config.unknown_keys: warn` (a
+rollback's older version serving a newer config) makes them a warning. docs/configuration.md is generated from the
+config's dataclasses and checked here; the effective config /server_info shows masks every secret."""
 
+import json
 import os
 import subprocess
 import sys
@@ -12,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from chunkcache import config as config_module
-from chunkcache.config import DOC, PACKAGED, Config, ConfigError, env_name, parse_bytes, sections
+from chunkcache.config import DOC, MASK, PACKAGED, Config, ConfigError, env_name, parse_bytes, sections
 from chunkcache.config_reference import COMMAND, format_bytes, reference
 from chunkcache.select import REGISTRY
 
@@ -233,3 +236,87 @@ def test_every_knob_has_a_doc_line_and_a_variable_that_sets_it(env):
 def test_the_configuration_page_is_generated_from_the_code():
     page = Path(__file__).parents[1] / "docs" / "configuration.md"
     assert page.read_text() == reference(), f"docs/configuration.md is stale: run `{COMMAND}`"
+
+
+# --- what /server_info shows: the effective config, its secrets masked ------------------------------------------------
+
+
+def test_the_effective_config_is_every_knob_with_each_secret_masked():
+    """A URL's password (user:password@, :password@, a cluster's seeds, a `password=` parameter) and the value of
+    SGLang's secret flags (--api-key X, --admin-api-key=X, --ssl-keyfile-password X) are MASK; every other value is
+    the config's own."""
+    config = Config()
+    assert config.effective() == config.to_dict()  # nothing secret: the config as it is
+    config.store.remote_url = "rediss+cluster://:s3cret-a@node1:6379,node2:6379"
+    config.serve.sglang_args = ["--api-key", "s3cret-b", "--admin-api-key=s3cret-c", "--tp-size", "2",
+                                "--max-prefill-tokens", "4096", "--ssl-keyfile-password", "s3cret-d"]
+    config.audit.cases = "redis://user:s3cret-e@host:6379/0?password=s3cret-f&db=1"  # any string is looked at
+    shown = config.effective()
+    assert "s3cret" not in json.dumps(shown)
+    assert shown["store"]["remote_url"] == f"rediss+cluster://:{MASK}@node1:6379,node2:6379"
+    assert shown["serve"]["sglang_args"] == ["--api-key", MASK, f"--admin-api-key={MASK}", "--tp-size", "2",
+                                             "--max-prefill-tokens", "4096", "--ssl-keyfile-password", MASK]
+    assert shown["audit"]["cases"] == f"redis://user:{MASK}@host:6379/0?password={MASK}&db=1"
+    for section, key in (("store", "remote_url"), ("serve", "sglang_args"), ("audit", "cases")):
+        shown[section][key] = config.to_dict()[section][key]
+    assert shown == config.to_dict()  # nothing else changed
+
+
+# --- config.unknown_keys: a config written for a newer version, served by an older one ------------------------------
+
+NEWER = "select: {ratio: 0.3, future_knob: 1}\nfuture_section: {a: 1}\n"  # two keys this version has no knob for
+
+
+def test_unknown_keys_are_refused_by_default_all_at_once(env, tmp_path):
+    path = tmp_path / "newer.yaml"
+    path.write_text(NEWER)
+    with pytest.raises(ValueError) as info:
+        Config.load(path, selectors=REGISTRY)
+    assert f"{path}: unknown key(s) ['future_section']" in str(info.value)
+    assert f"{path}:select: unknown key(s) ['future_knob']" in str(info.value)
+
+
+@pytest.mark.parametrize("mode", ["file", "variable"])
+def test_unknown_keys_warn_naming_them_and_the_known_keys_load(env, tmp_path, caplog, mode):
+    """`config.unknown_keys: warn`, in the file or as $CHUNKCACHE_CONFIG__UNKNOWN_KEYS: one WARNING naming every key
+    and variable that names no knob; the rest is served as written."""
+    path = tmp_path / "newer.yaml"
+    path.write_text(NEWER + ("config: {unknown_keys: warn}\n" if mode == "file" else ""))
+    if mode == "variable":
+        env("CHUNKCACHE_CONFIG__UNKNOWN_KEYS", "warn")
+    env("CHUNKCACHE_SELECT__FUTURE_VAR", "2")
+    with caplog.at_level("WARNING", logger="chunkcache.config"):
+        config = Config.load(path, selectors=REGISTRY)
+    assert config.select.ratio == 0.3 and config.config.unknown_keys == "warn"
+    assert config.to_dict() == {**Config().to_dict(), "select": {**Config().to_dict()["select"], "ratio": 0.3},
+                                "config": {"unknown_keys": "warn"}}
+    (record,) = [r for r in caplog.records if r.name == "chunkcache.config"]
+    assert record.levelname == "WARNING"
+    for named in ("['future_section']", "select: unknown key(s) ['future_knob']", "$CHUNKCACHE_SELECT__FUTURE_VAR"):
+        assert named in record.getMessage()
+
+
+def test_warn_mode_skips_unknown_keys_only_not_bad_values(env, tmp_path):
+    path = tmp_path / "newer.yaml"
+    path.write_text("config: {unknown_keys: warn}\nselect: {ratio: 7, future_knob: 1}\n")
+    with pytest.raises(ValueError, match=r"select:ratio: must be in \[0, 1\], got 7.0") as info:
+        Config.load(path, selectors=REGISTRY)
+    assert "future_knob" not in str(info.value)
+    path.write_text("config: {unknown_keys: warm}\n")
+    with pytest.raises(ValueError, match="config:unknown_keys: 'warm' is not one of error, warn"):
+        Config.load(path)
+
+
+def test_serve_starts_on_a_newer_config_in_warn_mode(tmp_path):
+    """`chunkcache serve`'s own load: the unknown key is a WARNING and the start goes on past the config (to the
+    model, here a directory that does not exist, where it stops) instead of stopping on the key."""
+    path = tmp_path / "newer.yaml"
+    path.write_text(NEWER + "config: {unknown_keys: warn}\n")
+    out = subprocess.run([sys.executable, "-m", "sglang_patch.serve.cli", "serve", "--chunkcache-config", str(path),
+                          "--model", str(tmp_path / "no-model"), "--port", "1"], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "WARNING" in out.stderr and "select: unknown key(s) ['future_knob']" in out.stderr
+    (error,) = [line for line in out.stderr.splitlines() if line.startswith("chunkcache: error:")]
+    assert "no-model" in error and "future" not in error
+    assert "starting:" not in out.stdout

@@ -28,6 +28,17 @@ class DictTier:
     def __contains__(self, key: str) -> bool:
         return key in self.entries
 
+    def purge(self, tenant: str) -> int:
+        doomed = [k for k, entry in self.entries.items() if entry.tenant == tenant]
+        for k in doomed:
+            del self.entries[k]
+        return len(doomed)
+
+    def clear(self) -> int:
+        n = len(self.entries)
+        self.entries.clear()
+        return n
+
 
 def test_the_built_in_tiers_satisfy_the_protocol(tmp_path):
     store = ChunkStore(host_bytes=1 << 20, disk_dir=str(tmp_path))

@@ -188,6 +188,10 @@ class AutoChunks:
             out.append(Encode(torch.cat([self.head, ids[p:end]]), entries, segments.tenant))
         return out
 
+    def forget(self) -> None:
+        """Drop every sighting (a flush, or a purge: a sighting counts a key, which does not say its tenant)."""
+        self._seen.clear()
+
     def _sighted(self, key: str) -> int:
         n = self._seen.pop(key, 0) + 1
         self._seen[key] = n

@@ -54,6 +54,7 @@ class Job:
     key: Hashable  # what it works on: a job whose key already waits is not queued twice
     queued: float  # when it was queued (the queue's clock)
     seq: int  # its place in the order of everything this queue took (the same on every rank)
+    tenant: str = ""  # hashing.tenant_key of the tenant whose entries it stores ("": none), which a purge drops
     steps: Iterator | None = None  # once started: its remaining steps
 
     def step(self) -> bool:
@@ -84,14 +85,26 @@ class IdleWork:
             raise ValueError(f"unknown idle job kinds {sorted(unknown)}; known: {KINDS}")
         self._queues = {kind: deque(maxlen=max(self.bounds.get(kind, 0), 0)) for kind in KINDS}
 
-    def put(self, kind: str, run: Callable[[], object], key: Hashable = None) -> bool:
-        """Queue `run` as a `kind` job; False when a job of the same kind and key already waits or the kind keeps
-        none. The oldest job of the kind is dropped when it is full."""
+    def put(self, kind: str, run: Callable[[], object], key: Hashable = None, tenant: str = "") -> bool:
+        """Queue `run` as a `kind` job (`tenant`: whose entries it stores); False when a job of the same kind and key
+        already waits or the kind keeps none. The oldest job of the kind is dropped when it is full."""
         queue = self._queues[kind]
         if queue.maxlen == 0 or (key is not None and any(j.key == key for j in queue)):
             return False
-        queue.append(Job(kind, run, key, self.clock(), next(self._seq)))
+        queue.append(Job(kind, run, key, self.clock(), next(self._seq), tenant))
         return True
+
+    def drop(self, kinds: tuple[str, ...], tenant: str | None = None) -> int:
+        """Remove the waiting jobs of `kinds` (of `tenant` only, when given), a started one too, and say how many:
+        what they would store was flushed or purged. The same on every rank, whose queues are equal."""
+        n = 0
+        for kind in kinds:
+            queue = self._queues[kind]
+            kept = [job for job in queue if tenant is not None and job.tenant != tenant]
+            n += len(queue) - len(kept)
+            queue.clear()
+            queue.extend(kept)
+        return n
 
     def waiting(self, kind: str | None = None) -> int:
         return sum(len(self._queues[k]) for k in KINDS) if kind is None else len(self._queues[kind])

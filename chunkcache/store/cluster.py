@@ -24,6 +24,8 @@ Contract (remote.py's, with each primary in the place of the one server, and):
 - Puts go through RedisCluster: one SET (NX but for an entry grown by features, sealed with the key name as the
   primary stores it, braces included: remote.py), MOVED and ASK followed (at most 16 redirections), no retry after a
   connection error (which also makes it read the slot map again).
+- A purge (remote.py) searches each primary of the slot map with a client of its own (SCAN sees one node's keys);
+  a primary that cannot be reached, or a slot migrating meanwhile, fails it (purge again).
 - No seed answering is an outage of the cluster as a whole, on the seeds' own breaker: for `retry_s` every get
   misses and every put is dropped.
 """
@@ -237,6 +239,12 @@ class ClusterTier(RemoteTier):
     def _server_limit(self, client: Any, name: str) -> int:
         node = self._primary(client, name)
         return int(client.config_get("proto-max-bulk-len", target_nodes=node)["proto-max-bulk-len"])
+
+    def _servers(self) -> list[Any]:
+        cluster = self._discovered()
+        if cluster is None:
+            raise redis.ConnectionError(f"no seed of {self.server} answers")
+        return [cluster.get_redis_connection(node) for node in cluster.get_primaries()]
 
     def _serving(self) -> set[str]:
         cluster = self._cluster

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .codec import Codec
 from .entry import ChunkEntry, EntryLayout
-from .wire import CorruptEntry, decode, encode
+from .wire import HEAD, CorruptEntry, decode, encode, header_length, read_header
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,44 @@ class DiskTier:
     def pop(self, key: str) -> None:
         self.path(key).unlink(missing_ok=True)
         self._forget(key)
+
+    def purge(self, tenant: str) -> int:
+        """Every file in the directory whose header names `tenant` (files other processes wrote too), found by
+        reading headers, never KV; a file that cannot be read or has no header is left to the read that drops it."""
+        n = 0
+        for path in self._files():
+            try:
+                with open(path, "rb") as f:
+                    head = f.read(HEAD)
+                    head += f.read(header_length(head))
+                if read_header(head).get("tenant") != tenant:
+                    continue
+            except (OSError, CorruptEntry):
+                continue
+            self._forget(path.name.removesuffix(SUFFIX))
+            try:
+                path.unlink()
+            except FileNotFoundError:  # removed by another process meanwhile
+                continue
+            n += 1
+        return n
+
+    def clear(self) -> int:
+        """Every entry file in the directory, other processes' too (a directory shared by servers is emptied for
+        all of them)."""
+        n = 0
+        for path in self._files():
+            try:
+                path.unlink()
+            except FileNotFoundError:  # removed by another process meanwhile
+                continue
+            n += 1
+        self.sizes.clear()
+        self.bytes = 0
+        return n
+
+    def _files(self) -> list[Path]:
+        return list(self.root.glob(f"*/*{SUFFIX}"))
 
     def _touch(self, key: str, size: int) -> None:
         self._forget(key)

@@ -51,6 +51,19 @@ class MemoryTier:
         self.bytes += size
         return True
 
+    def purge(self, tenant: str) -> int:
+        doomed = [key for key, entry in self.entries.items() if entry.tenant == tenant]
+        for key in doomed:
+            self.pop(key)
+        return len(doomed)
+
+    def clear(self) -> int:
+        n = len(self.entries)
+        self.entries.clear()
+        self.sizes.clear()
+        self.bytes = 0
+        return n
+
     def pop(self, key: str) -> ChunkEntry | None:
         entry = self.entries.pop(key, None)
         if entry is not None:

@@ -52,6 +52,14 @@ Contract:
   `probes`.
 - Thread-safe (redis-py's client keeps a connection pool; the counters are locked): the scheduler reads while the
   writer thread writes.
+- purge(tenant) deletes the values of every model's entries of one tenant (its digest does not depend on the model),
+  found without reading any KV: SCAN MATCH over the key space on each server (each primary of a cluster), then the
+  header at the start of each value (GETRANGE of its first HEADER_PEEK bytes, the whole header when it is longer),
+  whose `tenant` names the entry's. A value whose header claims the tenant is deleted whether or not it is authentic
+  (deleting is never wrong: a miss); an authentic value of the tenant always says so (decode recomputes the key from
+  the header's tenant). Puts of the tenant's entries made before the purge and still queued are not written, and a
+  write under way finishes before the search. It costs one round trip per page of PURGE_PAGE keys per server,
+  whatever the values' size; an error (a server down, a slot moving) raises, and whatever it deleted stays deleted.
 - How keys reach servers is the subclass's: this class speaks to one endpoint (one MGET per get_many); cluster.py's
   to the primaries of a cluster, with a breaker per node.
 - What whoever administers (or can write to) the Valkey server can still do, the secret not known: delete or evict
@@ -68,6 +76,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import logging
 import queue
 import struct
@@ -86,7 +95,7 @@ from .codec import Codec
 from .endpoint import Endpoint, NodeStats
 from .entry import ChunkEntry, EntryLayout
 from .link import LinkEstimate, worth_fetching
-from .wire import CorruptEntry, decode, encode
+from .wire import HEAD, CorruptEntry, decode, encode, header_length, read_header
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +104,8 @@ KEY_SPACE = "cc:v1"  # the servers' key names, shared by both wire format versio
 VALUE_TAG = b"CCA1"  # an authenticated value's prefix, version 1: HMAC-SHA256 over the tag, key name and encoding
 MAC_BYTES = 32
 SEALED = len(VALUE_TAG) + MAC_BYTES  # bytes before the wire encoding in a value
+PURGE_PAGE = 512  # keys a purge asks per SCAN page, their headers read in one pipeline
+HEADER_PEEK = 1024  # bytes of a value's header a purge reads first: a typical header is ~400-600
 
 
 class Forged(ValueError):
@@ -188,7 +199,11 @@ class RemoteTier:
         self._n = dict.fromkeys(("corrupt", "forged", "already_stored", "bytes_written", "oversize", "full",
                                  "dropped", "pending", "computed_instead", "probes"), 0)
         self._open(url, timeout_s)
-        self._queue: queue.Queue[tuple[ChunkEntry, bool]] = queue.Queue(maxsize=write_queue)
+        # (entry, replace_value, its place in the order of puts and purges)
+        self._queue: queue.Queue[tuple[ChunkEntry, bool, int]] = queue.Queue(maxsize=write_queue)
+        self._order = itertools.count()
+        self._purged: dict[str, int] = {}  # tenant -> the place of its last purge: puts before it are not written
+        self._writing = threading.Lock()  # held by the writer for one write, by a purge for its whole search
         threading.Thread(target=self._write_loop, name="chunkcache-remote-writer", daemon=True).start()
 
     # --- how keys reach the server: one endpoint here, overridden by the cluster tier ---------------------------
@@ -236,6 +251,10 @@ class RemoteTier:
     def _endpoints(self) -> list[Endpoint]:
         """Every endpoint whose counters make the tier's totals."""
         return [self._endpoint]
+
+    def _servers(self) -> list[Any]:
+        """A client of each server holding entries (a purge searches each)."""
+        return [self.client]
 
     def _up(self) -> bool:
         return self._endpoint.up
@@ -345,7 +364,8 @@ class RemoteTier:
             return False
         with self._lock:
             try:
-                self._queue.put_nowait((replace(entry, features=dict(entry.features)), replace_value))
+                copy = replace(entry, features=dict(entry.features))
+                self._queue.put_nowait((copy, replace_value, next(self._order)))
             except queue.Full:
                 self._n["dropped"] += 1
                 return False
@@ -363,11 +383,57 @@ class RemoteTier:
             return RemoteStats(server=self.server, up=up, **totals, **self._n, bytes_per_token=self._bytes_per_token,
                                decode_s_per_mb=decode, link=link, nodes=nodes)
 
+    def purge(self, tenant: str) -> int:
+        """Delete every value whose entry is `tenant`'s, of every model, and say how many (contract above); raises
+        redis.RedisError when a server cannot be searched."""
+        with self._lock:
+            self._purged[tenant] = next(self._order)
+        with self._writing:
+            return sum(self._purge_on(client, tenant) for client in self._servers())
+
+    def _purge_on(self, client: Any, tenant: str) -> int:
+        deleted, page = 0, []
+        for name in client.scan_iter(match=f"{KEY_SPACE}:*", count=PURGE_PAGE):
+            page.append(name)
+            if len(page) == PURGE_PAGE:
+                deleted += self._purge_page(client, page, tenant)
+                page = []
+        return deleted + (self._purge_page(client, page, tenant) if page else 0)
+
+    def _purge_page(self, client: Any, names: list[bytes], tenant: str) -> int:
+        pipe = client.pipeline(transaction=False)
+        for name in names:
+            pipe.getrange(name, 0, SEALED + HEAD + HEADER_PEEK - 1)
+        doomed = [name for name, head in zip(names, pipe.execute()) if self._tenant_of(client, name, head) == tenant]
+        if not doomed:
+            return 0
+        pipe = client.pipeline(transaction=False)
+        for name in doomed:
+            pipe.delete(name)
+        return sum(pipe.execute())
+
+    @staticmethod
+    def _tenant_of(client: Any, name: bytes, head: bytes) -> str | None:
+        """The tenant the header at the start of the value under `name` names (`head`: the value's first bytes);
+        None for a value that is no entry (or is gone)."""
+        at = SEALED if head[: len(VALUE_TAG)] == VALUE_TAG else 0  # a value without the seal is judged by its header
+        try:
+            end = at + HEAD + header_length(head[at:])
+            if end > len(head):  # a header longer than the peek
+                head = client.getrange(name, 0, end - 1)
+            return read_header(head[at:]).get("tenant")
+        except CorruptEntry:
+            return None
+
     def _write_loop(self) -> None:
         while True:
-            entry, replace_value = self._queue.get()
+            entry, replace_value, order = self._queue.get()
             try:
-                self._write(entry, replace_value)
+                with self._writing:
+                    with self._lock:
+                        purged = order < self._purged.get(entry.tenant, -1)
+                    if not purged:
+                        self._write(entry, replace_value)
             except Exception:  # noqa: BLE001 - the writer must outlive any one entry (e.g. an encoding bug)
                 log.exception("chunkcache: remote put of %s failed", entry.key)
             finally:

@@ -18,8 +18,10 @@ Contract:
 - A store bound to a model raises FingerprintMismatch for another model's entry, on put and on get.
 - `compress` (`store.compress`: none, int8, int4) is how the disk and remote tiers write K and V (codec.py); they
   read any entry, compressed or not, and a hit they serve is promoted decoded: memory holds full-width KV only.
-- `on_change`, if given, gets a stats snapshot after every get_many, put and add_features (the operations that move
-  bytes, evict, drop corrupt entries or count), from whichever thread made the call; what the remote tier's writer
+- purge removes one tenant's entries from every tier, the shared one included (POST /chunkcache/purge); clear empties
+  the local tiers only (/flush_cache): the shared tier is other servers' store too.
+- `on_change`, if given, gets a stats snapshot after every get_many, put, add_features, purge and clear (the operations
+  that move bytes, evict, drop corrupt entries or count), from whichever thread made the call; what the remote tier's writer
   thread does in the background shows in the snapshot after the next operation.
 """
 
@@ -200,6 +202,33 @@ class ChunkStore:
     def _changed(self) -> None:
         if self.on_change is not None:
             self.on_change(self.stats())
+
+    def purge(self, tenant: str, remote: bool = True) -> dict[str, int]:
+        """Remove every entry of `tenant` (hashing.tenant_key of a namespace and salt) from each local tier and, with
+        `remote`, from the shared one (every server's and model's entries of it there: remote.py); per tier
+        (`memory`, `disk`, `tier<i>` for a further local tier at `tiers[i]`, `remote`), the entries removed. The local tiers go
+        first: a shared tier that cannot be searched raises (redis.RedisError) with them already purged."""
+        if not tenant:
+            raise ValueError("purge needs a tenant digest (hashing.tenant_key); entries without one have no tenant")
+        with self._lock:
+            removed = {name: tier.purge(tenant) for name, tier in zip(self._tier_names(), self.tiers)}
+        self._changed()
+        if remote and self.remote is not None:
+            removed["remote"] = self.remote.purge(tenant)
+        return removed
+
+    def clear(self) -> dict[str, int]:
+        """Empty every local tier (/flush_cache); the shared tier holds other servers' entries too and keeps them.
+        Per local tier, the entries removed."""
+        with self._lock:
+            removed = {name: tier.clear() for name, tier in zip(self._tier_names(), self.tiers)}
+        self._changed()
+        return removed
+
+    def _tier_names(self) -> list[str]:
+        """The local tiers' names in `tiers` order: further tiers by their place in it."""
+        names = ["memory", "disk"] if self.disk is not None else ["memory"]
+        return names + [f"tier{i}" for i in range(len(names), len(self.tiers))]
 
     def room(self) -> int:
         """Bytes the host-memory tier takes before it evicts."""

@@ -28,6 +28,7 @@ from .entry import ChunkEntry
 log = logging.getLogger(__name__)
 
 MAGIC = b"CCKV"
+HEAD = len(MAGIC) + 4  # the bytes before an encoding's header: MAGIC and the header's length
 PLAIN, COMPRESSED = 1, 2  # format versions (above)
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16, torch.int8,
@@ -87,20 +88,38 @@ def decode(data: bytes | bytearray) -> ChunkEntry:
         raise CorruptEntry(f"{type(e).__name__}: {e}") from e
 
 
+def header_length(data: bytes | bytearray | memoryview) -> int:
+    """The bytes of the header that follows an encoding's first HEAD bytes, read from those; CorruptEntry when they
+    are not an encoding's start."""
+    if len(data) < HEAD or bytes(data[: len(MAGIC)]) != MAGIC:
+        raise CorruptEntry("bad magic")
+    return struct.unpack_from("<I", data, len(MAGIC))[0]
+
+
+def read_header(data: bytes | bytearray | memoryview) -> dict:
+    """The header of the encoding `data` starts with (its first HEAD + header_length bytes at least), not verified:
+    the checksum covers the payload too. Enough to tell an entry's key and tenant without reading its KV (a purge);
+    CorruptEntry when `data` does not hold a whole header."""
+    n = header_length(data)
+    if HEAD + n > len(data):
+        raise CorruptEntry("truncated header")
+    try:
+        header = msgpack.unpackb(bytes(data[HEAD : HEAD + n]))
+    except (ValueError, TypeError) as e:  # msgpack's ExtraData, FormatError and StackError are ValueErrors
+        raise CorruptEntry(f"{type(e).__name__}: {e}") from e
+    if not isinstance(header, dict):
+        raise CorruptEntry(f"header is a {type(header).__name__}, not a map")
+    return header
+
+
 def _parse(data: bytes | bytearray) -> ChunkEntry:
     if not isinstance(data, bytearray):
         data = bytearray(data)  # tensors share the buffer, and torch wants it writable
-    if data[: len(MAGIC)] != MAGIC:
-        raise CorruptEntry("bad magic")
-    (n,) = struct.unpack_from("<I", data, len(MAGIC))
-    start = len(MAGIC) + 4
-    if start + n > len(data):
-        raise CorruptEntry("truncated header")
-    header = msgpack.unpackb(bytes(data[start : start + n]))
+    header = read_header(data)
     checksum = header.pop("checksum")
     if header["version"] not in (PLAIN, COMPRESSED):
         raise CorruptEntry(f"format version {header['version']}, expected {PLAIN} or {COMPRESSED}")
-    payload = memoryview(data)[start + n :]
+    payload = memoryview(data)[HEAD + header_length(data) :]
     if len(payload) != header["payload_bytes"]:
         raise CorruptEntry(f"payload is {len(payload)} bytes, header says {header['payload_bytes']} (truncated?)")
     if _checksum(header, payload) != checksum:

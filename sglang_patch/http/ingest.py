@@ -17,6 +17,10 @@ Under `report.to_clients: private` the reports say neither whether a document wa
 full (docs/report-schema.md "Private reports"): the answer is `{"documents": N}`, and a document that could not be
 stored (longer than the chunked-prefill size) is not told apart; the server's log says it.
 
+Who may call it: SGLang's admin routes' level (`AuthLevel.ADMIN_OPTIONAL`, /flush_cache's): with `--admin-api-key`
+only that key (`Authorization: Bearer KEY`), with only `--api-key` that key, with neither anyone; ingest writes into
+any tenant it names and fills the store (docs/security.md "Who may call what").
+
 Bounds, so that one call cannot take the server from other clients: at most `limits.ingest_max_documents` documents
 per call (more is a 400), and at most `limits.ingest_in_flight` of them in the scheduler at once (the rest wait here,
 so other clients' requests queue behind a few documents, not behind the whole call). A document that another call
@@ -31,6 +35,7 @@ import uuid
 
 from fastapi import Request
 from fastapi.responses import ORJSONResponse
+from sglang.srt.utils.auth import AuthLevel, auth_level
 
 from chunkcache.documents import INGEST_KEYS, Documents, DocumentsError, parse
 from chunkcache.prompt import DEFAULT_SYSTEM
@@ -51,6 +56,7 @@ def add_route(*args, **kwargs) -> None:
         app.add_api_route(ROUTE, ingest, methods=["POST"])
 
 
+@auth_level(AuthLevel.ADMIN_OPTIONAL)  # SGLang's API-key middleware reads it off the route's endpoint
 async def ingest(request: Request):
     from sglang.srt.entrypoints.http_server import get_global_state
 
@@ -59,7 +65,7 @@ async def ingest(request: Request):
         docs = parse(await request.json(), where="ingest", allowed=INGEST_KEYS,
                      max_documents=limits.ingest_max_documents, limit="limits.ingest_max_documents")
     except ValueError as exc:  # DocumentsError, or a body that is not JSON
-        return _error(str(exc) if isinstance(exc, DocumentsError) else f"the body must be JSON: {exc}", 400)
+        return error_response(str(exc) if isinstance(exc, DocumentsError) else f"the body must be JSON: {exc}", 400)
     manager = get_global_state().tokenizer_manager
     unique = list(dict.fromkeys(docs.documents))  # a repeated document is stored once and counted as existing
     gate = asyncio.Semaphore(limits.ingest_in_flight)
@@ -70,16 +76,16 @@ async def ingest(request: Request):
     except ExceptionGroup as failed:
         first = failed.exceptions[0]
         if isinstance(first, ValueError):  # SGLang's answer to a bad request, e.g. a document over the context
-            return _error(str(first), 400)
+            return error_response(str(first), 400)
         raise first from failed
     results = [task.result() for task in tasks]
     for doc, (report, _) in zip(unique, results):
         where = f"documents[{docs.documents.index(doc)}]"
         if report is None:
-            return _error(f"{where} was computed without chunk reuse (no chunk report): is the server running with "
-                          f"chunk reuse (not --no-chunk-reuse)? its log says why", 501)
+            return error_response(f"{where} was computed without chunk reuse (no chunk report): is the server running "
+                                  f"with chunk reuse (not --no-chunk-reuse)? its log says why", 501)
         if "fallback" in report:  # e.g. longer than the chunked-prefill size: computed in full, nothing stored
-            return _error(f"{where} was not stored ({report['fallback']}): {report['detail']}", 422)
+            return error_response(f"{where} was not stored ({report['fallback']}): {report['detail']}", 422)
     if any("private" in report for report, _ in results):
         # report.to_clients: private: whether a document was already stored would say that someone sent it
         return {"documents": len(docs.documents)}
@@ -132,5 +138,6 @@ async def _store(manager, doc: str, docs: Documents, request: Request) -> dict |
     return out["meta_info"].get("chunkcache")
 
 
-def _error(message: str, status: int) -> ORJSONResponse:
+def error_response(message: str, status: int) -> ORJSONResponse:
+    """chunkcache's routes' error body: OpenAI's shape."""
     return ORJSONResponse({"error": {"message": message}}, status_code=status)

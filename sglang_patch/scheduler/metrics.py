@@ -15,7 +15,9 @@ import threading
 
 from sglang.srt.plugins.hook_registry import HookType
 from sglang.srt.runtime_context import get_serving
+from sglang.version import __version__ as sglang_version
 
+from chunkcache import __version__
 from chunkcache.blend.round_report import FALLBACKS
 
 TIERS = ("host", "disk")  # the chunk store's tiers, as `tier` label values
@@ -65,6 +67,10 @@ class _Metrics:
             metric = kind(name, doc, ["model_name", *labels], registry=registry or REGISTRY, **options)
             return _ModelSeries(metric, model_name) if labels else metric.labels(model_name)
 
+        # build info: 1, the versions in its labels (livemax: one series per server, whatever its schedulers)
+        self.info = series(Gauge, "chunkcache_info", "chunkcache and SGLang versions of this server, as labels; "
+                           "value 1", ("version", "sglang_version"), multiprocess_mode="livemax")
+        self.info.labels(__version__, sglang_version).set(1)
         self.requests = series(Counter, "chunkcache_requests", "Requests served with chunk reuse, by selector",
                                ("selector",))
         self.chunk_hits = series(Counter, "chunkcache_chunk_hits", "Hinted chunks found in the chunk store")
@@ -82,6 +88,8 @@ class _Metrics:
         # livesum: with data parallelism each scheduler has its own store, and the total is what is held
         self.store_bytes = series(Gauge, "chunkcache_store_bytes", "Bytes held by the chunk store, by tier", ("tier",),
                                   multiprocess_mode="livesum")
+        self.store_capacity = series(Gauge, "chunkcache_store_capacity_bytes", "Byte budget of the chunk store, by "
+                                     "tier (0: the tier is off)", ("tier",), multiprocess_mode="livesum")
         self.evictions = series(Counter, "chunkcache_evictions", "Chunk store evictions (all tiers)")
         self.corrupt = series(Counter, "chunkcache_store_corrupt", "Disk entries dropped on read: unreadable, failing "
                               "verification or not fitting the model (each a counted miss)")
@@ -149,6 +157,7 @@ class _Metrics:
         self.store_lock = threading.Lock()
         for tier in TIERS:
             self.store_bytes.labels(tier).set(0)  # series visible from startup, not only after the first chunk
+            self.store_capacity.labels(tier).set(0)
 
 
 _metrics: _Metrics | None = None
@@ -242,6 +251,16 @@ def record_fallback(reason: str) -> None:
 def set_store_bytes(tier: str, n: int) -> None:
     if _metrics is not None:
         _metrics.store_bytes.labels(tier).set(n)
+
+
+def set_store_capacity(store) -> None:
+    """The store's byte budget per tier from its config (a `chunkcache.config.StoreConfig`), which fixes them when
+    the store is built: the host tier's host_bytes, the disk tier's disk_bytes when it has a directory, else 0."""
+    m = _metrics
+    if m is None:
+        return
+    m.store_capacity.labels("host").set(store.host_bytes)
+    m.store_capacity.labels("disk").set(store.disk_bytes if store.disk_dir else 0)
 
 
 def set_store_stats(stats) -> None:

@@ -8,7 +8,8 @@ Built once with the scheduler's tree cache (sglang_patch.scheduler.cache), it ho
     read: the fitted fidelity estimator with the audit's margin applied;
   * `idle`: the one queue of idle work (chunkcache.blend.idle): deviations blends estimated, paragraphs prompts
     taught, blended requests sampled for the audit.
-Requests reach it through `server_of(tree_cache)`; the hooks that run idle work are here (`on_idle`, `after_batch`).
+Requests reach it through `server_of(tree_cache)`; the hooks that run idle work are here (`on_idle`, `after_batch`), and
+those of the admin routes (`after_flush`: /flush_cache under store.clear_on_flush; `on_control`: /chunkcache/purge).
 
 Under tensor parallelism every rank holds its own replica, and every decision that fixes what a forward computes is
 agreed (chunkcache.ranks). `start` refuses ranks whose config, fidelity estimator or host rates differ: the blends
@@ -24,6 +25,9 @@ import os
 import time
 from collections.abc import Sequence
 
+from sglang.version import __version__ as sglang_version
+
+from chunkcache import __version__
 from chunkcache.blend import fidelity
 from chunkcache.blend.auto import Encode
 from chunkcache.blend.cost import rates_fingerprint
@@ -31,12 +35,15 @@ from chunkcache.blend.features import DeviationJob
 from chunkcache.blend.idle import IdleWork, timed
 from chunkcache.blend.pipeline import store_encode
 from chunkcache.blend.reuse import ChunkReuse
+from chunkcache.hashing import tenant_key
 
 from . import metrics
 from ..forward.forward_pass import Aside
 from ..serve.launcher import BACKEND_NAME
 
 log = logging.getLogger(__name__)
+PURGE = "chunkcache.purge"  # the control request of POST /chunkcache/purge (sglang_patch.http.admin; `on_control`)
+STORING = ("deviation", "encode")  # the idle jobs that store entries, which a flush or a purge drops
 
 
 class ChunkServer:
@@ -48,6 +55,7 @@ class ChunkServer:
         config = reuse.config
         self.idle = IdleWork(reuse.ranks, {"deviation": config.idle.deviations, "encode": config.auto.encode_queue,
                                            "audit": config.audit.keep})
+        metrics.set_store_capacity(config.store)  # the store's tiers were built to these budgets (from_config)
 
     def start(self, chunked_prefill_size: int | None, audit=None) -> None:
         """Once, when the scheduler has resolved its chunked-prefill size: the budget, the audit, and the ranks'
@@ -69,15 +77,42 @@ class ChunkServer:
 
     def defer(self, jobs: Sequence[DeviationJob]) -> None:
         """Deviations a blend estimated, measured when idle (every rank's blend agreed them)."""
-        for job in jobs:
-            self.idle.put("deviation", functools.partial(self._measure, job))
+        for job in jobs:  # a request's entries are one tenant's
+            self.idle.put("deviation", functools.partial(self._measure, job),
+                          tenant=job.entries[0].tenant if job.entries else "")
 
     def teach(self, encodes: Sequence[Encode], model_runner, forward_batch) -> None:
         """Paragraphs a batch's prompts taught (agreed over the ranks), each computed when idle or starved by an
         Aside of that batch; a paragraph already waiting is not queued twice."""
         exact_kv = self.aside(model_runner, forward_batch).kv
         for encode in encodes:
-            self.idle.put("encode", functools.partial(self._encode, encode, exact_kv), key=encode.keys)
+            self.idle.put("encode", functools.partial(self._encode, encode, exact_kv), key=encode.keys,
+                          tenant=encode.tenant)
+
+    def flush(self) -> dict[str, int]:
+        """/flush_cache under store.clear_on_flush, once SGLang's own flush succeeded (every rank flushes alike): this
+        rank's local tiers emptied, the idle jobs that would store entries dropped, automatic detection's sightings
+        forgotten. The shared tier keeps its entries: other servers read and write them too. Per local tier and for
+        the jobs, how many."""
+        dropped = self.idle.drop(STORING)
+        if self.reuse.auto is not None:
+            self.reuse.auto.forget()
+        return {**self.reuse.store.clear(), "idle_jobs": dropped}
+
+    def purge(self, namespace: str | None, cache_salt: str | None) -> dict[str, int]:
+        """POST /chunkcache/purge, on every rank: the tenant's idle jobs dropped and the sightings forgotten (alike on
+        every rank), then its entries removed from every rank's local tiers, and from the shared tier by rank 0
+        (every rank's shard is keyed there, and every model's: remote.py). Per tier, the entries removed over all
+        ranks (a rank's shard of a chunk is an entry of its own); `idle_jobs`, the jobs dropped. A rank's failure
+        raises RanksFailed on every rank, with what it removed removed."""
+        tenant = tenant_key(namespace or self.reuse.config.store.namespace, cache_salt)
+        dropped = self.idle.drop(STORING, tenant)
+        if self.reuse.auto is not None:
+            self.reuse.auto.forget()
+        ranks = self.reuse.ranks
+        parts = ranks.agree(lambda: self.reuse.store.purge(tenant, remote=ranks.rank == 0), list)
+        removed = {tier: sum(part.get(tier, 0) for part in parts) for part in parts for tier in part}
+        return {**removed, "idle_jobs": dropped}
 
     def run_idle(self) -> None:
         """One step of an idle job (the caller's gate is agreed over the ranks)."""
@@ -114,6 +149,8 @@ class ChunkServer:
         if reuse.config.report.to_clients == "private":
             return private_state(type(tree_cache).__name__)
         return {"backend": BACKEND_NAME, "tree_cache": type(tree_cache).__name__, "scheduler_pid": os.getpid(),
+                "version": __version__, "sglang_version": sglang_version,
+                "config": reuse.config.effective(),  # what this scheduler runs on, secrets masked
                 "store": dataclasses.asdict(reuse.store.stats()),
                 "deferred_deviations": self.idle.waiting("deviation"),  # estimated, to be measured when idle
                 "encodes_waiting": self.idle.waiting("encode"),  # paragraphs prompts taught, encoded when idle
@@ -174,6 +211,47 @@ def after_batch(_, scheduler, batch, result, *args, **kwargs) -> None:
     limit = server.reuse.config.auto.encode_starved_s
     if limit and server.reuse.ranks.agree(lambda: server.idle.waited("encode") >= limit):
         server.idle.run_one(("encode",))
+
+
+def after_flush(flushed, scheduler, *args, **kwargs) -> bool | None:
+    """AFTER hook on Scheduler.flush_cache (True when it flushed; a flush with requests in flight does nothing): with
+    store.clear_on_flush, the chunk server's local tiers and learned state follow SGLang's caches (ChunkServer.flush).
+    A failure makes the flush answer as failed."""
+    server = server_of(scheduler.tree_cache)
+    if not flushed or server is None or not server.reuse.config.store.clear_on_flush:
+        return None
+    try:
+        removed = server.flush()
+    except Exception:  # noqa: BLE001 - the scheduler must outlive it; the client is told the flush failed
+        log.exception("chunkcache: emptying the chunk store on /flush_cache failed")
+        return False
+    log.info("chunkcache: /flush_cache emptied the chunk store's local tiers (the shared tier keeps its entries): %s",
+             removed)
+    return None
+
+
+def on_control(original, scheduler, recv_req, *args, **kwargs):
+    """AROUND hook on Scheduler.handle_dumper_control: SGLang's dumper control request (a method name and a JSON
+    body, fanned out to every data-parallel scheduler by TokenizerManager.dumper_control, received by every
+    tensor-parallel rank, the reply sent by rank 0) carries POST /chunkcache/purge (method PURGE), answered here
+    with the entries removed per tier; any other method is SGLang's."""
+    if recv_req.method != PURGE:
+        return original(scheduler, recv_req, *args, **kwargs)
+    from sglang.srt.managers.io_struct import DumperControlReqOutput
+
+    server = server_of(scheduler.tree_cache)
+    if server is None:
+        return DumperControlReqOutput(success=False, response=[], error="this server serves without chunk reuse: "
+                                      "it has no chunk store to purge")
+    body = recv_req.body
+    try:
+        removed = server.purge(body.get("namespace"), body.get("cache_salt"))
+    except Exception as exc:  # noqa: BLE001 - the scheduler must outlive it; the client gets the reason
+        log.exception("chunkcache: purging a tenant failed")
+        return DumperControlReqOutput(success=False, response=[], error=f"{type(exc).__name__}: {exc}")
+    log.info("chunkcache: purged tenant (namespace %r, %s): %s", body.get("namespace"),
+             "salted" if body.get("cache_salt") else "no salt", removed)
+    return DumperControlReqOutput(success=True, response=[removed])
 
 
 def report_state(result, controller, *args, **kwargs):

@@ -1,5 +1,5 @@
-"""`chunkcache` console script: `model`, `serve` and `ingest`, and the subcommands installed packages add through
-the `chunkcache.commands` entry points (the benchmark harness: `bench` and `eval`)."""
+"""`chunkcache` console script: `model`, `serve`, `ingest` and `purge`, and the subcommands installed packages add
+through the `chunkcache.commands` entry points (the benchmark harness: `bench` and `eval`)."""
 
 from __future__ import annotations
 
@@ -56,6 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--namespace", help="chunk store namespace (default: the server's)")
     p.add_argument("--cache-salt", help="SGLang's per-request isolation salt of the requests that will use the "
                    "documents (chunks of another salt are never shared)")
+    _api_key_argument(p)
+
+    p = sub.add_parser("purge", help="remove one tenant's chunk KV from a running server's tiers and the shared store")
+    p.add_argument("--url", default="http://127.0.0.1:30000", help="server (default: %(default)s)")
+    p.add_argument("--namespace", help="the tenant's chunk store namespace (default: the server's, with --cache-salt)")
+    p.add_argument("--cache-salt", help="the tenant's SGLang isolation salt")
+    _api_key_argument(p)
 
     args, extra = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -67,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "ingest":
             return ingest(args)
+        if args.command == "purge":
+            return purge(args)
         if args.command in commands:
             command = commands[args.command]
             if isinstance(command, str):
@@ -163,12 +172,30 @@ def _sglang_args(model_dir, argv: list[str]) -> argparse.Namespace:
     return parser.parse_known_args(argv)[0]
 
 
+def _api_key_argument(parser: argparse.ArgumentParser) -> None:
+    from chunkcache.client import API_KEY_ENV
+
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), help="the server's --admin-api-key (its "
+                        f"--api-key when it has no admin key), sent as a bearer token (default: ${API_KEY_ENV}, which "
+                        "keeps it out of the process list)")
+
+
 def ingest(args: argparse.Namespace) -> int:
     from chunkcache.client import ingest as send, read_documents
 
     result = send(args.url, read_documents(args.file), batch_size=args.batch_size, system=args.system,
-                  namespace=args.namespace, cache_salt=args.cache_salt)
+                  namespace=args.namespace, cache_salt=args.cache_salt, api_key=args.api_key)
     print(f"{result.documents} documents: {result.new} new, {result.existing} already stored")
+    return 0
+
+
+def purge(args: argparse.Namespace) -> int:
+    from chunkcache.client import purge as send
+
+    if args.namespace is None and args.cache_salt is None:
+        raise ValueError("purge names its tenant: --namespace, --cache-salt or both")
+    purged = send(args.url, namespace=args.namespace, cache_salt=args.cache_salt, api_key=args.api_key)
+    print("purged " + ", ".join(f"{n} {tier}" for tier, n in purged.items()))
     return 0
 
 
@@ -184,12 +211,13 @@ for order in (docs, docs[::-1]):
     answer = requests.post("{base}/v1/chat/completions", json={{
         "messages": [{{"role": "user", "content": "Which day does the Amber market open?"}}],
         "max_tokens": 1, "temperature": 0, "chunkcache": {{"documents": order}}}}).json()
-    report = answer["usage"].get("chunkcache", {{}})
+    report = answer.get("chunkcache", {{}})
     print(f"{{time.perf_counter() - start:.2f}} s", {{key: report.get(key) for key in
           ("chunk_hits", "chunk_misses", "reused_tokens", "recomputed_tokens", "fallback")}})"""
     where, note = (shlex.quote(str(docs)), "") if docs.is_dir() else ("DIR", ", DIR a directory of .txt documents")
     return (f"\nchunkcache server ready at {base}\nthe same documents twice, in another order: the second answer "
-            f"reuses their KV (usage.chunkcache: chunk_hits, reused_tokens; README 'Quick start'{note})\n\n"
+            f"reuses their KV (the answer's chunkcache report: chunk_hits, reused_tokens; README 'Quick start'"
+            f"{note})\n\n"
             f"{shlex.quote(sys.executable)} - {where} <<'PY'\n{program}\nPY\n")
 
 
