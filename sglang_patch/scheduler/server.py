@@ -151,6 +151,11 @@ class ChunkServer:
         return {"backend": BACKEND_NAME, "tree_cache": type(tree_cache).__name__, "scheduler_pid": os.getpid(),
                 "version": __version__, "sglang_version": sglang_version,
                 "config": reuse.config.effective(),  # what this scheduler runs on, secrets masked
+                # what a max_kl bounds: the estimator the blends read (fitted_for null: none, max_kl computes in
+                # full) and the answer tokens it covers; the audit's margin multiplies every estimate
+                "fidelity": {"fitted_for": None if self.estimator is None else self.estimator.name,
+                             "covers": None if self.estimator is None else self.estimator.covers,
+                             "margin": 1.0 if self.audit is None else self.audit.margin.factor},
                 "store": dataclasses.asdict(reuse.store.stats()),
                 "deferred_deviations": self.idle.waiting("deviation"),  # estimated, to be measured when idle
                 "encodes_waiting": self.idle.waiting("encode"),  # paragraphs prompts taught, encoded when idle
