@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -60,10 +61,29 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
         return _ensure(models_dir() / name, lambda tmp: _build_from_gguf(KNOWN_MODELS[name], tmp, name))
     path = Path(name).expanduser()
     if not (path / "config.json").is_file():
-        raise ModelError(f"unknown model {name!r}: not one of {sorted(KNOWN_MODELS)} and not a directory with config.json")
+        raise ModelError(hub_id_problem(name) or f"unknown model {name!r}: not one of {sorted(KNOWN_MODELS)} and not "
+                         f"a directory with config.json")
     if (path / MANIFEST).exists():
         _verify(path)
     return path
+
+
+# `org/name` as the Hugging Face hub spells a repository
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def hub_id_problem(name: str) -> str | None:
+    """Why `name`, a Hugging Face hub id (`org/name`, no such local path), cannot be chunkcache's model, with what to
+    pass instead; None for anything else. chunkcache downloads nothing at run time, and its chunk store keys KV by the
+    fingerprint of the model directory's files (chunkcache.hashing.model_fingerprint), so it needs the directory."""
+    if not _HUB_ID.fullmatch(name) or Path(name).expanduser().exists():
+        return None
+    return (f"the model {name!r}, a Hugging Face hub id and not a local directory: chunkcache serves a model from a "
+            f"local HF directory (config.json, tokenizer, *.safetensors), whose files its chunk store's keys "
+            f"fingerprint, and downloads nothing. Pass a directory (download it first: `hf download {name} "
+            f"--local-dir DIR`, then --model-path DIR) or a model chunkcache ships "
+            f"({', '.join(sorted(KNOWN_MODELS))}): `chunkcache serve --model NAME`, or --model-path with the directory "
+            f"`chunkcache model NAME` prints")
 
 
 # per family, what its tiny model needs beyond the shared dimensions (a 16-dim head where the config's default is

@@ -6,6 +6,12 @@ ids are concatenated, then the question and the assistant header follow. So a do
 token ids, and the same documents in any order give chunk keys that match (keys also hash the shared prefix:
 requests share chunks only when they share the system prompt and instruction). `assemble` does the same for a
 prompt already rendered as text (an SGLang frontend program), its chunks given as character spans.
+
+A whole conversation (history, tool calls and results, tools) is rendered by the server's own chat templating with a
+special token in the documents' place (`slot_token`, in the first user turn as `user_turn` writes it); `splice` puts
+the documents' chunks where that token landed. A special token is split from the text before tokenization, so the
+text on each side of it is tokenized on its own, as `build` tokenizes the shared prefix and the tail: the chunks and
+the prefix are `build`'s, and every other token is the template's own.
 """
 
 from __future__ import annotations
@@ -37,6 +43,16 @@ def chunk_ids(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def chunks_of(tokenizer, documents: Sequence[str], sep: str = "\n\n") -> list[list[int]]:
+    """Each document's chunk: the document and the separator after it, tokenized on its own."""
+    return [chunk_ids(tokenizer, doc + sep) for doc in documents]
+
+
+def user_turn(question: str, slot: str, instruction: str = DEFAULT_INSTRUCTION) -> str:
+    """The text of the user turn that holds the documents: the instruction, the documents' `slot`, the question."""
+    return f"{instruction}{slot}{question}"
+
+
 def build(tokenizer, documents: Sequence[str], question: str, *, system: str | None = DEFAULT_SYSTEM,
           instruction: str = DEFAULT_INSTRUCTION, sep: str = "\n\n") -> RagPrompt:
     """The chat-template prompt `system` + user(`instruction` + documents + `question`) + assistant header; for a
@@ -50,7 +66,7 @@ def build(tokenizer, documents: Sequence[str], question: str, *, system: str | N
         n += 1
         slot = f"{_SLOT[:-1]}_{n}\x01"
     messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": f"{instruction}{slot}{question}"}]
+        {"role": "user", "content": user_turn(question, slot, instruction)}]
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     else:
@@ -58,12 +74,42 @@ def build(tokenizer, documents: Sequence[str], question: str, *, system: str | N
     head, tail = text.split(slot)
     ids = tokenizer.encode(head, add_special_tokens=False)
     spans = []
-    for doc in documents:
-        chunk = chunk_ids(tokenizer, doc + sep)
+    for chunk in chunks_of(tokenizer, documents, sep):
         spans.append((len(ids), len(ids) + len(chunk)))
         ids += chunk
     ids += tokenizer.encode(tail, add_special_tokens=False)
     return RagPrompt(ids, spans)
+
+
+def slot_token(tokenizer, text: str) -> str:
+    """A special token to hold the documents' place while a chat template renders a conversation: an added special
+    token (kept whole, the text on each side tokenized on its own), none of the named ones (BOS, EOS, UNK, PAD: the
+    tokenizer or the template may add them), found neither in the chat template nor in `text` (everything of the
+    request the template renders), so it occurs once in the rendered prompt. The last added one that fits: the first
+    ones are the template's role markers."""
+    template = str(getattr(tokenizer, "chat_template", None) or "")
+    named = set(tokenizer.special_tokens_map.values())
+    for _, added in sorted(tokenizer.added_tokens_decoder.items(), reverse=True):
+        token = added.content
+        if added.special and token not in named and token not in template and token not in text:
+            return token
+    raise ValueError("the tokenizer has no special token that neither its chat template nor the request holds, to mark "
+                     "the documents' place in the rendered conversation")
+
+
+def splice(ids: Sequence[int], slot_id: int, chunks: Sequence[Sequence[int]]) -> RagPrompt:
+    """The rendered prompt `ids`, which holds the slot token `slot_id` once, with the chunks' ids in its place, one
+    span each. A chunk that would hold the prompt's last token gets no span (that token is always recomputed)."""
+    if list(ids).count(slot_id) != 1:
+        raise ValueError(f"the rendered conversation holds the documents' place {list(ids).count(slot_id)} times, "
+                         f"not once: the chat template dropped or repeated the first user message")
+    at = list(ids).index(slot_id)
+    out, spans = list(ids[:at]), []
+    for chunk in chunks:
+        spans.append((len(out), len(out) + len(chunk)))
+        out += chunk
+    out += ids[at + 1:]
+    return RagPrompt(out, [(s, e) for s, e in spans if e < len(out)])
 
 
 def assemble(text: str, chunks: Sequence[tuple[int, int]], encode: Callable[[list[str]], list[list[int]]], *,

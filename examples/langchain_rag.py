@@ -9,9 +9,10 @@ order (as another retriever's ranking would give them), and prints each answer w
 second request (sent once the server has learned the first one's paragraphs) finds the documents' segments in the
 chunk store (`chunk_hits`, `reused_tokens`). `--exact` passes
 `{"chunkcache": {"exact": true}}` through ChatOpenAI's `extra_body`: the server computes those requests with SGLang's
-own prefill, reusing nothing, and reports `"exact": true`. The report is the answer's `usage.chunkcache`, which
-ChatOpenAI keeps in the reply's `response_metadata["token_usage"]`; the chain's output parser keeps only the reply's
-text, so a callback handler keeps the reply itself.
+own prefill, reusing nothing (`reused_tokens: 0`). The report's counts are the answer's `usage.chunkcache`, which
+ChatOpenAI keeps in the reply's `response_metadata["token_usage"]` (the whole report, the answer's top-level
+`chunkcache`, is not among what it keeps); the chain's output parser keeps only the reply's text, so a callback
+handler keeps the reply itself.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class Reply(BaseCallbackHandler):
 
 def ask(url: str, docs: list[str], question: str, max_tokens: int = 32, exact: bool = False) -> tuple[str, dict]:
     """The chain's answer over `docs` in this order, and the usage of its chat completion as ChatOpenAI keeps it
-    (`usage.chunkcache` is the server's chunk report)."""
+    (`usage.chunkcache` is the server's chunk report's counts)."""
     llm = ChatOpenAI(base_url=url + "/v1", api_key="none", model="default", temperature=0, max_tokens=max_tokens,
                      extra_body={"chunkcache": {"exact": True}} if exact else None)
     chain = create_stuff_documents_chain(llm, PROMPT)  # documents joined by "\n\n"

@@ -10,9 +10,10 @@ them in reverse order (as another retriever's ranking would give them), and prin
 report: the second request (sent once the server has learned the first one's paragraphs) finds the documents'
 segments in the chunk store (`chunk_hits`, `reused_tokens`). `--exact`
 passes `{"chunkcache": {"exact": true}}` as the OpenAI client's `extra_body` through OpenAILike's `additional_kwargs`:
-the server computes those requests with SGLang's own prefill, reusing nothing, and reports `"exact": true`. The report
-is the answer's `usage.chunkcache`, in the `raw` OpenAI response of the LLM's ChatResponse; the query engine's response
-holds only the answer's text, so an instrumentation event handler keeps the ChatResponse itself.
+the server computes those requests with SGLang's own prefill, reusing nothing (`reused_tokens: 0`). The report's
+counts are the answer's `usage.chunkcache`, in the `raw` OpenAI response of the LLM's ChatResponse (the whole report
+is `raw.chunkcache`); the query engine's response holds only the answer's text, so an instrumentation event handler
+keeps the ChatResponse itself.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class LastChat(BaseEventHandler):
 
 def ask(url: str, docs: list[str], question: str, max_tokens: int = 32, exact: bool = False) -> tuple[str, dict]:
     """The query engine's answer over an index of `docs` in this order, and the usage of its chat completion
-    (`usage.chunkcache` is the server's chunk report)."""
+    (`usage.chunkcache` is the server's chunk report's counts)."""
     llm = OpenAILike(model="default", api_base=url + "/v1", api_key="none", is_chat_model=True, temperature=0,
                      max_tokens=max_tokens,
                      additional_kwargs={"extra_body": {"chunkcache": {"exact": True}}} if exact else {})

@@ -130,7 +130,6 @@ GENERATE = {
 }
 
 CHAT_QUESTION = [{"role": "user", "content": "What is the vault code?"}]
-TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
 # (chunkcache object, message[, other fields of the request])
 CHAT = {
     "documents a string": ({"documents": "one"}, "chunkcache.documents must be a non-empty list of strings"),
@@ -147,10 +146,8 @@ CHAT = {
     "learn not a bool": ({"learn": "no"}, "chunkcache: learn must be true or false, got 'no'"),
     "long namespace": ({"documents": ["ok"], "namespace": "n" * 300}, "namespace is 300 characters; at most 256"),
     "documents with input_ids": ({"documents": ["ok"]}, "do not also send input_ids", {"input_ids": [1, 2, 3]}),
-    "documents with tools": ({"documents": ["ok"]}, "chunkcache.documents cannot be combined with tools",
-                             {"tools": [TOOL]}),
-    "no user message last": ({"documents": ["ok"]}, "got roles ['user', 'assistant']",
-                             {"messages": [*CHAT_QUESTION, {"role": "assistant", "content": "4417"}]}),
+    "no user message first": ({"documents": ["ok"]}, "got roles ['assistant', 'user']",
+                              {"messages": [{"role": "assistant", "content": "4417"}, *CHAT_QUESTION]}),
     "blank question": ({"documents": ["ok"]}, "the user message must have non-empty text content",
                        {"messages": [{"role": "user", "content": "  "}]}),
 }

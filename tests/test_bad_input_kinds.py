@@ -36,6 +36,7 @@ UNREACHABLE = {
                                   "(tests/test_hints.py)",
     ("hints", "payload must be an object"): "SGLang's envelope struct types the payload as an object: it refuses "
                                             "the request first (tests/test_hints.py)",
+    ("chat", "without a chat template"): "the default model has a chat template (tests/test_documents_prompt.py)",
 }
 # Cases refused by SGLang itself, before or after chunkcache's checks: they reach none of the raises above
 SGLANG_REFUSES = {("generate", "envelope without message_id"), ("generate", "payload not an object"),
@@ -105,7 +106,7 @@ def glue(monkeypatch, tokenizer):
     server.get_global_state = get_global_state
     monkeypatch.setitem(sys.modules, server.__name__, server)
     # the routes turn a refusal into a 400 inside their `except`: keep the exception itself, traceback included
-    monkeypatch.setattr(ingest, "_error", lambda message, status: sys.exc_info()[1])
+    monkeypatch.setattr(ingest, "error_response", lambda message, status: sys.exc_info()[1])
     return SimpleNamespace(tokenizer=tokenizer)
 
 
@@ -134,8 +135,11 @@ def run_chat(glue, documents, extra) -> BaseException | None:
     serving = SimpleNamespace(create_error_response=lambda message: sys.exc_info()[1],
                               tokenizer_manager=SimpleNamespace(tokenizer=glue.tokenizer))
     request = ChatCompletionRequest(**{k: v for k, v in body.items() if k != "chunkcache"})
+    async def sglang_templates(*args):
+        raise ReachedSGLang("SGLang would render the conversation now")
+
     try:
-        return asyncio.run(chat.handle_request(None, serving, request, raw))
+        return asyncio.run(chat.handle_request(sglang_templates, serving, request, raw))
     except ReachedSGLang:
         return None
 

@@ -9,7 +9,9 @@ import requests
 from conftest import metric
 
 from chunkcache.documents import CHAT_KEYS, DocumentsError, parse
+from chunkcache.prompt import DEFAULT_INSTRUCTION, DEFAULT_SYSTEM, assemble
 from chunkcache.select import REGISTRY
+from sglang_patch.http.usage import counts
 from sglang_patch.serve import cli
 
 QUESTION = "Which day does the market open?"
@@ -55,7 +57,7 @@ def test_chat_with_documents_answers_and_reuses_them_in_another_order(server):
     assert first.json()["choices"][0]["message"]["content"]
     report = first.json()["metadata"]["chunkcache"]
     assert report["chunk_hits"] + report["chunk_misses"] == 3 and report["selector"] == "epic"
-    assert first.json()["usage"]["chunkcache"] == report
+    assert first.json()["chunkcache"] == report and first.json()["usage"]["chunkcache"] == counts(report)
     second = chat(server, docs("Amber")[::-1])
     assert second.status_code == 200, second.text
     report = second.json()["metadata"]["chunkcache"]
@@ -77,7 +79,7 @@ def test_a_streamed_chat_carries_the_report_on_its_finishing_chunk(server):
     """Documents stored by a first request, streamed in another order without asking for usage: every chunk has a
     choice (clients read `choices[0]` of each) and none has usage; the last, the one that finishes the answer, carries
     the report as `chunkcache`. Asked for usage, the stream ends with the usage chunk (no choices), whose `usage`
-    carries the report too."""
+    carries the report's counts."""
     documents = docs("Wren")
     assert chat(server, documents).status_code == 200
     body = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4, "temperature": 0,
@@ -90,7 +92,8 @@ def test_a_streamed_chat_carries_the_report_on_its_finishing_chunk(server):
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in answer)
     *answer, finishing, closing = streamed(server, {**body, "stream_options": {"include_usage": True}})
     assert closing["choices"] == [] and finishing["choices"][0]["finish_reason"] is not None
-    assert closing["usage"]["chunkcache"] == finishing["chunkcache"] and 0 < closing["usage"]["completion_tokens"] <= 4
+    assert closing["usage"]["chunkcache"] == counts(finishing["chunkcache"])
+    assert 0 < closing["usage"]["completion_tokens"] <= 4
 
 
 def flushed(server):
@@ -105,7 +108,8 @@ def test_the_openai_package_streams_a_chat_and_finds_its_report(server):
     """The `openai` package's everyday loop over a stream that did not ask for usage,
     `"".join(c.choices[0].delta.content or "" for c in stream)`, gets the answer the same request gets not streamed
     (greedy, each blended from the store after a flush), and the report is the last chunk's `chunkcache`, an extra
-    field the package keeps; asked for usage, the usage chunk's `usage.chunkcache` has it."""
+    field the package keeps, as the answer's is; asked for usage, the usage chunk's `usage.chunkcache` has its
+    counts."""
     from openai import OpenAI
 
     documents = docs("Heron")
@@ -122,9 +126,10 @@ def test_the_openai_package_streams_a_chat_and_finds_its_report(server):
     report = chunks[-1].chunkcache
     assert chunks[-1].choices[0].finish_reason is not None and chunks[-1].model_extra["chunkcache"] == report
     assert (report["chunk_hits"], report["chunk_misses"]) == (3, 0), report
-    assert report["reused_tokens"] == answer.usage.chunkcache["reused_tokens"] > 0, (report, answer.usage)
+    assert report["reused_tokens"] == answer.chunkcache["reused_tokens"] > 0, (report, answer)
+    assert answer.usage.chunkcache == counts(answer.chunkcache)
     *answer_chunks, closing = completions.create(**request, stream=True, stream_options={"include_usage": True})
-    assert closing.choices == [] and closing.usage.chunkcache == answer_chunks[-1].chunkcache, closing
+    assert closing.choices == [] and closing.usage.chunkcache == counts(answer_chunks[-1].chunkcache), closing
 
 
 @slow
@@ -167,7 +172,7 @@ def test_exact_chat_with_documents_is_the_plain_prompts_answer(server, default_m
     """With documents, the prompt is chunkcache's RAG prompt; the oracle is that prompt sent without chunks."""
     from transformers import AutoTokenizer
 
-    from chunkcache.prompt import DEFAULT_SYSTEM, build
+    from chunkcache.prompt import build
 
     documents = docs("Quill")
     exact = chat(server, documents, max_tokens=8, chunkcache={"documents": documents, "exact": True})
@@ -177,6 +182,91 @@ def test_exact_chat_with_documents_is_the_plain_prompts_answer(server, default_m
     plain = requests.post(server.url + "/generate", timeout=600, json={
         "input_ids": prompt.input_ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
     assert exact.json()["choices"][0]["message"]["content"] == plain.json()["text"]
+
+
+HISTORY = [{"role": "user", "content": "Which day does the market open?"},
+           {"role": "assistant", "content": "It opens on Tuesday."},
+           {"role": "user", "content": "When was the lighthouse built?"}]
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a place.", "parameters": {
+    "type": "object", "properties": {"place": {"enum": ["market", "lighthouse"]}}, "required": ["place"]}}}
+TOOL_TURNS = [{"role": "user", "content": "Is it raining at the market?"},
+              {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                  "name": "get_weather", "arguments": "{\"place\": \"market\"}"}}]},
+              {"role": "tool", "tool_call_id": "call_1", "content": "light rain"},
+              {"role": "user", "content": "And at the lighthouse?"}]
+
+
+def prompt_ids(response) -> list[int]:
+    """The prompt SGLang prefilled for a chat request sent with `return_input_ids_in_sglext`."""
+    assert response.status_code == 200, response.text
+    return response.json()["sglext"]["input_ids"]
+
+
+def as_stock_renders(server, tokenizer, messages, documents, max_tokens=1, **extra):
+    """The documents API's oracle: the same request without `chunkcache`, the documents written into the first user
+    message as docs/rag-http.md says (after the default system message), rendered and tokenized by SGLang's own
+    /v1/chat/completions. Returns its prompt retokenized with each document on its own, as a chunk must be (the
+    text and every token outside the documents unchanged), and SGLang's answer."""
+    written = DEFAULT_INSTRUCTION + "".join(doc + "\n\n" for doc in documents)
+    inlined = [{"role": "system", "content": DEFAULT_SYSTEM}, {**messages[0], "content": written +
+                                                                 messages[0]["content"]}, *messages[1:]]
+    stock = requests.post(server.url + "/v1/chat/completions", timeout=600, json={
+        "messages": inlined, "max_tokens": max_tokens, "temperature": 0, "return_input_ids_in_sglext": True, **extra})
+    text = tokenizer.decode(prompt_ids(stock))
+    start, spans = text.index(written) + len(DEFAULT_INSTRUCTION), []
+    for doc in documents:
+        spans.append((start, start + len(doc) + 2))
+        start += len(doc) + 2
+    encode = lambda pieces: [tokenizer.encode(p, add_special_tokens=False) for p in pieces]  # noqa: E731
+    return assemble(text, spans, encode), stock.json()
+
+
+@slow
+def test_a_conversation_with_documents_is_stocks_prompt_and_reuses_them_in_another_order(server, default_model):
+    """Three turns with documents: the prompt is SGLang's own for the same messages with the documents written into
+    the first user message (each document tokenized on its own); the same conversation with the documents in
+    another order reads every one from the store; with `exact` it answers what SGLang's prefill of that prompt
+    answers."""
+    from transformers import AutoTokenizer
+
+    tokenizer, documents = AutoTokenizer.from_pretrained(default_model), docs("Kestrel")
+    first = chat(server, documents, messages=HISTORY, return_input_ids_in_sglext=True)
+    expected, _ = as_stock_renders(server, tokenizer, HISTORY, documents)
+    assert prompt_ids(first) == expected.input_ids, tokenizer.decode(prompt_ids(first))
+    assert first.json()["choices"][0]["message"]["content"]
+    assert first.json()["chunkcache"]["chunk_misses"] == 3
+    again = chat(server, documents[::-1], messages=HISTORY)
+    assert again.status_code == 200 and again.json()["choices"][0]["message"]["content"]
+    report = again.json()["chunkcache"]
+    assert (report["chunk_hits"], report["chunk_misses"]) == (3, 0) and report["reused_tokens"] > 0, report
+    exact = chat(server, documents, messages=HISTORY, max_tokens=8, return_input_ids_in_sglext=True,
+                 chunkcache={"documents": documents, "exact": True})
+    assert exact.json()["chunkcache"]["exact"] is True and prompt_ids(exact) == expected.input_ids
+    plain = requests.post(server.url + "/generate", timeout=600, json={
+        "input_ids": expected.input_ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+    assert exact.json()["choices"][0]["message"]["content"] == plain.json()["text"]
+
+
+@slow
+def test_documents_with_tools_and_a_tool_call_history_answer_as_stock(server, default_model):
+    """`tools`, an assistant tool call and its result beside documents: the prompt is SGLang's own for those
+    messages (documents written in, as above), and with `tool_choice: required` the answer is a call of the tool, as
+    SGLang's answer to the same request without chunkcache is: its JSON-schema constraint holds for the documents
+    API's prompt as for any. (This server has no `--tool-call-parser`, so SGLang leaves the call as the message's
+    content, a JSON list, on both; with one it parses both into `tool_calls`, from the request's `tools`.)"""
+    from transformers import AutoTokenizer
+
+    tokenizer, documents = AutoTokenizer.from_pretrained(default_model), docs("Plover")
+    tools = {"tools": [TOOL], "tool_choice": "required"}
+    ours = chat(server, documents, messages=TOOL_TURNS, max_tokens=96, return_input_ids_in_sglext=True, **tools)
+    expected, stock = as_stock_renders(server, tokenizer, TOOL_TURNS, documents, max_tokens=96, **tools)
+    assert prompt_ids(ours) == expected.input_ids and ours.json()["chunkcache"]["chunk_misses"] == 3
+    for answer in (ours.json(), stock):
+        choice = answer["choices"][0]
+        assert choice["finish_reason"] == "stop" and not choice["message"].get("tool_calls"), answer
+        calls = json.loads(choice["message"]["content"])
+        assert [call["name"] for call in calls] == ["get_weather"], answer
+        assert calls[0]["parameters"]["place"] in ("market", "lighthouse"), answer
 
 
 @slow
@@ -197,10 +287,10 @@ def test_bad_exact_is_a_400_naming_the_field(server, chunkcache, message):
 @pytest.mark.parametrize("documents, extra, message", [
     ([" "], {}, "chunkcache.documents[0] must be a non-empty string"),
     ({"a": 1}, {}, "chunkcache.documents must be a non-empty list of strings, got dict"),
-    (["ok"], {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+    (["ok"], {"messages": [{"role": "system", "content": "a"}, {"role": "assistant", "content": "b"},
                            {"role": "user", "content": "c"}]},
-     "chunkcache.documents needs messages = [optional system message, one user message with the question]; "
-     "got roles ['user', 'assistant', 'user']"),
+     "chunkcache.documents needs messages that start with an optional system message and a user message, whose text "
+     "the documents go before; got roles ['system', 'assistant', 'user']"),
     (["ok"], {"input_ids": [1, 2, 3]}, "do not also send input_ids"),
 ])
 def test_malformed_documents_are_a_400(server, documents, extra, message):

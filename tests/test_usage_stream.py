@@ -1,8 +1,10 @@
-"""Where a streamed answer carries the chunk report (sglang_patch.http.usage.in_stream), on streams built with
-SGLang's own chunk builders and read back by the `openai` package: a client that did not ask for usage gets no
-`choices: []` chunk, so the everyday `"".join(c.choices[0].delta.content or "" for c in stream)` works, and finds the
-report as `chunkcache` on the chunk that finishes the answer; a client that asked for usage also finds it in the usage
-chunk's `usage.chunkcache`; a stream without a report is SGLang's, byte for byte."""
+"""Where an OpenAI-compatible answer carries the chunk report (sglang_patch.http.usage), on answers and streams built
+with SGLang's own response models and chunk builders and read back by the `openai` package: the whole report as the
+answer's top-level `chunkcache` (a stream's: on the chunk that finishes the answer), its counts as `usage.chunkcache`,
+integers LangChain's `generate()` sums over several answers without a warning. A stream whose client did not ask for
+usage gets no `choices: []` chunk, so the everyday `"".join(c.choices[0].delta.content or "" for c in stream)` works;
+a client that asked for usage also finds the counts in the usage chunk; a stream without a report is SGLang's, byte
+for byte."""
 
 import asyncio
 from types import SimpleNamespace
@@ -18,7 +20,9 @@ from sglang.srt.entrypoints.openai.sse_utils import build_sse_content
 
 from sglang_patch.http import usage
 
-REPORT = {"chunk_hits": 3, "chunk_misses": 0, "ratio": 0.15, "selector": "epic", "learned": {"segments": 2}}
+REPORT = {"chunk_hits": 3, "chunk_misses": 0, "reused_tokens": 30, "recomputed_tokens": 12, "radix_tokens": 0,
+          "ratio": 0.15, "selector": "epic", "stages_s": {"fill": 0.001}}
+COUNTS = {"chunk_hits": 3, "chunk_misses": 0, "reused_tokens": 30, "recomputed_tokens": 12, "radix_tokens": 0}
 DONE = "data: [DONE]\n\n"
 ANSWER = ["The ", "market opens ", "on Tuesday, in Zürich."]
 
@@ -82,7 +86,7 @@ def test_a_stream_that_asked_for_usage_has_the_report_in_usage_too():
     chunks = read_by_openai(through_in_stream(chat_stream(asked=True), REPORT))
     *answer, finishing, closing = chunks
     assert closing.choices == [] and closing.usage.prompt_tokens == 40
-    assert closing.usage.model_extra["chunkcache"] == closing.usage.chunkcache == REPORT
+    assert closing.usage.model_extra["chunkcache"] == closing.usage.chunkcache == COUNTS
     assert finishing.choices[0].finish_reason == "stop" and finishing.chunkcache == REPORT
     assert not any(c.model_extra or c.usage for c in answer)
 
@@ -103,3 +107,56 @@ def test_of_several_choices_only_the_last_to_finish_carries_the_report():
         (0, "Tues"), (1, "Mon"), (0, "day"), (1, "day in Zürich")]
     assert [c.model_extra.get("chunkcache") for c in chunks] == [None, None, None, REPORT]
     assert sent[:3] == sglang_chunks[:3] and "Zürich" in sent[3]  # its text as SGLang wrote it, not \u-escaped
+
+
+def answer(report: dict | None, prompt_tokens: int = 40):
+    """A chat answer as SGLang's _build_chat_response makes it, through usage.in_answer, as the server sends it."""
+    from sglang.srt.entrypoints.openai.protocol import (ChatCompletionResponse, ChatCompletionResponseChoice,
+                                                        ChatMessage)
+
+    choice = ChatCompletionResponseChoice(index=0, message=ChatMessage(role="assistant", content="Tuesday."),
+                                          finish_reason="stop")
+    built = ChatCompletionResponse(id="chatcmpl-1", created=1, model="default", choices=[choice], usage=UsageInfo(
+        prompt_tokens=prompt_tokens, completion_tokens=3, total_tokens=prompt_tokens + 3))
+    meta = {"chunkcache": report} if report is not None else {}
+    return usage.in_answer(built, None, None, [{"meta_info": meta}]).model_dump_json(by_alias=True)
+
+
+def read_answer(sent: str):
+    from openai.types.chat import ChatCompletion
+
+    return ChatCompletion.model_validate_json(sent)
+
+
+def test_an_answer_has_the_report_and_its_counts_in_usage():
+    read = read_answer(answer(REPORT))
+    assert read.chunkcache == read.model_extra["chunkcache"] == REPORT
+    assert read.usage.chunkcache == COUNTS and read.usage.prompt_tokens == 40
+    exact = {"chunk_hits": 0, "reused_tokens": 0, "recomputed_tokens": 40, "radix_tokens": 0, "exact": True,
+             "reason": "exact", "selector": "full"}
+    assert read_answer(answer(exact)).usage.chunkcache == {**{k: exact[k] for k in COUNTS if k in exact},
+                                                           "chunk_misses": 0}
+    # a report that counts nothing puts nothing in usage; an answer without a report is SGLang's
+    for uncounted in ({"fallback": "bad_hint", "detail": "..."}, {"private": True}):
+        read = read_answer(answer(uncounted))
+        assert read.chunkcache == uncounted and "chunkcache" not in (read.usage.model_extra or {})
+    assert "chunkcache" not in answer(None)
+
+
+def test_langchain_sums_the_counts_of_several_answers_without_a_warning():
+    """ChatOpenAI's generate() over several message lists merges the answers' `usage` with _combine_llm_outputs:
+    the counts add up, SGLang's token counts too, and nothing warns, whatever the reports' shapes (a blended one, an
+    exact one, one that counts nothing)."""
+    import warnings
+
+    from langchain_openai import ChatOpenAI
+
+    exact = {"chunk_hits": 0, "reused_tokens": 0, "recomputed_tokens": 50, "radix_tokens": 4, "exact": True,
+             "reason": "exact", "selector": "full"}
+    answers = [read_answer(answer(r, n)).model_dump() for r, n in ((REPORT, 40), (exact, 54), ({"private": True}, 9))]
+    llm = ChatOpenAI(model="default", api_key="none", base_url="http://127.0.0.1:1/v1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        merged = llm._combine_llm_outputs([llm._create_chat_result(a).llm_output for a in answers])["token_usage"]
+    assert merged["prompt_tokens"] == 103 and merged["chunkcache"] == {
+        "chunk_hits": 3, "chunk_misses": 0, "reused_tokens": 30, "recomputed_tokens": 62, "radix_tokens": 4}

@@ -62,10 +62,10 @@ def generate(url: str, input_ids: list[int], max_new_tokens: int, kv_hints: dict
 
 def chat(url: str, body: dict, timeout: float = 1800) -> Outcome:
     """One streamed /v1/chat/completions request (greedy unless `body` says otherwise), timed like `generate`: TTFT
-    is the first chunk carrying generated text; the report is the last chunk's `usage.chunkcache`."""
+    is the first chunk carrying generated text; the report is the `chunkcache` of the chunk that finishes the answer."""
     body = {"model": "default", "temperature": 0, **body, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    ttft, text, usage = None, "", {}
+    ttft, text, usage, report = None, "", {}, None
     for chunk in _streamed(url, "/v1/chat/completions", body, timeout):
         for choice in chunk.get("choices") or ():
             piece = (choice.get("delta") or {}).get("content") or ""
@@ -73,10 +73,11 @@ def chat(url: str, body: dict, timeout: float = 1800) -> Outcome:
                 ttft = time.perf_counter() - t0
             text += piece
         usage = chunk.get("usage") or usage
+        report = chunk.get("chunkcache") or report
     latency = time.perf_counter() - t0
     details = usage.get("prompt_tokens_details") or {}
     return Outcome(latency if ttft is None else ttft, latency, text, usage.get("prompt_tokens", 0),
-                   usage.get("completion_tokens", 0), details.get("cached_tokens") or 0, usage.get("chunkcache"))
+                   usage.get("completion_tokens", 0), details.get("cached_tokens") or 0, report)
 
 
 def _streamed(url: str, path: str, body: dict, timeout: float):

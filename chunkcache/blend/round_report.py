@@ -1,6 +1,6 @@
 """The schema of a request's chunk report, one typed shape per kind of prefill round, and `to_json`, the one way a
-round becomes the dict a response carries (`meta_info["chunkcache"]`, `usage.chunkcache`, the reference blender's
-`BlendResult.report`). docs/report-schema.md is this schema in prose, key by key, with units.
+round becomes the dict a response carries (`meta_info["chunkcache"]`, an OpenAI answer's `chunkcache`, the reference
+blender's `BlendResult.report`). docs/report-schema.md is this schema in prose, key by key, with units.
 
 Each builder hands `to_json` the shape it builds: chunkcache.blend.pipeline's `record` (`blended`) and `record_held`
 (`held`: the radix tree held every chunk), and the rounds the glue reports without a blend,

@@ -1,27 +1,29 @@
-"""The chunk report in the `usage` of OpenAI-compatible answers (HTTP server process): /v1/chat/completions and
-/v1/completions carry the request's report (what /generate returns in `meta_info["chunkcache"]`) as
-`usage.chunkcache`, beside SGLang's own counts. `usage.prompt_tokens_details.cached_tokens` (with
-`--enable-cache-report`) stays SGLang's: the radix tree's exact prefix, never the reused chunk tokens. `usage` is where
-every framework hands a response's extras on (LangChain's `response_metadata["token_usage"]`, LlamaIndex's
-`raw.usage`, the `openai` package's `usage`); LangChain drops SGLang's `sglext` and `metadata`. LangChain's
-`generate()` over several prompts sums their `usage` dicts (`_combine_llm_outputs`): the report's floats and strings
-make it warn, reports of different shapes make it raise. Only `usage` survives into its non-streamed result, so the
-report stays there.
+"""The chunk report on OpenAI-compatible answers (HTTP server process): /v1/chat/completions and /v1/completions.
+The request's report (what /generate returns in `meta_info["chunkcache"]`) is a top-level `chunkcache` of the answer,
+and its counts are `usage.chunkcache`, beside SGLang's own counts:
+  * `chunkcache`, the whole report: on a non-streamed answer, and on the last chunk of a stream that finishes a
+    choice (the last with a `finish_reason`). The `openai` package keeps undeclared fields (`answer.chunkcache`,
+    `answer.model_extra["chunkcache"]`), and so LlamaIndex's `raw`; a chat answer also has it in
+    `metadata.chunkcache` (sglang_patch.http.chat).
+  * `usage.chunkcache`, the counts (`COUNTS`, integers; absent for a report that counts nothing: a fallback or a
+    private one): in a non-streamed answer's `usage`, and in a stream's usage chunk when there is one. `usage` is
+    what every framework hands on (LangChain's `response_metadata["token_usage"]`, LlamaIndex's `raw.usage`), and
+    what LangChain's `generate()` over several prompts sums (`_combine_llm_outputs`: integers and dicts of them; a
+    float or a string warns, two values of different types raise), so it holds integers only, the same keys on every
+    answer: those sums are the prompts' totals.
+`usage.prompt_tokens_details.cached_tokens` (with `--enable-cache-report`) stays SGLang's: the radix tree's exact
+prefix, never the reused chunk tokens.
 
 A stream is stock's in shape: it ends with a usage chunk (`choices: []`) only when the client asked for usage
 (`stream_options.include_usage`, or the server's `--stream-response-default-include-usage`), since a client that did
-not ask reads `choices[0]` of every chunk. Its report is in two places:
-  * a top-level `chunkcache` on the last chunk that finishes a choice (the last with a `finish_reason`), always: the
-    `openai` package keeps a chunk's undeclared fields (`chunk.chunkcache`, `chunk.model_extra["chunkcache"]`);
-  * `usage.chunkcache` of the usage chunk, when there is one, as in a non-streamed answer.
-A stream without a report (a request without chunks) is sent unchanged.
+not ask reads `choices[0]` of every chunk. A stream without a report (a request without chunks) is sent unchanged.
 
 SGLang's response models drop fields they do not declare, so the report is added where each answer is built or
 serialized (plugin.hooks):
   * after `_build_chat_response` / `_build_completion_response` (`in_answer`): the answer becomes the same response
-    model with a usage model that declares `chunkcache` (a subclass: SGLang's Anthropic endpoint reads the chat
-    answer as a ChatCompletionResponse). A request of several prompts carries the first one's report, as
-    `metadata.chunkcache` does (sglang_patch.http.chat).
+    model with the report and a usage model that declares the counts (subclasses: SGLang's Anthropic endpoint reads
+    the chat answer as a ChatCompletionResponse). A request of several prompts carries the first one's report, as
+    `metadata.chunkcache` does.
   * around `TokenizerManager.generate_request` (`keep_report`): a streamed HTTP request's report, which arrives with
     its first output (sglang_patch.scheduler.report), kept on the request's state for the stream's end;
   * around `_generate_chat_stream` / `_generate_completion_stream` (`in_stream`): the chunks above get it.
@@ -30,24 +32,44 @@ serialized (plugin.hooks):
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Optional
 
+from pydantic import model_serializer
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionResponse, CompletionResponse, UsageInfo
 
-KEY = "chunkcache"  # usage's key, meta_info's and a streamed answer's finishing chunk's
+KEY = "chunkcache"  # the answer's key, usage's, meta_info's and a streamed answer's finishing chunk's
 STATE = "chunkcache_report"  # the HTTP request's state attribute holding a streamed request's report
+# the report's counts that `usage.chunkcache` carries: chunks and tokens, integers that add up over answers
+COUNTS = ("chunk_hits", "chunk_misses", "reused_tokens", "recomputed_tokens", "radix_tokens")
+
+
+def counts(report: dict) -> dict[str, int] | None:
+    """The report's COUNTS, or None for a report that counts nothing (a fallback or a private report). A round that
+    computed no chunk standalone (an exact or an auto_stock one, which name no `chunk_misses`) missed none: 0."""
+    if "chunk_hits" not in report:
+        return None
+    return {key: report.get(key, 0) for key in COUNTS}
 
 
 class ReportedUsage(UsageInfo):
-    chunkcache: dict[str, Any]
+    chunkcache: Optional[dict[str, int]] = None
+
+    @model_serializer(mode="wrap")
+    def _without_no_counts(self, handler):
+        data = handler(self)
+        if self.chunkcache is None:
+            data.pop(KEY, None)
+        return data
 
 
 class ReportedChatCompletion(ChatCompletionResponse):
     usage: ReportedUsage
+    chunkcache: dict[str, Any]
 
 
 class ReportedCompletion(CompletionResponse):
     usage: ReportedUsage
+    chunkcache: dict[str, Any]
 
 
 REPORTED = {ChatCompletionResponse: ReportedChatCompletion, CompletionResponse: ReportedCompletion}
@@ -58,8 +80,8 @@ def in_answer(response, serving, request, ret, *args, **kwargs):
     reported = REPORTED.get(type(response))  # None for an error response SGLang built instead
     if report is None or reported is None:
         return response
-    usage = ReportedUsage.model_construct(**dict(response.usage), chunkcache=report)
-    return reported.model_construct(**{**dict(response), "usage": usage})
+    usage = ReportedUsage.model_construct(**dict(response.usage), chunkcache=counts(report))
+    return reported.model_construct(**{**dict(response), "usage": usage, KEY: report})
 
 
 def keep_report(original, manager, obj, request=None):
@@ -111,11 +133,12 @@ def _is_usage_chunk(chunk: str) -> bool:
 
 
 def _reported(chunk: str, raw_request, in_usage: bool) -> str:
-    """The chunk with the request's report as `usage.chunkcache` or as its own top-level `chunkcache`; the chunk
-    unchanged when the request has no report."""
+    """The chunk with the request's report's counts as `usage.chunkcache`, or with the report as its own top-level
+    `chunkcache`; the chunk unchanged when the request has no report (or, in usage, no counts)."""
     report = getattr(raw_request.state, STATE, None) if raw_request is not None else None
-    if report is None:
+    added = counts(report) if in_usage and report is not None else report
+    if added is None:
         return chunk
     payload = json.loads(chunk.removeprefix("data: "))
-    (payload["usage"] if in_usage else payload)[KEY] = report
+    (payload["usage"] if in_usage else payload)[KEY] = added
     return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from chunkcache.config import Config, LimitsConfig, config_file
 from chunkcache.cpu_dtype import fastest_cpu_dtype
+from chunkcache.models import hub_id_problem
 
 log = logging.getLogger(__name__)
 BACKEND_NAME = "chunkcache"  # --radix-cache-backend name registered by the plugin
@@ -248,7 +249,8 @@ def serving_problems(server_args, hf_config, config: Config) -> str | None:
     the first problem found. The one check of both places that refuse a server: `chunkcache serve` before it
     launches SGLang, and the scheduler's radix-cache factory, which a server started by SGLang's own command reaches
     at start-up."""
-    return (sglang_problems() or parallel_problems(server_args, hf_config) or speculative_problems(server_args)
+    return (sglang_problems() or hub_id_problem(getattr(server_args, "model_path", ""))
+            or parallel_problems(server_args, hf_config) or speculative_problems(server_args)
             or deployment_problems(server_args) or audit_problems(server_args, config))
 
 
