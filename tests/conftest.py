@@ -109,11 +109,16 @@ def gemma_tokenizer():
 TEST_DEFAULTS = {"select": {"full_when_slower": False}}
 
 
-def with_test_defaults(config_yaml: str) -> str:
+def with_test_defaults(config_yaml: str, override: bool = False) -> str:
+    """`config_yaml` with TEST_DEFAULTS where it sets no value of its own (`override`: over the values it sets, for
+    the packaged default, which names every knob)."""
     config = yaml.safe_load(config_yaml) or {}
     for section, values in TEST_DEFAULTS.items():
         for key, value in values.items():
-            config.setdefault(section, {}).setdefault(key, value)
+            if override:
+                config.setdefault(section, {})[key] = value
+            else:
+                config.setdefault(section, {}).setdefault(key, value)
     return yaml.safe_dump(config)
 
 
@@ -128,7 +133,7 @@ def start_server(log_path: Path, *args: str, env: dict | None = None) -> ServerP
         from chunkcache.config import config_file
 
         config = log_path.with_name("test-defaults.yaml")
-        config.write_text(with_test_defaults(config_file("default").read_text()))
+        config.write_text(with_test_defaults(config_file("default").read_text(), override=True))
         args = (*args, "--chunkcache-config", str(config))
     return chunkcache_serve(*args, log_path=log_path, env=env, cwd=ROOT / "tests", detach=True, timeout=600)
 

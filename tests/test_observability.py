@@ -159,14 +159,15 @@ def test_a_server_shows_the_config_it_serves_with_its_secrets_masked(tmp_path, m
     """/server_info's chunkcache state: both versions and the config the server was started with (the file read as
     every process reads it), the shared tier's URL without its password; neither the password nor the tier's secret
     is anywhere in the answer. /metrics: the build info and the configured budgets. The shared tier is a port nothing
-    listens on: a server serves through the remote tier being down."""
+    listens on: a server serves through the remote tier being down. The file holds a knob of a newer version, which
+    operator mode (`config.unknown_keys: warn`) logs and skips: the server serves."""
     from conftest import metric, start_server, with_test_defaults
 
     password, secret = f"pw-{secrets.token_hex(8)}", secrets.token_hex(16)
     url = f"redis://:{password}@127.0.0.1:{free_port()}/0"
     path = tmp_path / "chunkcache.yaml"
     path.write_text(with_test_defaults(yaml.safe_dump({
-        "select": {"ratio": 0.2},
+        "config": {"unknown_keys": "warn"}, "select": {"ratio": 0.2, "a_newer_knob": 1},
         "store": {"host_bytes": "64MiB", "disk_dir": str(tmp_path / "disk"), "disk_bytes": "32MiB",
                   "remote_url": url}})))
     monkeypatch.setenv(REMOTE_SECRET_ENV, secret)  # the server inherits it; Config.load below needs it too
@@ -184,5 +185,9 @@ def test_a_server_shows_the_config_it_serves_with_its_secrets_masked(tmp_path, m
         assert metric(server, "chunkcache_info", versions) == 1
         assert metric(server, "chunkcache_store_capacity_bytes", '{tier="host"}') == 64 << 20
         assert metric(server, "chunkcache_store_capacity_bytes", '{tier="disk"}') == 32 << 20
+        served = requests.post(server.url + "/generate", timeout=120, json={
+            "text": "Hello", "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+        assert served.status_code == 200, served.text
+        assert "a_newer_knob" in server.log_path.read_text() and "WARNING" in server.log_path.read_text()
     finally:
         server.stop()

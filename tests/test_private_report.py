@@ -207,7 +207,7 @@ def test_server_info_drops_the_store_counters_when_private():
 
     config = Config()
     reuse = types.SimpleNamespace(
-        config=config, store=types.SimpleNamespace(stats=Stats), ranks=Ranks(),
+        config=config, store=types.SimpleNamespace(stats=Stats), ranks=Ranks(), fidelity=None,
         calibration=types.SimpleNamespace(state=lambda: {"observed": 7}),
         compute=types.SimpleNamespace(per_token_s=1e-3))
     server = ChunkServer(reuse)
@@ -217,6 +217,7 @@ def test_server_info_drops_the_store_counters_when_private():
     full = server.state(cache)
     assert full["store"] == {"hits": 5, "memory_entries": 3} and full["kv_pool"]["evictable"] == 40
     assert full["encodes_waiting"] == 1
+    assert full["fidelity"] == {"fitted_for": None, "covers": None, "margin": 1.0}  # no estimator: max_kl in full
     config.report.to_clients = "private"
     state = server.state(cache)
     assert state.keys() == {"backend", "tree_cache", "scheduler_pid", "private"}

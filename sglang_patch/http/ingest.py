@@ -84,12 +84,14 @@ async def ingest(request: Request):
         if report is None:
             return error_response(f"{where} was computed without chunk reuse (no chunk report): is the server running "
                                   f"with chunk reuse (not --no-chunk-reuse)? its log says why", 501)
-        if "fallback" in report:  # e.g. longer than the chunked-prefill size: computed in full, nothing stored
+        # e.g. longer than the chunked-prefill size: computed in full, nothing stored. `predicted_slower` comes only
+        # when every chunk is stored already (select.full_when_slower): the document is there
+        if report.get("fallback", "predicted_slower") != "predicted_slower":
             return error_response(f"{where} was not stored ({report['fallback']}): {report['detail']}", 422)
     if any("private" in report for report, _ in results):
         # report.to_clients: private: whether a document was already stored would say that someone sent it
         return {"documents": len(docs.documents)}
-    new = sum(report["chunk_misses"] for report, computed_here in results if computed_here)
+    new = sum(report.get("chunk_misses", 0) for report, computed_here in results if computed_here)
     return {"documents": len(docs.documents), "new": new, "existing": len(docs.documents) - new}
 
 
