@@ -16,7 +16,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from . import lang
 from .decode import decode_attention, specache
-from .http import admin, chat, hint_validation, ingest, usage
+from .http import chat, hint_validation, routes, usage
 from .scheduler import admission, extend, metrics, model_load, report, request_hint, server, startup
 from .scheduler.cache import factory
 from .serve import shutdown
@@ -81,8 +81,7 @@ def hooks() -> list[tuple[str, object, HookType]]:
         # the loaded model: online weight updates refused under chunk reuse, linear weights prepacked on a CPU
         ("sglang.srt.model_executor.model_runner.ModelRunner.load_model", model_load.loaded_model, AFTER),
         # HTTP server (main process only: resolving its module in a spawned child would import the whole server)
-        *([("sglang.srt.entrypoints.http_server.launch_server", ingest.add_route, BEFORE),
-           ("sglang.srt.entrypoints.http_server.launch_server", admin.add_route, BEFORE)] if main_process else []),
+        *([("sglang.srt.entrypoints.http_server.launch_server", routes.add_routes, BEFORE)] if main_process else []),
         # OpenAI chat with documents (main process)
         (f"{_CHAT}.handle_request", chat.handle_request, AROUND),
         (f"{_CHAT}._convert_to_internal_request", chat.attach_hint, AFTER),

@@ -34,14 +34,6 @@ ROUTE = "/chunkcache/purge"
 TENANT_KEYS = ("namespace", "cache_salt")
 
 
-def add_route(*args, **kwargs) -> None:
-    """Before SGLang launches its HTTP server (plugin.hooks): the route joins its app."""
-    from sglang.srt.entrypoints.http_server import app
-
-    if not any(getattr(route, "path", None) == ROUTE for route in app.routes):
-        app.add_api_route(ROUTE, purge, methods=["POST"])
-
-
 def tenant_of(body) -> dict[str, str | None]:
     """The tenant a purge body names: {"namespace": ..., "cache_salt": ...} (None: not named); ValueError saying what
     is wrong."""

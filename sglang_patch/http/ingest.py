@@ -48,14 +48,6 @@ ROUTE = "/chunkcache/ingest"
 _IN_FLIGHT: dict[tuple, asyncio.Future] = {}
 
 
-def add_route(*args, **kwargs) -> None:
-    """Before SGLang launches its HTTP server (plugin.hooks): the route joins its app."""
-    from sglang.srt.entrypoints.http_server import app
-
-    if not any(getattr(route, "path", None) == ROUTE for route in app.routes):
-        app.add_api_route(ROUTE, ingest, methods=["POST"])
-
-
 @auth_level(AuthLevel.ADMIN_OPTIONAL)  # SGLang's API-key middleware reads it off the route's endpoint
 async def ingest(request: Request):
     from sglang.srt.entrypoints.http_server import get_global_state
