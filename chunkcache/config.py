@@ -204,8 +204,9 @@ class SelectConfig:
         "one fitted on the served weights (same fingerprint) before any shipped one; null: fidelity.json in "
         "chunkcache's home ($CHUNKCACHE_HOME, ~/.cache/chunkcache)")
     max_kl_cap: float = knob(
-        0.4, "the largest rho a quality floor may choose, in (0, 1]; a request whose estimate misses its bound even "
-        "there has every context token recomputed (reported as the fallback `quality_floor`)")
+        0.8, "the largest rho a quality floor may choose, in (0, 1], of the estimator's grid (0.05 to 0.8); a request "
+        "whose estimate misses its bound even there has every context token recomputed (reported as the fallback "
+        "`quality_floor`)")
 
     def __post_init__(self):
         given = self.options

@@ -16,7 +16,7 @@ from typing import Any
 
 from .hints import HintError, SelectorNames, parse_options
 
-CHAT_KEYS = ("documents", "selector", "ratio", "namespace", "exact", "max_kl", "learn")
+CHAT_KEYS = ("documents", "selector", "ratio", "namespace", "exact", "max_kl", "learn", "kl_over")
 INGEST_KEYS = ("documents", "system", "namespace", "cache_salt")
 
 
@@ -35,11 +35,12 @@ class Documents:
     exact: bool | None = None
     max_kl: float | None = None
     learn: bool | None = None
+    kl_over: str | None = None
 
     def hint_options(self) -> dict[str, Any]:
         """The chunk hint's optional keys (prompt.RagPrompt.kv_hints), None values left out."""
         options = {"namespace": self.namespace, "selector": self.selector, "ratio": self.ratio, "exact": self.exact,
-                   "max_kl": self.max_kl, "learn": self.learn}
+                   "max_kl": self.max_kl, "learn": self.learn, "kl_over": self.kl_over}
         return {k: v for k, v in options.items() if v is not None}
 
 
@@ -55,12 +56,12 @@ def parse(body: Any, *, where: str, allowed: tuple[str, ...], max_documents: int
         raise DocumentsError(f"unknown key(s) {', '.join(map(repr, unknown))} in {where}; "
                              f"allowed: {', '.join(map(repr, allowed))}")
     try:
-        namespace, selector, ratio, exact, max_kl, learn = parse_options(body, selectors)
+        namespace, selector, ratio, exact, max_kl, learn, kl_over = parse_options(body, selectors)
     except HintError as exc:
         raise DocumentsError(f"{where}: {str(exc).removeprefix('chunkcache hint: ')}") from None
     docs = body.get("documents")
     if docs is None and options_only:  # the messages are templated as usual (a tenant, `exact`, `learn: false`)
-        return Documents((), namespace, selector, ratio, exact=exact, max_kl=max_kl, learn=learn)
+        return Documents((), namespace, selector, ratio, exact=exact, max_kl=max_kl, learn=learn, kl_over=kl_over)
     if not isinstance(docs, list) or not docs:
         raise DocumentsError(f"{where}.documents must be a non-empty list of strings, got {_kind(docs)}")
     if max_documents is not None and len(docs) > max_documents:
@@ -74,7 +75,7 @@ def parse(body: Any, *, where: str, allowed: tuple[str, ...], max_documents: int
         raise DocumentsError(f"{where}.system must be a non-empty string, got {_kind(system)}")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise DocumentsError(f"{where}.cache_salt must be a non-empty string, got {_kind(salt)}")
-    return Documents(tuple(docs), namespace, selector, ratio, system, salt, exact, max_kl, learn)
+    return Documents(tuple(docs), namespace, selector, ratio, system, salt, exact, max_kl, learn, kl_over)
 
 
 def _kind(value: Any) -> str:

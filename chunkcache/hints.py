@@ -8,8 +8,10 @@
 `char_spans` instead, which the server maps to token spans with the tokenizer's offsets before the scheduler sees
 them. Optional payload keys: `namespace` (str of at most MAX_NAMESPACE_CHARS), `selector` (a registered selector
 name), `ratio` (float in [0, 1]), `exact` (bool), `max_kl` (float > 0: the quality floor, a bound on the blend's
-estimated KL against full recompute over the answer tokens its estimator covers, chunkcache.blend.fidelity), `learn`
-(bool: false, the request teaches the store nothing). The server bounds the number of spans (config
+estimated KL against full recompute over the answer tokens its estimator covers, chunkcache.blend.fidelity),
+`kl_over` ("answer", the default: max_kl bounds the answer's first tokens, as many as the estimator covers; or
+"first_token": the first token only, a looser promise that costs less rho, from the estimator's `first_token` one),
+`learn` (bool: false, the request teaches the store nothing). The server bounds the number of spans (config
 `limits.max_spans`).
 A payload may carry no spans: it then only says who the request is and how to serve it (`namespace`, `learn`,
 `selector`, `ratio`, `max_kl`), and a server with automatic detection finds its chunks in that namespace.
@@ -37,7 +39,8 @@ PROTOCOL_VERSION = "1"  # of SGLang's kv_hints envelope: the only one whose sema
 # A namespace is hashed into chunk keys and names the request's radix partition: it identifies a tenant, it is not
 # a place for data, so it is bounded (a megabyte namespace would be copied into every radix key of the request).
 MAX_NAMESPACE_CHARS = 256
-OPTIONAL_KEYS = ("namespace", "selector", "ratio", "exact", "max_kl", "learn")
+OPTIONAL_KEYS = ("namespace", "selector", "ratio", "exact", "max_kl", "learn", "kl_over")
+KL_OVER = ("answer", "first_token")  # what a quality floor bounds: the answer's tokens (the default), or the first
 EXACT_SELECTOR = "full"  # the selector that recomputes every token: served as `exact` is
 
 
@@ -65,6 +68,7 @@ class ChunkHint:
     exact: bool | None = None  # True: SGLang's own prefill, no reused KV (token_spans may then be empty)
     max_kl: float | None = None  # the quality floor: the smallest rho whose estimated KL is at most this
     learn: bool | None = None  # False: the request teaches the store nothing
+    kl_over: str | None = None  # what the quality floor bounds (KL_OVER; None: the answer)
 
     def to_payload(self) -> dict:
         """The canonical payload (token spans only), as the server forwards it to the scheduler."""
@@ -137,10 +141,12 @@ def parse(payload: dict, prompt_len: int, max_spans: int | None = None,
 
 
 def parse_options(payload: dict, selectors: SelectorNames | None = None
-                  ) -> tuple[str | None, str | None, float | None, bool | None, float | None, bool | None]:
-    """The optional payload keys, validated: (namespace, selector, ratio, exact, max_kl, learn), None where absent;
+                  ) -> tuple[str | None, str | None, float | None, bool | None, float | None, bool | None,
+                             str | None]:
+    """The optional payload keys, validated: (namespace, selector, ratio, exact, max_kl, learn, kl_over), None where
+    absent;
     `selectors`: the registry a `selector` must be registered in (None: not judged here)."""
-    namespace, selector, ratio, exact, max_kl, learn = (payload.get(k) for k in OPTIONAL_KEYS)
+    namespace, selector, ratio, exact, max_kl, learn, kl_over = (payload.get(k) for k in OPTIONAL_KEYS)
     if namespace is not None and (not isinstance(namespace, str) or not namespace):
         raise HintError(f"namespace must be a non-empty string, got {namespace!r}")
     if namespace is not None and len(namespace) > MAX_NAMESPACE_CHARS:
@@ -163,10 +169,16 @@ def parse_options(payload: dict, selectors: SelectorNames | None = None
     if max_kl is not None:
         if isinstance(max_kl, bool) or not isinstance(max_kl, (int, float)) or not math.isfinite(max_kl) \
                 or max_kl <= 0:
-            raise HintError(f"max_kl must be a number > 0 (nats of first-token KL), got {max_kl!r}")
+            raise HintError(f"max_kl must be a number > 0 (nats of KL over what kl_over names), got {max_kl!r}")
         if ratio is not None:
             raise HintError("max_kl and ratio both set the recompute budget: send one of them")
         max_kl = float(max_kl)
+    if kl_over is not None:
+        if kl_over not in KL_OVER:
+            raise HintError(f"kl_over must be one of {', '.join(map(repr, KL_OVER))}, got {kl_over!r}")
+        if ratio is not None or exact:
+            raise HintError("kl_over says what a quality floor (max_kl) bounds: it cannot apply with "
+                            f"{'ratio' if ratio is not None else 'exact: true'}; leave it out")
     if exact:
         if max_kl is not None:
             raise HintError("max_kl cannot apply with exact: true (no approximate KV at all); leave max_kl out")
@@ -175,7 +187,7 @@ def parse_options(payload: dict, selectors: SelectorNames | None = None
                             f"model's own prefill); leave selector out")
         if ratio is not None:
             raise HintError("ratio cannot apply with exact: true (every token is computed); leave ratio out")
-    return namespace, selector, ratio, exact, max_kl, learn
+    return namespace, selector, ratio, exact, max_kl, learn, kl_over
 
 
 def char_spans_to_token_payload(payload: dict, offsets: Sequence[Sequence[int]], text_len: int,

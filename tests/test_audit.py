@@ -181,6 +181,25 @@ class FakeRunner:
                                                         else FakeRunner.full)[None])
 
 
+def test_a_first_token_floor_is_not_audited_against_the_answers_estimator(monkeypatch):
+    """The audit's margin widens the answer's estimator: a blend whose floor read the first-token one (kl_over:
+    first_token) is not kept, a blend of the same request bounding the answer is."""
+    from chunkcache.blend.fidelity import Estimate
+    from chunkcache.config import AuditConfig
+    from sglang_patch.forward import forward_pass
+    from sglang_patch.scheduler import audit as glue
+
+    monkeypatch.setattr(forward_pass, "Runner", FakeRunner)
+    config = AuditConfig(rate=1.0)
+    a = glue.Audit(server(types.SimpleNamespace(fidelity=model(), config=types.SimpleNamespace(audit=config))), config)
+    batch = types.SimpleNamespace(seq_lens=torch.tensor([7]), input_ids=torch.zeros(7, dtype=torch.long))
+    for kl_over, kept in (("first_token", 0), ("answer", 1)):
+        plan = types.SimpleNamespace(token_ids=torch.arange(7), n=7, max_kl=0.1, selector="mix", kl_over=kl_over)
+        b = types.SimpleNamespace(plan=plan, estimate=Estimate(kl=0.1, agree=0.9, fitted_for="m", covers=1), ratio=0.15)
+        a.offer(FakeRunner(None, batch), 0, "r", b, types.SimpleNamespace(next_token_logits=torch.zeros(1, 3)))
+        assert a.server.idle.waiting("audit") == kept, kl_over
+
+
 def test_the_scheduler_audit_measures_the_kept_logits_and_widens_what_the_blends_read(monkeypatch, tmp_path,
                                                                                        caplog):
     """sglang_patch.scheduler.audit with the model replaced: the served row's logits are kept, the full recompute
@@ -204,7 +223,7 @@ def test_the_scheduler_audit_measures_the_kept_logits_and_widens_what_the_blends
     served = torch.tensor([[0.0, 0.0, 0.0], [0.0, 2.0, 0.0]])  # the batch's rows; the request is row 1
     full = torch.tensor([0.0, 0.0, 2.0])
     FakeRunner.full = full
-    plan = types.SimpleNamespace(token_ids=torch.arange(7), n=7, max_kl=None, selector="mix")
+    plan = types.SimpleNamespace(token_ids=torch.arange(7), n=7, max_kl=None, selector="mix", kl_over="answer")
     b = types.SimpleNamespace(plan=plan, estimate=Estimate(kl=0.1, agree=0.9, fitted_for="m", covers=1), ratio=0.15)
     batch = types.SimpleNamespace(seq_lens=torch.tensor([5, 7]), input_ids=torch.zeros(12, dtype=torch.long))
     a.offer(FakeRunner(None, batch), 1, "r1", b, types.SimpleNamespace(next_token_logits=served))
@@ -254,7 +273,8 @@ def test_kept_prompts_are_tagged_with_their_tenant_never_the_salt(monkeypatch, t
     batch = types.SimpleNamespace(seq_lens=torch.tensor([7, 7]), input_ids=torch.zeros(14, dtype=torch.long),
                                   chunkcache_reqs=reqs)
     layout = types.SimpleNamespace(chunk_spans=[(1, 4)])
-    plan = types.SimpleNamespace(token_ids=torch.arange(7), n=7, max_kl=None, selector="mix", layout=lambda: layout)
+    plan = types.SimpleNamespace(token_ids=torch.arange(7), n=7, max_kl=None, selector="mix", kl_over="answer",
+                                 layout=lambda: layout)
     b = types.SimpleNamespace(plan=plan, estimate=Estimate(kl=0.1, agree=0.9, fitted_for="m", covers=1), ratio=0.15)
     served = torch.tensor([[0.0, 1.0, 0.0], [0.0, 1.0, 0.0]])
     for row in (0, 1):
@@ -290,7 +310,7 @@ def test_the_audit_measures_the_served_answer_when_the_estimate_covers_it(monkey
     a = glue.Audit(server(types.SimpleNamespace(fidelity=model(), config=types.SimpleNamespace(audit=config))), config)
     fulls = [torch.tensor([0.0, 3.0, 0.0]), torch.tensor([3.0, 0.0, 0.0]), torch.tensor([0.0, 0.0, 3.0])]
     served = [fulls[0], torch.tensor([0.0, 1.0, 0.0]), fulls[2]]
-    plan = types.SimpleNamespace(token_ids=torch.arange(5), n=5, max_kl=None, selector="mix")
+    plan = types.SimpleNamespace(token_ids=torch.arange(5), n=5, max_kl=None, selector="mix", kl_over="answer")
     b = types.SimpleNamespace(plan=plan, estimate=Estimate(kl=0.1, agree=0.9, fitted_for="m", covers=3), ratio=0.15)
     batch = types.SimpleNamespace(seq_lens=torch.tensor([5]), input_ids=torch.zeros(5, dtype=torch.long))
     a.offer(FakeRunner(None, batch), 0, "r1", b, types.SimpleNamespace(next_token_logits=served[0][None]))

@@ -99,7 +99,7 @@ GENERATE = {
     "exact not a bool": (tok([[0, 4]], exact=1), "exact must be true or false, got 1"),
     "selector with exact": (tok([[0, 4]], exact=True, selector="mix"), "selector 'mix' cannot apply with exact: true"),
     "ratio with exact": (tok([[0, 4]], exact=True, ratio=0.2), "ratio cannot apply with exact: true"),
-    "max_kl zero": (tok([[0, 4]], max_kl=0), "max_kl must be a number > 0 (nats of first-token KL), got 0"),
+    "max_kl zero": (tok([[0, 4]], max_kl=0), "max_kl must be a number > 0 (nats of KL over what kl_over names), got 0"),
     "max_kl with ratio": (tok([[0, 4]], max_kl=0.1, ratio=0.2), "max_kl and ratio both set the recompute budget"),
     "max_kl with exact": ({"input_ids": IDS, "kv_hints": hints({"exact": True, "max_kl": 0.1})},
                           "max_kl cannot apply with exact: true"),

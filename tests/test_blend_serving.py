@@ -245,17 +245,21 @@ def test_a_quality_floor_picks_rho_by_the_estimate_and_every_blend_reports_one(e
     reports = {}
     # each its own first document: the radix tree holds no other request's chunks of it
     for name, order, options in (("plain", [5, 0, 3], {}), ("loose", [3, 5, 0], {"max_kl": 1e6}),
-                                 ("tight", [0, 5, 3], {"max_kl": 1e-12})):
+                                 ("tight", [0, 5, 3], {"max_kl": 1e-12}),
+                                 ("first", [0, 3, 5], {"max_kl": 1e6, "kl_over": "first_token"})):
         ids, spans = rag.build(order, "What is the code of document 5?")
         out = gen(engine, ids, hints(spans, selector="mix", namespace="floor", **options), n=1)
         reports[name] = out["meta_info"]["chunkcache"]
         assert reports[name]["chunk_hits"] >= 2, reports[name]
-    plain, loose, tight = reports["plain"], reports["loose"], reports["tight"]
+    plain, loose, tight, first = reports["plain"], reports["loose"], reports["tight"], reports["first"]
     assert plain["ratio"] == 0.15 and "max_kl" not in plain and plain["fidelity"]["kl"] > 0, plain
     # the default model has an estimator of its own (a model without one reports fitted_for null: test_architectures)
     assert plain["fidelity"]["fitted_for"] == fidelity.load().default, plain
     # the shipped estimator bounds the answer a client reads, not its first token alone
     assert loose["fidelity"]["covers"] == plain["fidelity"]["covers"] == 16, loose
+    assert loose["kl_over"] == "answer" and "kl_over" not in plain, loose
+    # a client asking for a first-token bound says so, and its report says what its estimate covers
+    assert first["kl_over"] == "first_token" and first["fidelity"]["covers"] == 1 and first["ratio"] == min(RATIOS)
     shown = engine.get_server_info()["internal_states"][0]["chunkcache"]["fidelity"]  # what /server_info says
     assert shown == {"fitted_for": plain["fidelity"]["fitted_for"], "covers": 16, "margin": 1.0}, shown
     assert loose["ratio"] == min(RATIOS) and loose["max_kl"] == 1e6 and "fallback" not in loose, loose

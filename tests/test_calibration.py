@@ -46,6 +46,9 @@ def test_calibrate_writes_an_estimator_the_lookup_finds_by_fingerprint(calibrate
     (label, entry), = data["models"].items()
     assert entry["fingerprint"] == model_fingerprint(llama) and label.endswith("@" + entry["fingerprint"][:12])
     assert entry["covers"] == 4 and "KL over 4 answer token(s)" in entry["fitted_on"]
+    # beside it, the first-token estimator a request's kl_over: first_token reads, fitted on the same cases
+    assert entry["first_token"]["covers"] == 1 and "KL over 1 answer token(s)" in entry["first_token"]["fitted_on"]
+    assert entry["ratios"] == entry["first_token"]["ratios"] == list(fidelity.RATIOS)
     found = fidelity.coefficients(out).model(llama)
     assert found is not None and found.name == label and found.covers == 4
     # the same weights under another directory name: found by their fingerprint
@@ -92,6 +95,32 @@ def test_a_second_run_goes_on_from_its_work_directory(calibrated, llama, monkeyp
     assert calibration.main(["--model", str(llama), "--families", "realkey", "--cases", "6", "--workdir", str(work),
                              "--out", str(again), "--measured-only"]) == 1
     assert "0 fit and 0 judged cases measured" in capsys.readouterr().err
+
+
+def test_a_work_directory_of_the_earlier_grid_is_measured_at_the_rho_it_lacks_only(calibrated, llama, monkeypatch,
+                                                                                      tmp_path):
+    work, _, _ = calibrated
+    old = tmp_path / "work"
+    shutil.copytree(work, old)
+    lines = (old / "multikey.jsonl").read_text().splitlines()
+    identity = json.loads(lines[0])["identity"]
+    rows = [json.loads(line) for line in lines[1:]]
+    kept = [r for r in rows if r["ratio"] in fidelity.EARLIER_RATIOS]
+    (old / "multikey.jsonl").write_text("\n".join(
+        [json.dumps({"identity": {**identity, "ratios": list(fidelity.EARLIER_RATIOS)}}),
+         *map(json.dumps, kept)]) + "\n")
+    asked = []
+
+    def measure(blender, item, file, task, max_new_tokens, ratios):
+        asked.append((item.id, tuple(ratios)))
+        return [r for r in rows if r["item"] == item.id and r["ratio"] in ratios]
+
+    monkeypatch.setattr(calibration, "measure", measure)
+    assert calibration.main(["--model", str(llama), *SMALL, "--workdir", str(old), "--out",
+                             str(tmp_path / "f.json")]) == 0
+    new = sorted(set(fidelity.RATIOS) - set(fidelity.EARLIER_RATIOS))
+    assert sorted(asked) == sorted((r["item"], tuple(new)) for r in rows if r["ratio"] == new[0])
+    assert json.loads((old / "multikey.jsonl").read_text().splitlines()[0])["identity"] == identity
 
 
 def test_a_users_documents_make_needle_cases(tmp_path):

@@ -83,7 +83,7 @@ IDENTITY = Model(quantile=0.9, kl=Linear(0.0, {"mass_left": 1.0}), margin=0.0, a
                  fitted_on="by hand", covers=1, fingerprint=None, name="by-hand")
 BASE = Signals(ratio=0, mass_left=1, attention_left=0, deviation=1, deviation_left=0)
 # not monotone in rho (0.15 estimates more than 0.1): the choice must be monotone in the bound anyway
-LEFT = {0.05: 0.5, 0.1: 0.3, 0.15: 0.35, 0.25: 0.1, 0.4: 0.05}
+LEFT = {0.05: 0.5, 0.1: 0.3, 0.15: 0.35, 0.25: 0.1, 0.4: 0.05, 0.6: 0.02, 0.8: 0.005}
 
 
 def at(ratio: float) -> Signals:
@@ -98,10 +98,47 @@ def test_estimate_by_hand():
 
 
 @pytest.mark.parametrize(("max_kl", "cap", "chosen"), [(1.0, 1.0, 0.05), (0.5, 1.0, 0.05), (0.32, 1.0, 0.1),
-                                                      (0.08, 1.0, 0.4), (0.01, 1.0, None), (0.08, 0.25, None),
-                                                      (0.3, 0.05, None)])
+                                                      (0.08, 1.0, 0.4), (0.03, 1.0, 0.6), (0.01, 1.0, 0.8),
+                                                      (0.001, 1.0, None), (0.08, 0.25, None), (0.3, 0.05, None),
+                                                      (0.01, 0.6, None)])
 def test_smallest_ratio(max_kl, cap, chosen):
     assert fidelity.smallest_ratio(at, max_kl, IDENTITY, cap=cap) == chosen
+
+
+def test_an_estimator_chooses_only_from_the_rho_it_was_fitted_on():
+    # fitted up to 0.4: a bound only 0.6 would meet is computed in full, not met by extrapolating the estimate
+    earlier = replace(IDENTITY, ratios=fidelity.EARLIER_RATIOS)
+    assert fidelity.smallest_ratio(at, 0.03, earlier) is None and fidelity.smallest_ratio(at, 0.03, IDENTITY) == 0.6
+    assert fidelity.smallest_ratio(at, 0.08, earlier) == 0.4
+
+
+def test_a_first_token_floor_reads_the_first_token_estimator_and_the_shipped_ones_have_it():
+    first = replace(IDENTITY, covers=1, margin=math.log(0.1))  # estimates a tenth of the answer's
+    answer = replace(IDENTITY, covers=16, first_token=first)
+    assert fidelity.bounding(answer, "answer") is answer and fidelity.bounding(answer, "first_token") is first
+    assert fidelity.bounding(IDENTITY, "first_token") is None and fidelity.bounding(None, "answer") is None
+    # the same request and bound: the looser promise needs less rho
+    assert fidelity.smallest_ratio(at, 0.04, fidelity.bounding(answer, "answer")) == 0.6
+    assert fidelity.smallest_ratio(at, 0.04, fidelity.bounding(answer, "first_token")) == 0.1
+    for name, model in fidelity.load().models.items():
+        assert model.covers == 16 and model.first_token.covers == 1 and model.first_token.first_token is None, name
+        assert model.first_token.ratios == model.ratios, name
+    data = json.loads(fidelity.PACKAGED.read_text())
+    entry = data["models"][data["default"]]
+    with pytest.raises(ValueError, match="first_token must be an estimator"):
+        fidelity.parse_model("m", {**entry, "first_token": {**entry["first_token"], "covers": 16}})
+
+
+def test_an_entry_without_its_grid_reads_the_earlier_one_and_a_bad_grid_is_refused():
+    data = json.loads(fidelity.PACKAGED.read_text())
+    entry = dict(data["models"][data["default"]])
+    del entry["ratios"], entry["first_token"]
+    assert fidelity.parse_model("m", entry).ratios == fidelity.EARLIER_RATIOS  # a calibrations file of an earlier
+    old = {**data, "doc": {k: v for k, v in data["doc"].items() if k != "ratios"}, "models": {"m": entry}}
+    assert fidelity.parse({**old, "default": "m"}).model("m").ratios == fidelity.EARLIER_RATIOS  # version loads
+    for bad in ([], [0.1, 1.0], [0.1, True], "0.1"):
+        with pytest.raises(ValueError, match="ratios"):
+            fidelity.parse_model("m", {**entry, "ratios": bad})
 
 
 def test_smallest_ratio_is_monotone_in_the_bound():
@@ -122,6 +159,7 @@ def test_smallest_ratio_refuses_a_negative_bound():
 def test_the_shipped_coefficients_load_with_a_doc_line_per_field():
     data = json.loads(fidelity.PACKAGED.read_text())
     assert set(data["doc"]) == set(fidelity.FILE_FIELDS) | set(fidelity.MODEL_FIELDS) and all(data["doc"].values())
+    assert not set(data["doc"]) - set(fidelity.FILE_FIELDS) - {f.name for f in fields(Model)}
     assert set(fidelity.MODEL_FIELDS) == {f.name for f in fields(Model)} - {"name"}
     coefficients = fidelity.load()
     assert coefficients.default in data["models"]
@@ -208,7 +246,7 @@ def test_the_calibration_tables_ttft_column_reads_ttft_shuffleds_table(tmp_path)
 
     head = ("side        TTFT median s  speed-up vs stock  hits\n"
             "stock               0.800               1.00\n")
-    sides = {0.05: 0.2, 0.1: 0.3, 0.15: 0.4, 0.25: 0.5, 0.4: 0.6, 1: 0.88}
+    sides = {**{r: 0.2 + 0.08 * i for i, r in enumerate(fidelity.RATIOS)}, 1: 0.88}
     table = tmp_path / "t.txt"
     table.write_text(head + "".join(f"mix@{r:<8g}{t:>15.3f}{0.8 / t:>19.2f}     7\n" for r, t in sides.items()))
     assert read_ttft(str(table)) == pytest.approx({float(r): t / 0.8 for r, t in sides.items()})

@@ -110,13 +110,17 @@ def test_payload_round_trip():
     ({"token_spans": [[0, 2]], "learn": "no"}, "learn must be true or false, got 'no'"),
     ({"exact": True, "token_spans": [[0, 11]]}, "end 11 is past the prompt"),
     ({"exact": True, "char_spans": [[0, 2]]}, "char_spans is for a text request"),
-    ({"token_spans": [[0, 2]], "max_kl": 0}, "max_kl must be a number > 0 (nats of first-token KL), got 0"),
+    ({"token_spans": [[0, 2]], "max_kl": 0}, "max_kl must be a number > 0 (nats of KL over what kl_over names), got 0"),
     ({"token_spans": [[0, 2]], "max_kl": -0.1}, "max_kl must be a number > 0"),
     ({"token_spans": [[0, 2]], "max_kl": "0.1"}, "max_kl must be a number > 0"),
     ({"token_spans": [[0, 2]], "max_kl": float("inf")}, "max_kl must be a number > 0"),
     ({"token_spans": [[0, 2]], "max_kl": True}, "max_kl must be a number > 0"),
     ({"token_spans": [[0, 2]], "max_kl": 0.1, "ratio": 0.2}, "max_kl and ratio both set the recompute budget"),
     ({"exact": True, "max_kl": 0.1}, "max_kl cannot apply with exact: true"),
+    ({"token_spans": [[0, 2]], "max_kl": 0.1, "kl_over": "tokens"}, "kl_over must be one of 'answer', 'first_token'"),
+    ({"token_spans": [[0, 2]], "max_kl": 0.1, "kl_over": 1}, "kl_over must be one of"),
+    ({"token_spans": [[0, 2]], "ratio": 0.2, "kl_over": "first_token"}, "kl_over says what a quality floor"),
+    ({"exact": True, "kl_over": "answer"}, "cannot apply with exact: true"),
 ])
 def test_parse_rejects(payload, message):
     with pytest.raises(HintError) as e:
@@ -127,6 +131,12 @@ def test_parse_rejects(payload, message):
 def test_max_kl_is_kept_as_a_float():
     hint = parse({"token_spans": [[0, 2]], "max_kl": 1}, 10)
     assert hint.max_kl == 1.0 and isinstance(hint.max_kl, float)
+
+
+def test_kl_over_is_kept_and_forwarded():
+    hint = parse({"token_spans": [[0, 2]], "max_kl": 0.1, "kl_over": "first_token"}, 10)
+    assert hint.kl_over == "first_token" and hint.to_payload()["kl_over"] == "first_token"
+    assert parse({"token_spans": [[0, 2]], "max_kl": 0.1}, 10).kl_over is None
     assert parse(hint.to_payload(), 10) == hint
 
 

@@ -28,7 +28,7 @@ KEPT = {"private", "exact", "reason", "selector", "fallback", "detail"}
 # every key of the full shapes, but those a private exact round or a private kept fallback keeps
 DROPPED = {"chunk_hits", "chunk_misses", "reused_tokens", "recomputed_tokens", "radix_tokens", "attended_pairs",
            "ratio", "select_s", "blend_s", "stages_s", "batch", "admitted_compute", "feature_passes", "fetched",
-           "computed_instead", "choice", "predicted_blend_s", "predicted_full_s", "fidelity", "max_kl", "auto",
+           "computed_instead", "choice", "predicted_blend_s", "predicted_full_s", "fidelity", "max_kl", "kl_over", "auto",
            "segments", "detect_s", "exact_carried", "learned", "rounds"}
 
 

@@ -31,7 +31,7 @@ from chunkcache.hashing import model_fingerprint
 from ..workloads import Item, WorkloadConfig, items, musique_records
 from .fidelity_fit import (ANSWER_BOUNDS, BOUNDS, COVERS, FAMILIES, RATIOS, STORE_BYTES, DEFAULT, FitSettings,
                            Family, case_items, cases_of, fit_model, fitted_on, judge_table, load_points, measure,
-                           measure_parts, measured_case, role, write_model)
+                           measure_parts, role, write_model)
 from .rowlog import RowLog
 
 MAX_NEW_TOKENS = 24  # full recompute's answer, which the blends are scored on (at least COVERS)
@@ -187,9 +187,11 @@ def main(argv: list[str]) -> int:
     for fam, (family, its) in cases.items():
         settings = {"family": fam, "model": name, "fingerprint": fingerprint, "ratios": list(RATIOS),
                     "options": DEFAULT, "max_new_tokens": max_new_tokens, "task": family.spec}
+        if not args.fresh:
+            _widen_grid(workdir / f"{fam}.jsonl", settings)
         logs[fam] = RowLog(workdir / f"{fam}.jsonl", settings, resume=not args.fresh)
-        todo.append([(fam, family, item) for item in its
-                     if args.fresh or not measured_case(logs[fam], family.spec, item.id, _evidence(workdir, fam, item))])
+        todo.append([(fam, family, item, missing) for item in its
+                     if (missing := RATIOS if args.fresh else _missing(logs[fam], family.spec, item.id))])
     # the families' cases in turn: a run cut short has fit and judged cases of every family
     todo = [case for turn in itertools.zip_longest(*todo) for case in turn if case is not None]
     if todo and args.measured_only:
@@ -197,11 +199,11 @@ def main(argv: list[str]) -> int:
     elif todo:
         print(f"{total - len(todo)} of {total} cases measured already; measuring {len(todo)}", flush=True)
         bar = tqdm(todo, unit="case", file=sys.stderr)
-        for n, (fam, family, item) in enumerate(bar):
+        for n, (fam, family, item, missing) in enumerate(bar):
             started = time.monotonic()
             file = _evidence(workdir, fam, item)
-            rows = (measure_parts(blender, item.parts, item.id, (), file, family.spec, max_new_tokens)
-                    if isinstance(item, Served) else measure(blender, item, file, family.spec, max_new_tokens))
+            rows = (measure_parts(blender, item.parts, item.id, (), file, family.spec, max_new_tokens, missing)
+                    if isinstance(item, Served) else measure(blender, item, file, family.spec, max_new_tokens, missing))
             for row in rows:
                 logs[fam].append(row)
             if n == 0 and len(todo) > 1:
@@ -210,6 +212,25 @@ def main(argv: list[str]) -> int:
                           f"{took * (len(todo) - 1) / 60:.0f} min for the other {len(todo) - 1} on this host "
                           "(interrupt at any time: the next run goes on from here)")
     return report(args, logs, name, label, fingerprint, out)
+
+
+def _widen_grid(path: Path, settings: dict) -> None:
+    """A work directory's row file measured on an earlier, smaller grid (before 0.6 and 0.8) under otherwise the same
+    settings takes the grid of now: its rows are kept, and each case is measured at the rho it lacks only."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    found = json.loads(lines[0])["identity"] if lines else {}
+    grid = found.get("ratios")
+    if (isinstance(grid, list) and set(grid) < set(RATIOS)
+            and {k: v for k, v in found.items() if k != "ratios"} == {k: v for k, v in settings.items()
+                                                                        if k != "ratios"}):
+        path.write_text(json.dumps({"identity": {**found, "ratios": list(RATIOS)}}) + "\n" + "".join(lines[1:]))
+
+
+def _missing(log: RowLog, task: str, item: str) -> tuple[float, ...]:
+    """The rho of the grid a case has no row at (all of them for a case not measured yet)."""
+    return tuple(r for r in RATIOS if (task, item, "mix", r, "reference") not in log)
 
 
 def _evidence(workdir: Path, family: str, item: Item | Served) -> Path:

@@ -29,7 +29,8 @@ import argparse
 import json
 import math
 import re
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -129,16 +130,17 @@ def measured_case(log: RowLog, task: str, item: str, file: Path) -> bool:
     return all(k in log for k in keys) and (file.is_file() or all("signals" in log.rows[k] for k in keys))
 
 
-def measure(blender, item: Item, file: Path, task: str, max_new_tokens: int) -> list[dict]:
+def measure(blender, item: Item, file: Path, task: str, max_new_tokens: int,
+            ratios: Sequence[float] = RATIOS) -> list[dict]:
     """One case: full recompute; the chunks' deviations remembered from two other orders; a blend at rho 0 (the
     forced tokens only: its features are the case's evidence, its logits naive reuse's); then a blend per rho, its
     KL against full's at each token of full's greedy answer (teacher-forced: row 0 is the first token's)."""
     return measure_parts(blender, split(to_request(blender.tokenizer, item).prompt), item.id, item.answers, file, task,
-                         max_new_tokens)
+                         max_new_tokens, ratios)
 
 
 def measure_parts(blender, parts, item: str, answers: tuple[str, ...], file: Path, task: str,
-                  max_new_tokens: int) -> list[dict]:
+                  max_new_tokens: int, ratios: Sequence[float] = RATIOS) -> list[dict]:
     """`measure` on a prompt already split into (prefix, chunks, query) ids; without `answers` (a served request's
     prompt: nobody knows its answer) a row's needle and F1 columns are None."""
     full = blender.full_prefill(*parts)
@@ -152,7 +154,7 @@ def measure_parts(blender, parts, item: str, answers: tuple[str, ...], file: Pat
         raise RuntimeError(f"{item}: the measured blend ran the deviation pass after the warm-up")
     case_evidence = evidence(naive.layout, naive.scores, selector.values)
     rows, recomputed = [], {}
-    for ratio in RATIOS:
+    for ratio in ratios:
         res = blender.blend(*parts, selector=selector, ratio=ratio)
         recomputed[ratio] = res.recomputed
         forced = blender.teacher_forced_logits(res, full_ids)
@@ -252,6 +254,13 @@ def model_of(paths: list[str]) -> str:
     return names.pop()
 
 
+def grid_of(paths: list[str]) -> tuple[float, ...]:
+    """The rho every row file was collected at (their identity lines): what a fit on them covers (files collected
+    before the grid reached 0.8 hold five)."""
+    grids = [set(identity(path)["ratios"]) for path in paths]
+    return tuple(sorted(set.intersection(*grids)))
+
+
 def role(item: str) -> str:
     """"fit" for every third case (seed or MuSiQue record index divisible by 3), "judge" for the others: a rule fixed
     before any case was measured, so the two sets are disjoint however far a collection gets."""
@@ -263,12 +272,12 @@ def _number(item: str) -> int:
     return int(re.search(r"(\d+)$", item).group(1))
 
 
-def cases_of(points: list[Point]) -> dict[tuple[str, str], dict[float, Point]]:
-    """(family, item) -> rho -> point, for the cases measured at every rho of RATIOS."""
+def cases_of(points: list[Point], ratios: Sequence[float] = RATIOS) -> dict[tuple[str, str], dict[float, Point]]:
+    """(family, item) -> rho -> point, for the cases measured at every rho of `ratios` (those only)."""
     out: dict[tuple[str, str], dict[float, Point]] = {}
     for p in points:
         out.setdefault((p.family, p.item), {})[p.row["ratio"]] = p
-    return {k: v for k, v in out.items() if set(v) == set(RATIOS)}
+    return {k: {r: v[r] for r in ratios} for k, v in out.items() if set(ratios) <= set(v)}
 
 
 def design(points: list[Point], terms: tuple[str, ...]) -> np.ndarray:
@@ -340,7 +349,7 @@ def calibrate(cases: dict, terms: tuple[str, ...], quantile: float, target: floa
 
 def compare(args) -> None:
     """Cross-validated pinball loss (lower is better) and coverage of each term set on the fit cases."""
-    cases = {k: v for k, v in cases_of(load_points(args.paths)).items() if role(k[1]) == "fit"}
+    cases = {k: v for k, v in cases_of(load_points(args.paths), grid_of(args.paths)).items() if role(k[1]) == "fit"}
     print(f"{len(cases)} fit cases; {args.folds}-fold cross-validation at quantile {args.quantile}, KL over "
           f"{args.covers} answer token(s)\n")
     print("| terms | pinball loss | share of blends over the estimate |\n|---|---|---|")
@@ -369,7 +378,9 @@ class FitSettings:
 
 
 def fit_model(cases: dict, settings: FitSettings, fitted_on: str, fingerprint: str | None = None) -> dict:
-    """A coefficients file's model entry fitted on `cases` (cases_of: the fit cases only)."""
+    """A coefficients file's model entry fitted on `cases` (cases_of: the fit cases only); one covering the answer
+    holds a first-token estimator fitted on the same cases (`first_token`: what a request's kl_over: first_token
+    reads), its margin calibrated at the first-token bounds (BOUNDS)."""
     points = [p for case in cases.values() for p in case.values()]
     terms = settings.terms
     kl = quantile_regression(design(points, terms), log_kl(points, settings.covers), settings.quantile)
@@ -385,6 +396,11 @@ def fit_model(cases: dict, settings: FitSettings, fitted_on: str, fingerprint: s
         "fitted_on": fitted_on,
         "covers": settings.covers,
         "fingerprint": fingerprint,
+        "ratios": sorted({r for case in cases.values() for r in case}),
+        **({"first_token": fit_model(cases, replace(settings, covers=1, bounds=BOUNDS),
+                                     fitted_on.replace(f"KL over {settings.covers} answer token(s)",
+                                                       "KL over 1 answer token(s)"), fingerprint)}
+           if settings.covers > 1 else {}),
     }
 
 
@@ -393,8 +409,9 @@ def fitted_on(cases: dict, model: str, settings: FitSettings) -> str:
     families = sorted({k[0] for k in cases})
     where = "; ".join(f"{f} {sum(k[0] == f for k in cases)} cases "
                       f"({_ids(sorted(_number(k[1]) for k in cases if k[0] == f))})" for f in families)
+    grid = ", ".join(map(str, sorted({r for case in cases.values() for r in case})))
     return (f"{model}, reference engine, float32; mix with the server defaults (stored deviations, overlap 0.15) at "
-            f"rho {', '.join(map(str, RATIOS))}; KL over {settings.covers} answer token(s); {where}: every third seed "
+            f"rho {grid}; KL over {settings.covers} answer token(s); {where}: every third seed "
             "/ record, chunkbench/quality/fidelity_fit.py role(); docs/bench/fidelity.md")
 
 
@@ -414,9 +431,11 @@ def write_model(path: Path, name: str, entry: dict, settings: FitSettings) -> No
 
 
 def fit(args) -> None:
-    cases = {k: v for k, v in cases_of(load_points(args.paths)).items() if role(k[1]) == "fit"}
+    grid = grid_of(args.paths)
+    cases = {k: v for k, v in cases_of(load_points(args.paths), grid).items() if role(k[1]) == "fit"}
     if not cases:
-        raise SystemExit(f"no fit case (seed or record divisible by 3) measured at every rho in {args.paths}")
+        raise SystemExit(f"no fit case (seed or record divisible by 3) measured at every rho of {grid} in "
+                         f"{args.paths}")
     settings = FitSettings(tuple(args.terms.split(",")), args.quantile, args.target, args.folds, args.covers,
                            ANSWER_BOUNDS if args.covers > 1 else BOUNDS)
     name = model_of(args.paths)
@@ -455,24 +474,24 @@ def judge_table(cases: dict, model: fidelity.Model, ttft: dict[str, dict[float, 
     for family in sorted({k[0] for k in cases}, key=lambda f: order.index(f) if f in order else len(order)):
         mine = [c for k, c in cases.items() if k[0] == family]
         kl = (lambda row: measured(row, model.covers))
+        grid = model.ratios
         for bound in bounds:
-            picked = [(c, fidelity.smallest_ratio(lambda r, c=c: c[r].signals, bound, model, RATIOS, max(RATIOS)))
-                      for c in mine]
+            picked = [(c, fidelity.smallest_ratio(lambda r, c=c: c[r].signals, bound, model)) for c in mine]
             rows = [c[r].row if r is not None else None for c, r in picked]
-            full = [c[RATIOS[0]].row for c in mine]
+            full = [c[grid[0]].row for c in mine]
             n = len(mine)
             over = sum(r is not None and kl(r) > bound for r in rows)
             low, high = intervals.wilson(over, n)
             rho = [1.0 if r is None else r for _, r in picked]
             cost = f"{_mean(ttft[family][r] for r in rho):.2f}" if family in ttft else "-"
-            oracle = [next((r for r in RATIOS if kl(c[r].row) <= bound), 1.0) for c in mine]
-            fixed = next((r for r in RATIOS if sum(kl(c[r].row) > bound for c in mine) <= 0.1 * n), None)
+            oracle = [next((r for r in grid if kl(c[r].row) <= bound), 1.0) for c in mine]
+            fixed = next((r for r in grid if sum(kl(c[r].row) > bound for c in mine) <= 0.1 * n), None)
             needle = (f"{_mean(r['contains'] if r else f['full_contains'] for r, f in zip(rows, full)):.2f} / "
                       f"{_mean(f['full_contains'] for f in full):.2f}"
                       if family != "musique" and all(f["full_contains"] is not None for f in full) else "")
             lines.append(
                 f"| {family} | {bound} | {n} | {over / n:.3f} [{low:.3f}, {high:.3f}] | {_mean(rho):.3f} | "
-                f"{sum(r is None for _, r in picked)} | {cost} | {fixed if fixed is not None else '> 0.4'} | "
+                f"{sum(r is None for _, r in picked)} | {cost} | {fixed if fixed is not None else f'> {grid[-1]}'} | "
                 f"{_mean(oracle):.3f} | {needle} | {_mean(r['agree'] if r else 1.0 for r in rows):.2f} | "
                 f"{_mean(r['same'] if r else 1.0 for r in rows):.2f} |")
     return lines
@@ -486,10 +505,11 @@ def judge(args) -> None:
     model = coefficients.model(name) or coefficients.model()
     print(f"{name}'s cases, judged with {model.name}'s estimator" + (" (it has none of its own)"
                                                                        if model.name != name else "") + "\n")
-    cases = {k: v for k, v in cases_of(load_points(args.paths)).items() if args.unseen or role(k[1]) == "judge"}
+    cases = {k: v for k, v in cases_of(load_points(args.paths), model.ratios).items()
+             if args.unseen or role(k[1]) == "judge"}
     print(f"cases judged: {'every case (collected after the fit)' if args.unseen else 'the held-out ones (role)'}\n")
     ttft = {family: read_ttft(path) for family, path in (t.split("=", 1) for t in args.ttft)}
-    print("\n".join(judge_table(cases, model, ttft)))
+    print("\n".join(judge_table(cases, model, ttft, ANSWER_BOUNDS if model.covers > 1 else BOUNDS)))
 
 
 def _mean(values) -> float:

@@ -28,7 +28,11 @@ from .plan import recompute_set
 
 # the features a deviation-reading selector (mix, cacheblend) may have read, in the order they are preferred
 DEVIATIONS = ("remembered_deviation", "known_deviation", "kv_deviation")
-RATIOS = (0.05, 0.1, 0.15, 0.25, 0.4)  # the grid the shipped coefficients were fitted on
+# the grid a quality floor's rho is chosen from, and `chunkcache calibrate` measures: past 0.4 a bound the estimate
+# cannot meet lower costs 0.6 or 0.8 of the context instead of all of it (docs/bench/fidelity.md)
+RATIOS = (0.05, 0.1, 0.15, 0.25, 0.4, 0.6, 0.8)
+# the grid of an estimator whose entry names none (a calibrations file written before the grid reached 0.8)
+EARLIER_RATIOS = (0.05, 0.1, 0.15, 0.25, 0.4)
 # a signal's log is taken at this floor at least: a share left of 0 (everything recomputed) stays finite
 FLOOR = 1e-6
 
@@ -125,6 +129,11 @@ class Model:
     # answer, each scored on full's answer so far (teacher-forced); 1: the first token only
     covers: int
     fingerprint: str | None  # the weights it was fitted on (hashing.model_fingerprint); None: matched by name
+    # the rho it was fitted on: the only ones it chooses from (an estimate is not extrapolated to a rho it never saw)
+    ratios: tuple[float, ...] = RATIOS
+    # the estimator over the first token only (covers 1), fitted on the same cases: what a request's floor reads when
+    # it asks for a first-token bound (kl_over: first_token); None: none fitted, such a request is computed in full
+    first_token: "Model | None" = None
     name: str = ""  # its key in the file: the model's name, with `@` and the fingerprint's head for a calibration
 
 
@@ -168,6 +177,12 @@ def estimator_fingerprint(model: Model | None) -> str:
     return "none" if model is None else digest(asdict(model))
 
 
+def bounding(model: Model | None, kl_over: str) -> Model | None:
+    """The estimator a quality floor over `kl_over` (hints.KL_OVER) reads: `model` for the answer, its first-token one
+    for the first token (None where that was not fitted: the request is computed in full, as without any)."""
+    return model.first_token if model is not None and kl_over == "first_token" else model
+
+
 def estimate(s: Signals, model: Model) -> Estimate | None:
     """None when the blend lacks a signal the model reads (a selector other than mix: no attention or deviation)."""
     kl, agree = model.kl(s), model.agree(s)
@@ -178,13 +193,14 @@ def estimate(s: Signals, model: Model) -> Estimate | None:
 
 
 def smallest_ratio(signals_at: Callable[[float], Signals], max_kl: float, model: Model,
-                   ratios: Sequence[float] = RATIOS, cap: float = 1.0) -> float | None:
-    """The smallest rho of `ratios`, at most `cap`, whose estimated KL is at most `max_kl`; None when none is, or the
+                   ratios: Sequence[float] | None = None, cap: float = 1.0) -> float | None:
+    """The smallest rho of `ratios` (None: the model's grid, Model.ratios), at most `cap`, whose estimated KL is at
+    most `max_kl`; None when none is, or the
     blend has no estimate (the request is then computed in full). `signals_at(rho)`: the blend's signals at rho
     (at_ratios). A looser bound never picks a larger rho: every rho that meets a bound meets a looser one."""
     if max_kl < 0:
         raise ValueError(f"max_kl must be >= 0, got {max_kl}")
-    for ratio in sorted(r for r in ratios if r <= cap):
+    for ratio in sorted(r for r in (model.ratios if ratios is None else ratios) if r <= cap):
         est = estimate(signals_at(ratio), model)
         if est is not None and est.kl <= max_kl:
             return ratio
@@ -194,6 +210,8 @@ def smallest_ratio(signals_at: Callable[[float], Signals], max_kl: float, model:
 PACKAGED = Path(__file__).parents[1] / "configs" / "fidelity.json"  # package data, beside the server configs
 FILE_FIELDS = ("default", "models")  # the file's own fields, beside `doc`; each model's are Model's but `name`
 MODEL_FIELDS = tuple(f.name for f in fields(Model) if f.name != "name")
+# model fields an entry may leave out: a file written by an earlier version lacks them (parse_model's defaults)
+OPTIONAL_FIELDS = {"ratios", "first_token"}
 
 
 def calibrations(path: str | os.PathLike | None = None) -> Path:
@@ -224,7 +242,8 @@ def parse(data: Mapping) -> Coefficients:
     """Coefficients from the file's mapping (`default`, `models`: name -> Model's fields, and `doc`: a line for each
     field); ValueError naming what is missing or unknown."""
     documented = set(data.get("doc", {}))
-    if set(data) - {"doc"} != set(FILE_FIELDS) or documented != set(FILE_FIELDS) | set(MODEL_FIELDS):
+    if set(data) - {"doc"} != set(FILE_FIELDS) or documented - OPTIONAL_FIELDS != \
+            set(FILE_FIELDS) | set(MODEL_FIELDS) - OPTIONAL_FIELDS:
         raise ValueError(f"fidelity coefficients: expected fields {sorted(FILE_FIELDS)} and, per model, "
                          f"{sorted(MODEL_FIELDS)}, each with a doc line; got {sorted(set(data) - {'doc'})}, "
                          f"documented {sorted(documented)}")
@@ -236,8 +255,9 @@ def parse(data: Mapping) -> Coefficients:
 
 
 def parse_model(name: str, data: Mapping) -> Model:
-    """One model's entry of the file (Model's fields but `name`); ValueError naming what is wrong."""
-    if set(data) != set(MODEL_FIELDS):
+    """One model's entry of the file (Model's fields but `name`; without `ratios`, EARLIER_RATIOS); ValueError naming
+    what is wrong."""
+    if set(data) - OPTIONAL_FIELDS != set(MODEL_FIELDS) - OPTIONAL_FIELDS:
         raise ValueError(f"fidelity coefficients of {name}: expected fields {sorted(MODEL_FIELDS)}, got "
                          f"{sorted(data)}")
     known = {f.name for f in fields(Signals)}
@@ -251,6 +271,18 @@ def parse_model(name: str, data: Mapping) -> Model:
         linear[key] = Linear(float(part["intercept"]), {k: float(v) for k, v in part["weights"].items()})
     if not isinstance(data["covers"], int) or data["covers"] < 1:
         raise ValueError(f"fidelity coefficients of {name}: covers must be an integer >= 1, got {data['covers']!r}")
+    ratios = data.get("ratios", list(EARLIER_RATIOS))
+    if not isinstance(ratios, list) or not ratios or any(isinstance(r, bool) or not isinstance(r, (int, float))
+                                                         or not 0 < r < 1 for r in ratios):
+        raise ValueError(f"fidelity coefficients of {name}: ratios must be a non-empty list of rho in (0, 1), "
+                         f"got {ratios!r}")
+    first = data.get("first_token")
+    if first is not None:
+        if not isinstance(first, Mapping) or "first_token" in first or first.get("covers") != 1:
+            raise ValueError(f"fidelity coefficients of {name}: first_token must be an estimator of its own fields "
+                             f"with covers 1 (and no first_token), got {first!r}")
+        first = parse_model(name, first)
     return Model(quantile=float(data["quantile"]), kl=linear["kl"], margin=float(data["margin"]),
                  agree=linear["agree"], fitted_on=str(data["fitted_on"]), covers=data["covers"],
+                 ratios=tuple(sorted(float(r) for r in ratios)), first_token=first,
                  fingerprint=data["fingerprint"], name=name)

@@ -51,6 +51,9 @@ PASSES = ("query_attention", "kv_deviation")  # the features an engine computes 
 NO_BATCH = {"requests": 0, "plain": 0, "decodes": 0, "forwards": 0}  # a round that blended nothing
 UNCALIBRATED = ("no fidelity estimator was fitted for this model, so no rho can be promised to meet max_kl: computed "
                 "in full (`chunkcache calibrate --model MODEL` fits one: docs/calibration.md)")
+UNCALIBRATED_FIRST = ("no first-token fidelity estimator was fitted for this model, so no rho can be promised to meet "
+                      "max_kl over the first token (kl_over: first_token): computed in full (`chunkcache calibrate` "
+                      "fits one beside the answer's: docs/calibration.md)")
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class Defaults:
     ratio: float
     namespace: str
     max_kl: float | None = None
+    kl_over: str = "answer"
 
 
 def detect(store: ChunkStore, auto: AutoChunks, token_ids: Sequence[int] | torch.Tensor, segments: Segments,
@@ -80,7 +84,7 @@ def detect(store: ChunkStore, auto: AutoChunks, token_ids: Sequence[int] | torch
     hint = None if found is None else RequestHint(
         token_ids=torch.as_tensor(list(token_ids), dtype=torch.long), spans=found.spans, keys=found.keys,
         selector=defaults.selector, ratio=defaults.ratio, namespace=defaults.namespace, auto=True,
-        max_kl=defaults.max_kl, tenant=segments.tenant)
+        max_kl=defaults.max_kl, kl_over=defaults.kl_over, tenant=segments.tenant)
     keys = frozenset(() if found is None else found.keys)
     kept = Lookup({k: looked.entries[k] for k in keys}, looked.fetched & keys, frozenset())
     return Detection(hint, kept, sum(e > matched for _, e in segments.spans), time.perf_counter() - t0)
@@ -195,6 +199,7 @@ def _select(plan: RequestPlan, f: RequestFeatures, sel: Selector, floor_cap: flo
             estimator: fidelity.Model | None) -> Blended:
     """One request's selection at its ratio (or its quality floor's), and its fidelity estimate at that rho."""
     t = time.perf_counter()
+    estimator = fidelity.bounding(estimator, plan.kl_over)
     ratio, met = _budget(plan, sel, f, floor_cap, estimator)
     selection = sel.select(f.layout, ratio, f)
     recomputed = recompute_set(f.layout, selection.indices)
@@ -440,14 +445,16 @@ def _floor(b: Blended) -> dict:
     recomputed) and why."""
     if b.plan.max_kl is None:
         return {}
+    floor = {"max_kl": b.plan.max_kl, "kl_over": b.plan.kl_over}
     if b.floor_met:
-        return {"max_kl": b.plan.max_kl}
+        return floor
     if b.uncalibrated:
-        return {"max_kl": b.plan.max_kl, "fallback": "uncalibrated", "detail": UNCALIBRATED}
+        return {**floor, "fallback": "uncalibrated",
+                "detail": UNCALIBRATED_FIRST if b.plan.kl_over == "first_token" else UNCALIBRATED}
     detail = (f"no rho up to select.max_kl_cap has an estimated KL of at most {b.plan.max_kl}"
               if b.estimate is not None else f"selector {b.plan.selector!r} gives no fidelity estimate (the estimator "
               f"reads mix's signals)") + ": every context token recomputed"
-    return {"max_kl": b.plan.max_kl, "fallback": "quality_floor", "detail": detail}
+    return {**floor, "fallback": "quality_floor", "detail": detail}
 
 
 def record_held(request: ChunkRequest, plan: RequestPlan, computed: int) -> dict:

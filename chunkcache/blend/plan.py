@@ -47,6 +47,7 @@ class RequestPlan:
     selector: str
     ratio: float
     max_kl: float | None = None  # the quality floor: rho is then the smallest whose estimate meets it (blend.fidelity)
+    kl_over: str = "answer"  # what max_kl bounds (hints.KL_OVER): the answer, or its first token only
     tenant: str = ""  # hashing.tenant_key its chunk keys were made for
     # hashing.prefix_key of token_ids[:shared_prefix_len] when every chunk's key names that context (a client's
     # chunks), so a missing chunk computed after it is what its key names and is stored; None when the keys name
@@ -78,7 +79,8 @@ class RequestPlan:
 
 def plan_request(token_ids: torch.Tensor, spans: Sequence[tuple[int, int]], keys: Sequence[str], matched: int,
                  selector: str, ratio: float, shared_prefix_len: int | None = None,
-                 max_kl: float | None = None, tenant: str = "", context: str | None = None) -> RequestPlan:
+                 max_kl: float | None = None, tenant: str = "", context: str | None = None,
+                 kl_over: str = "answer") -> RequestPlan:
     """`spans`: the chunks (sorted, disjoint, before the last token) with their store `keys`; `matched`: the exact
     prefix the engine holds; `shared_prefix_len`: by default where the first chunk starts (a prompt without chunks
     must give it); `tenant`, `context`: see RequestPlan. A chunk the exact prefix reaches into keeps the exact KV of
@@ -93,7 +95,8 @@ def plan_request(token_ids: torch.Tensor, spans: Sequence[tuple[int, int]], keys
                    for (s, e), key in zip(spans, keys) if e > matched)
     return RequestPlan(token_ids=token_ids, matched=matched, shared_prefix_len=shared_prefix_len,
                        query=spans[-1][1] if spans else shared_prefix_len,
-                       chunks=chunks, selector=selector, ratio=ratio, max_kl=max_kl, tenant=tenant, context=context)
+                       chunks=chunks, selector=selector, ratio=ratio, max_kl=max_kl, tenant=tenant, context=context,
+                       kl_over=kl_over)
 
 
 def to_compute(plans: Sequence[RequestPlan], stored: set[str] | dict) -> list[tuple[int, Placement]]:

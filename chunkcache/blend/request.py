@@ -31,13 +31,14 @@ class RequestHint:
     namespace: str
     auto: bool = False  # found by automatic chunk detection (chunkcache.blend.auto), not marked by the client
     max_kl: float | None = None  # the quality floor (RequestPlan.max_kl)
+    kl_over: str = "answer"  # what it bounds (RequestPlan.kl_over)
     tenant: str = ""  # hashing.tenant_key the keys were made for
     context: str | None = None  # what every key names as its context, for a client's chunks (RequestPlan.context)
 
     def plan(self, matched: int) -> RequestPlan:
         """The blend plan of a prefill round that finds the prompt's first `matched` tokens already exact."""
         return plan_request(self.token_ids, self.spans, self.keys, matched, self.selector, self.ratio,
-                            max_kl=self.max_kl, tenant=self.tenant, context=self.context)
+                            max_kl=self.max_kl, tenant=self.tenant, context=self.context, kl_over=self.kl_over)
 
 
 @dataclass(frozen=True)

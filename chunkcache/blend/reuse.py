@@ -84,7 +84,8 @@ class ChunkReuse:
             token_ids=torch.tensor(ids, dtype=torch.long), spans=parsed.token_spans,
             keys=tuple(entry_key(self.fingerprint, tenant, prefix, ids[s:e]) for s, e in parsed.token_spans),
             selector=parsed.selector or select.selector, ratio=select.ratio if parsed.ratio is None else parsed.ratio,
-            namespace=namespace, max_kl=self._floor(parsed.max_kl, parsed.ratio), tenant=tenant, context=prefix)
+            namespace=namespace, max_kl=self._floor(parsed.max_kl, parsed.ratio), kl_over=parsed.kl_over or "answer",
+            tenant=tenant, context=prefix)
 
     def segments(self, token_ids: Sequence[int], namespace: str | None, cache_salt: str | None,
                  readings: bool = True) -> Segments:
@@ -98,7 +99,7 @@ class ChunkReuse:
         select, parsed = self.config.select, parse(payload or {}, 1, selectors=REGISTRY)
         return Defaults(parsed.selector or select.selector, select.ratio if parsed.ratio is None else parsed.ratio,
                         parsed.namespace or self.config.store.namespace,
-                        self._floor(parsed.max_kl, parsed.ratio))
+                        self._floor(parsed.max_kl, parsed.ratio), parsed.kl_over or "answer")
 
     def _floor(self, asked: float | None, ratio: float | None) -> float | None:
         """A request's quality floor: its own, else the server's unless the request set its ratio."""

@@ -116,6 +116,7 @@ class BlendedRound(_Blend, _Priced):
 
     fidelity: NotRequired[Fidelity]
     max_kl: NotRequired[float]
+    kl_over: NotRequired[Literal["answer", "first_token"]]  # what max_kl bounds (hints.KL_OVER); with max_kl
     fallback: NotRequired[BlendedFallback]  # every context token recomputed after all
     detail: NotRequired[str]
 

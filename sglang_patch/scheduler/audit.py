@@ -74,8 +74,11 @@ class Audit:
     def offer(self, runner: Runner, row: int, rid: str, b: Blended, output) -> None:
         """Keep batch row `row`'s blend for an audit, if it is sampled and there is room: at once when its estimate
         covers the first token only, else once it has decoded the tokens it covers (`after_batch`). A blend without
-        an estimate (a selector other than mix, a model without an estimator) has no bound to judge."""
-        if (b.estimate is None or self.server.idle.waiting("audit") + len(self.pending) >= self.config.keep
+        an estimate (a selector other than mix, a model without an estimator) has no bound to judge; one whose floor
+        bounds the first token only (kl_over: first_token) is not judged either: the margin the audit keeps widens the
+        answer's estimator, which that blend did not read."""
+        if (b.estimate is None or b.plan.kl_over == "first_token"
+                or self.server.idle.waiting("audit") + len(self.pending) >= self.config.keep
                 or not self.sampler.take()):
             return
         spans = tuple(b.plan.layout().chunk_spans) if self.config.keep_prompts else ()

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from chunkcache.blend import pipeline
+from chunkcache.blend import fidelity, pipeline
 from chunkcache.blend.cost import Prediction, predict
 from chunkcache.blend.layer_copy import LayerCopy
 from chunkcache.blend.plan import Placement, RequestPlan
@@ -56,8 +56,9 @@ def run(server: ChunkServer, model_runner, forward_batch, reqs):
             report.fallback(request, "input_logprobs", f"input logprobs of the last {scored[row.index]} prompt tokens "
                             f"(logprob_start_len) need those tokens' logits, which a blend does not compute: this "
                             f"round is computed in full (output logprobs alone are served blended)")
-        elif request.hint.max_kl is not None and server.estimator is None:
-            report.fallback(request, "uncalibrated", pipeline.UNCALIBRATED)
+        elif request.hint.max_kl is not None and fidelity.bounding(server.estimator, request.hint.kl_over) is None:
+            report.fallback(request, "uncalibrated", pipeline.UNCALIBRATED_FIRST
+                            if request.hint.kl_over == "first_token" else pipeline.UNCALIBRATED)
         elif row.seq_len != prompt:
             report.fallback(request, "partial_prefill", f"tokens [{row.matched}, {row.seq_len}) of "
                             f"{prompt} (chunked prefill or a retracted request): this round is computed in full")
