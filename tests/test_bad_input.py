@@ -103,6 +103,8 @@ GENERATE = {
     "max_kl with ratio": (tok([[0, 4]], max_kl=0.1, ratio=0.2), "max_kl and ratio both set the recompute budget"),
     "max_kl with exact": ({"input_ids": IDS, "kv_hints": hints({"exact": True, "max_kl": 0.1})},
                           "max_kl cannot apply with exact: true"),
+    "kl_over unknown": (tok([[0, 4]], max_kl=0.1, kl_over="tokens"), "kl_over must be one of 'answer', 'first_token'"),
+    "kl_over with ratio": (tok([[0, 4]], ratio=0.2, kl_over="first_token"), "kl_over says what a quality floor"),
     "learn not a bool": ({"input_ids": IDS, "kv_hints": hints({"learn": "no"})}, "learn must be true or false"),
     "payload not an object": ({"input_ids": IDS, "kv_hints": hints([[0, 4]])}, "actions[0].payload"),
     "two chunkcache actions": ({"input_ids": IDS, "kv_hints": hints({"token_spans": [[0, 4]]}, extra_actions=[OURS])},

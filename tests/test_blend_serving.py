@@ -261,7 +261,8 @@ def test_a_quality_floor_picks_rho_by_the_estimate_and_every_blend_reports_one(e
     # a client asking for a first-token bound says so, and its report says what its estimate covers
     assert first["kl_over"] == "first_token" and first["fidelity"]["covers"] == 1 and first["ratio"] == min(RATIOS)
     shown = engine.get_server_info()["internal_states"][0]["chunkcache"]["fidelity"]  # what /server_info says
-    assert shown == {"fitted_for": plain["fidelity"]["fitted_for"], "covers": 16, "margin": 1.0}, shown
+    assert shown == {"fitted_for": plain["fidelity"]["fitted_for"], "covers": 16, "ratios": list(RATIOS),
+                     "first_token": True, "margin": 1.0}, shown
     assert loose["ratio"] == min(RATIOS) and loose["max_kl"] == 1e6 and "fallback" not in loose, loose
     assert tight["ratio"] == 1.0 and tight["fallback"] == "quality_floor" and tight["reused_tokens"] == 0, tight
     assert loose["recomputed_tokens"] < plain["recomputed_tokens"] < tight["recomputed_tokens"]

@@ -217,7 +217,8 @@ def test_server_info_drops_the_store_counters_when_private():
     full = server.state(cache)
     assert full["store"] == {"hits": 5, "memory_entries": 3} and full["kv_pool"]["evictable"] == 40
     assert full["encodes_waiting"] == 1
-    assert full["fidelity"] == {"fitted_for": None, "covers": None, "margin": 1.0}  # no estimator: max_kl in full
+    assert full["fidelity"] == {"fitted_for": None, "covers": None, "ratios": None, "first_token": False,
+                                "margin": 1.0}  # no estimator: max_kl in full
     config.report.to_clients = "private"
     state = server.state(cache)
     assert state.keys() == {"backend", "tree_cache", "scheduler_pid", "private"}

@@ -47,6 +47,14 @@ def test_documents_body_is_validated(body, message):
     assert message in str(info.value)
 
 
+def test_a_first_token_bound_reaches_the_hint():
+    docs = parse({"documents": ["ok"], "max_kl": 0.02, "kl_over": "first_token"}, where="chunkcache",
+                 allowed=CHAT_KEYS, selectors=REGISTRY)
+    assert docs.hint_options() == {"max_kl": 0.02, "kl_over": "first_token"}
+    with pytest.raises(DocumentsError, match="chunkcache: kl_over must be one of"):
+        parse({"documents": ["ok"], "max_kl": 0.02, "kl_over": "first"}, where="chunkcache", allowed=CHAT_KEYS)
+
+
 slow = pytest.mark.slow
 
 

@@ -152,9 +152,12 @@ class ChunkServer:
                 "version": __version__, "sglang_version": sglang_version,
                 "config": reuse.config.effective(),  # what this scheduler runs on, secrets masked
                 # what a max_kl bounds: the estimator the blends read (fitted_for null: none, max_kl computes in
-                # full) and the answer tokens it covers; the audit's margin multiplies every estimate
+                # full), the answer tokens it covers, the rho it chooses from and whether a first-token bound
+                # (kl_over: first_token) has an estimator; the audit's margin multiplies every answer estimate
                 "fidelity": {"fitted_for": None if self.estimator is None else self.estimator.name,
                              "covers": None if self.estimator is None else self.estimator.covers,
+                             "ratios": None if self.estimator is None else list(self.estimator.ratios),
+                             "first_token": self.estimator is not None and self.estimator.first_token is not None,
                              "margin": 1.0 if self.audit is None else self.audit.margin.factor},
                 "store": dataclasses.asdict(reuse.store.stats()),
                 "deferred_deviations": self.idle.waiting("deviation"),  # estimated, to be measured when idle
