@@ -31,7 +31,7 @@ from chunkcache.hashing import model_fingerprint
 from ..workloads import Item, WorkloadConfig, items, musique_records
 from .fidelity_fit import (ANSWER_BOUNDS, BOUNDS, COVERS, FAMILIES, RATIOS, STORE_BYTES, DEFAULT, FitSettings,
                            Family, case_items, cases_of, fit_model, fitted_on, judge_table, load_points, measure,
-                           measure_parts, role, write_model)
+                           measure_parts, missing_ratios, role, write_model)
 from .rowlog import RowLog
 
 MAX_NEW_TOKENS = 24  # full recompute's answer, which the blends are scored on (at least COVERS)
@@ -191,7 +191,8 @@ def main(argv: list[str]) -> int:
             _widen_grid(workdir / f"{fam}.jsonl", settings)
         logs[fam] = RowLog(workdir / f"{fam}.jsonl", settings, resume=not args.fresh)
         todo.append([(fam, family, item, missing) for item in its
-                     if (missing := RATIOS if args.fresh else _missing(logs[fam], family.spec, item.id))])
+                     if (missing := RATIOS if args.fresh else
+                         missing_ratios(logs[fam], family.spec, item.id, _evidence(workdir, fam, item)))])
     # the families' cases in turn: a run cut short has fit and judged cases of every family
     todo = [case for turn in itertools.zip_longest(*todo) for case in turn if case is not None]
     if todo and args.measured_only:
@@ -226,11 +227,6 @@ def _widen_grid(path: Path, settings: dict) -> None:
             and {k: v for k, v in found.items() if k != "ratios"} == {k: v for k, v in settings.items()
                                                                         if k != "ratios"}):
         path.write_text(json.dumps({"identity": {**found, "ratios": list(RATIOS)}}) + "\n" + "".join(lines[1:]))
-
-
-def _missing(log: RowLog, task: str, item: str) -> tuple[float, ...]:
-    """The rho of the grid a case has no row at (all of them for a case not measured yet)."""
-    return tuple(r for r in RATIOS if (task, item, "mix", r, "reference") not in log)
 
 
 def _evidence(workdir: Path, family: str, item: Item | Served) -> Path:

@@ -118,16 +118,16 @@ def collect(args) -> None:
     blender = ReferenceBlender.from_pretrained(args.model, store=ChunkStore(host_bytes=STORE_BYTES))
     for item in tqdm(cases, desc=f"{args.family} seed {args.seed}", unit="case"):
         file = evidence_dir / f"{item.id}.pt"
-        if not measured_case(log, family.spec, item.id, file):
-            for row in measure(blender, item, file, family.spec, args.max_new_tokens):
-                log.append(row)
+        missing = missing_ratios(log, family.spec, item.id, file)
+        for row in measure(blender, item, file, family.spec, args.max_new_tokens, missing) if missing else ():
+            log.append(row)
 
 
-def measured_case(log: RowLog, task: str, item: str, file: Path) -> bool:
-    """Whether a case's rows at every rho, with their signals or the evidence they come from, are on disk already
-    (a resumed run skips it)."""
-    keys = [(task, item, "mix", r, "reference") for r in RATIOS]
-    return all(k in log for k in keys) and (file.is_file() or all("signals" in log.rows[k] for k in keys))
+def missing_ratios(log: RowLog, task: str, item: str, file: Path) -> tuple[float, ...]:
+    """The rho of the grid a case has no usable row at, which a resumed run measures (all of them for a case not
+    measured yet; none for one measured): a row is usable with its signals or the evidence file they come from."""
+    keys = {r: (task, item, "mix", r, "reference") for r in RATIOS}
+    return tuple(r for r, k in keys.items() if k not in log or ("signals" not in log.rows[k] and not file.is_file()))
 
 
 def measure(blender, item: Item, file: Path, task: str, max_new_tokens: int,
